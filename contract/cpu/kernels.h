@@ -1,0 +1,69 @@
+#pragma once
+// CPU kernels of the multi-tensor engine, compiled once per instruction set
+// (contract/cpu/kernels_<isa>.cpp) and chosen at run time. The per-ISA
+// translation units see only raw pointers: no LibTorch, no std containers, so
+// no inline function compiled for AVX-512 can leak into code that runs on a
+// machine without it (the linker keeps one copy of each inline function).
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "ampfuse/multi_tensor.h"
+
+namespace ampfuse::cpu {
+
+/// A plan flattened to raw arrays (see ampfuse::Plan).
+struct PlanRef {
+  const std::int64_t* slot_tensor;    ///< original tensor index of each non-empty tensor
+  const std::int64_t* slot_numel;     ///< its numel
+  const std::int64_t* chunk_offsets;  ///< first chunk of each slot, num_slots + 1 entries
+  std::int64_t num_slots;
+  std::int64_t chunk_size;
+};
+
+PlanRef plan_ref(const Plan& plan);
+
+struct CheckArgs {
+  PlanRef plan;
+  void* const* data;  ///< by original tensor index
+  ScalarType dtype;
+  unsigned char* chunk_non_finite;  ///< out, one per chunk: 1 when the chunk holds inf or NaN
+  double* chunk_sum_sq;             ///< out, one per chunk, or null: sum of squares in fp64
+};
+
+struct ScaleArgs {
+  PlanRef plan;
+  void* const* data;
+  ScalarType dtype;
+  float scale;
+};
+
+using CheckFn = void (*)(const CheckArgs&, std::int64_t chunk_begin, std::int64_t chunk_end);
+using ScaleFn = void (*)(const ScaleArgs&, std::int64_t chunk_begin, std::int64_t chunk_end);
+
+struct Kernels {
+  const char* isa;
+  int vector_width;  ///< fp32 lanes per block
+  CheckFn check;
+  ScaleFn scale;
+};
+
+/// The kernels of the best instruction set this CPU supports, or of the one
+/// set by force_isa().
+const Kernels& kernels();
+/// Names of the instruction sets compiled in and supported here, best first.
+std::vector<std::string> available_isas();
+/// Tests run every compiled target: force one ("avx512", "avx2", "baseline"),
+/// or "" for automatic. Throws if the name is not available.
+void force_isa(const std::string& name);
+
+/// Elements per CPU chunk: big enough to amortize the per-chunk walk, small
+/// enough that a 10,000-tensor list still spreads over the threads.
+constexpr std::int64_t kChunkSize = 64 * 1024;
+
+namespace avx512 { extern const Kernels kKernels; }
+namespace avx2 { extern const Kernels kKernels; }
+namespace baseline { extern const Kernels kKernels; }
+
+}  // namespace ampfuse::cpu

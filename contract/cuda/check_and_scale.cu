@@ -1,0 +1,150 @@
+// The engine's first users on CUDA: the read-only non-finite check (with an
+// optional sum of squares for gradient clipping) and the in-place scale.
+
+#include <cub/block/block_reduce.cuh>
+
+#include "contract/cuda/multi_tensor.cuh"
+
+namespace ampfuse::cuda {
+namespace detail {
+namespace {
+
+struct CheckWorkspace {
+  double* partials;    // one per block
+  unsigned* counter;   // blocks done; zeroed before the launch
+};
+
+// Calls f(x) for each element of the block's chunk (as fp32), 16-byte loads
+// when the chunk start is aligned, element loads otherwise and for the tail.
+template <class T, class F>
+__device__ __forceinline__ void for_each_element_read(const T* p, std::int64_t n, F&& f) {
+  using V = Vec16<T>;
+  std::int64_t i = threadIdx.x;
+  std::int64_t tail = 0;
+  if (is_aligned16(p)) {
+    const std::int64_t num_vec = n / V::kSize;
+    const V* pv = reinterpret_cast<const V*>(p);
+    for (; i < num_vec; i += blockDim.x) {
+      const V v = pv[i];
+#pragma unroll
+      for (int k = 0; k < V::kSize; ++k) f(to_float(v.v[k]));
+    }
+    tail = num_vec * V::kSize;
+    i = tail + threadIdx.x;
+  }
+  for (; i < n; i += blockDim.x) f(to_float(p[i]));
+}
+
+template <class T, bool kSumSq, class Meta>
+__global__ void __launch_bounds__(kBlockSize)
+    check_kernel(Meta meta, float* found_inf, float* sum_sq, CheckWorkspace ws) {
+  const BlockChunk c = locate_chunk(meta, blockIdx.x);
+  const T* p = static_cast<const T*>(meta.data(0, c.slot)) + c.begin;
+  bool non_finite = false;
+  double acc = 0.0;  // fp64, as on the CPU: the norm feeds clipping of every parameter
+  for_each_element_read(p, c.size, [&](float x) {
+    non_finite |= !isfinite(x);
+    if (kSumSq) acc += static_cast<double>(x) * static_cast<double>(x);
+  });
+  // A sum, never a flag compare, is what consumers test (found_inf != 0).
+  if (__syncthreads_or(non_finite) && threadIdx.x == 0) *found_inf = 1.f;
+  if constexpr (kSumSq) {
+    using Reduce = cub::BlockReduce<double, kBlockSize>;
+    __shared__ typename Reduce::TempStorage temp;
+    __shared__ bool is_last;
+    const double block_sum = Reduce(temp).Sum(acc);
+    if (threadIdx.x == 0) {
+      ws.partials[blockIdx.x] = block_sum;
+      __threadfence();
+      is_last = atomicAdd(ws.counter, 1u) == gridDim.x - 1;
+    }
+    __syncthreads();
+    if (is_last) {
+      // The last block to finish reduces the partials in a fixed order, so the
+      // result does not depend on block scheduling.
+      __threadfence();
+      double total = 0.0;
+      for (unsigned b = threadIdx.x; b < gridDim.x; b += blockDim.x) total += __ldcg(ws.partials + b);
+      __syncthreads();  // temp is reused
+      total = Reduce(temp).Sum(total);
+      if (threadIdx.x == 0) *sum_sq = static_cast<float>(static_cast<double>(*sum_sq) + total);
+    }
+  }
+}
+
+template <class T, class Meta>
+__global__ void __launch_bounds__(kBlockSize) scale_kernel(Meta meta, const float* scale) {
+  const BlockChunk c = locate_chunk(meta, blockIdx.x);
+  T* p = static_cast<T*>(meta.data(0, c.slot)) + c.begin;
+  const float s = *scale;
+  using V = Vec16<T>;
+  std::int64_t i = threadIdx.x;
+  if (is_aligned16(p)) {
+    const std::int64_t num_vec = c.size / V::kSize;
+    V* pv = reinterpret_cast<V*>(p);
+    for (; i < num_vec; i += blockDim.x) {
+      V v = pv[i];
+#pragma unroll
+      for (int k = 0; k < V::kSize; ++k) v.v[k] = from_float<T>(to_float(v.v[k]) * s);
+      pv[i] = v;
+    }
+    i = num_vec * V::kSize + threadIdx.x;
+  }
+  for (; i < c.size; i += blockDim.x) p[i] = from_float<T>(to_float(p[i]) * s);
+}
+
+}  // namespace
+}  // namespace detail
+
+int device_count() {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+    (void)cudaGetLastError();  // clear the sticky-free error so later calls start clean
+    return 0;
+  }
+  return n;
+}
+
+std::int64_t inline_capacity(int depth) {
+  switch (depth) {
+    case 1: return detail::InlineMeta<1>::kCapacity;
+    default: return 0;
+  }
+}
+
+std::size_t check_workspace_bytes(std::int64_t num_chunks) {
+  return static_cast<std::size_t>(num_chunks) * sizeof(double) + sizeof(unsigned);
+}
+
+void check_non_finite(const LaunchMeta& meta, ScalarType dtype, float* found_inf, float* sum_sq,
+                      void* workspace, Stream stream) {
+  using namespace detail;
+  if (meta.num_chunks == 0) return;
+  CheckWorkspace ws{nullptr, nullptr};
+  if (sum_sq != nullptr) {
+    ws.partials = static_cast<double*>(workspace);
+    ws.counter = reinterpret_cast<unsigned*>(ws.partials + meta.num_chunks);
+    check_cuda(cudaMemsetAsync(ws.counter, 0, sizeof(unsigned), stream), "cudaMemsetAsync");
+  }
+  dispatch_dtype(dtype, [&](auto tag) {
+    using T = decltype(tag);
+    launch_with_meta<1>(meta, [&](auto m, dim3 grid) {
+      if (sum_sq != nullptr)
+        check_kernel<T, true><<<grid, kBlockSize, 0, stream>>>(m, found_inf, sum_sq, ws);
+      else
+        check_kernel<T, false><<<grid, kBlockSize, 0, stream>>>(m, found_inf, sum_sq, ws);
+    });
+  });
+}
+
+void scale(const LaunchMeta& meta, ScalarType dtype, const float* scale, Stream stream) {
+  using namespace detail;
+  dispatch_dtype(dtype, [&](auto tag) {
+    using T = decltype(tag);
+    launch_with_meta<1>(meta, [&](auto m, dim3 grid) {
+      scale_kernel<T><<<grid, kBlockSize, 0, stream>>>(m, scale);
+    });
+  });
+}
+
+}  // namespace ampfuse::cuda

@@ -1,0 +1,58 @@
+#pragma once
+// Torch-free host entry points of the CUDA multi-tensor engine. The torch
+// adapter (contract/tensor_ops.cpp) validates tensors, builds the metadata and
+// calls these with raw pointers and a stream. Every CUDA call is checked;
+// failures throw std::runtime_error naming the call.
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include "ampfuse/multi_tensor.h"
+
+struct CUstream_st;
+
+namespace ampfuse::cuda {
+
+using Stream = CUstream_st*;  // == cudaStream_t
+
+/// Number of CUDA devices; 0 when the runtime reports any error (no driver here).
+int device_count();
+
+/// Elements per CUDA block (one chunk per block).
+constexpr std::int64_t kChunkSize = 64 * 1024;
+
+/// Metadata of a list for one launch, packed as int64 words:
+///   [data pointers: depth x num_tensors][numel: num_tensors][chunk offsets: num_tensors + 1]
+/// over the non-empty tensors of the plan. `device` is the same words on the
+/// device, or null when the list fits in kernel arguments (see inline_capacity).
+struct LaunchMeta {
+  int depth = 1;
+  std::int64_t num_tensors = 0;
+  std::int64_t chunk_size = kChunkSize;
+  std::int64_t num_chunks = 0;
+  const std::int64_t* host = nullptr;
+  const std::int64_t* device = nullptr;
+};
+
+/// Packs `lists` (already grouped: one dtype per list) per `plan`.
+std::vector<std::int64_t> pack_meta(const TensorListsView& lists, const Plan& plan);
+
+/// Most tensors a list of this depth may hold and still travel in kernel
+/// arguments (32 KB since CUDA 12.1 on Volta and newer).
+std::int64_t inline_capacity(int depth);
+
+/// Workspace for check_non_finite with sum_sq: one fp64 partial per chunk and a counter.
+std::size_t check_workspace_bytes(std::int64_t num_chunks);
+
+/// Read-only pass: *found_inf = 1 when any element is inf or NaN (left alone
+/// otherwise); when sum_sq is not null, *sum_sq += sum of squares, reduced in
+/// a fixed order (deterministic). One launch, plus a 4-byte memset of the
+/// workspace counter when sum_sq is asked for.
+void check_non_finite(const LaunchMeta& meta, ScalarType dtype, float* found_inf, float* sum_sq,
+                      void* workspace, Stream stream);
+
+/// In place: x = x * (*scale), computed in fp32, rounded to the storage type.
+void scale(const LaunchMeta& meta, ScalarType dtype, const float* scale, Stream stream);
+
+}  // namespace ampfuse::cuda

@@ -1,0 +1,23 @@
+#pragma once
+// Device copies of CUDA launch metadata too large for kernel arguments.
+// Uploaded once per distinct list and reused while the list is unchanged (its
+// pointers and sizes compared each step), so a training loop pays the upload
+// on its first step only, and a step captured in a CUDA graph after a warm-up
+// step contains no host-to-device copy.
+
+#include <c10/core/Device.h>
+
+#include <cstdint>
+#include <vector>
+
+namespace ampfuse::detail {
+
+/// Device pointer to `words` on `device`: cached, or uploaded (without a host
+/// sync) on the current stream. Valid as long as the entry stays in the
+/// cache, which holds the most recently used lists.
+const std::int64_t* device_meta(const std::vector<std::int64_t>& words, c10::Device device);
+
+/// Number of uploads so far (for tests and benchmarks).
+std::int64_t device_meta_uploads();
+
+}  // namespace ampfuse::detail

@@ -1,0 +1,48 @@
+#pragma once
+// Multi-tensor operations on lists of LibTorch tensors: the engine's first
+// users, and what GradScaler builds on.
+//
+// Accepted tensors: dense (strided), contiguous, dtype float32, float16 or
+// bfloat16, all on one device (CPU, or one CUDA device). Anything else is
+// refused with an error naming the tensor and the problem, before anything is
+// written. Non-contiguous tensors are refused rather than copied, because an
+// in-place operation on a copy would be lost silently; call .contiguous() on
+// the owner first. Zero-element tensors are allowed and skipped.
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/ArrayRef.h>
+#include <c10/util/Optional.h>
+
+#include <string>
+#include <vector>
+
+#include "ampfuse/multi_tensor.h"
+
+namespace ampfuse {
+
+/// Read-only pass over `tensors`: sets found_inf (fp32, one element, same
+/// device) to 1 when any element is inf or NaN, and leaves it as it was
+/// otherwise, so one found_inf can gather several calls. When `sum_sq` (fp32,
+/// one element, same device) is given, adds the sum of the squares of all
+/// elements to it, accumulated in fp64 and reduced in an order that does not
+/// depend on the number of threads. No host synchronization on CUDA.
+void check_non_finite(at::TensorList tensors, const at::Tensor& found_inf,
+                      const c10::optional<at::Tensor>& sum_sq = c10::nullopt);
+
+/// In place: every element x becomes x * scale, computed in fp32 and rounded
+/// to the storage type (round to nearest even). `scale` is an fp32 tensor of
+/// one element on the tensors' device; it is read on the device, never
+/// copied to the host.
+void scale_(at::TensorList tensors, const at::Tensor& scale);
+
+/// Checks `lists` (depth lists of equal length; the tensors at one position
+/// with one shape) and returns their views. `names` names each list in errors
+/// ("param", "grad", ...); `op` names the caller. Throws c10::Error naming the
+/// list, position and problem.
+TensorListsView make_list_views(const std::vector<at::TensorList>& lists, const std::vector<std::string>& names,
+                                const char* op);
+
+/// The dtype ampfuse uses for a torch dtype; throws for anything but fp32/fp16/bf16.
+ScalarType to_scalar_type(c10::ScalarType t);
+
+}  // namespace ampfuse

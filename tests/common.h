@@ -1,0 +1,66 @@
+#pragma once
+// Helpers shared by the test suites: reproducible seeds, devices, dtypes.
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <cstdint>
+#include <cstdlib>
+#include <iostream>
+#include <random>
+#include <string>
+#include <vector>
+
+namespace ampfuse_test {
+
+/// A fresh seed per test, printed so that a failure can be replayed with
+/// AMPFUSE_TEST_SEED=<seed>.
+inline std::uint64_t seed_for_test() {
+  std::uint64_t seed;
+  if (const char* env = std::getenv("AMPFUSE_TEST_SEED")) {
+    seed = std::strtoull(env, nullptr, 10);
+  } else {
+    seed = (static_cast<std::uint64_t>(std::random_device{}()) << 32) ^ std::random_device{}();
+  }
+  const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
+  std::cout << "[ seed     ] " << (info ? std::string(info->test_suite_name()) + "." + info->name() : "?") << ": "
+            << seed << "  (replay: AMPFUSE_TEST_SEED=" << seed << ")\n";
+  ::testing::Test::RecordProperty("seed", std::to_string(seed));
+  torch::manual_seed(seed);
+  return seed;
+}
+
+inline bool cuda_available() { return torch::cuda::is_available(); }
+
+#define AMPFUSE_SKIP_WITHOUT(device)                                        \
+  do {                                                                      \
+    if ((device).is_cuda() && !::ampfuse_test::cuda_available())            \
+      GTEST_SKIP() << "no CUDA device here; this test runs on a GPU machine"; \
+  } while (0)
+
+inline std::string dtype_name(torch::Dtype t) {
+  return t == torch::kFloat ? "f32" : t == torch::kHalf ? "f16" : t == torch::kBFloat16 ? "bf16" : "other";
+}
+
+/// Bitwise equality, NaNs compared by position (payloads may differ between
+/// conversions, e.g. bf16 NaN is 0x7FC0 on CPU and 0x7FFF on CUDA).
+inline ::testing::AssertionResult bitwise_equal(const torch::Tensor& a, const torch::Tensor& b) {
+  if (a.sizes() != b.sizes() || a.scalar_type() != b.scalar_type())
+    return ::testing::AssertionFailure() << "shape or dtype differ: " << a.sizes() << " " << a.scalar_type()
+                                         << " vs " << b.sizes() << " " << b.scalar_type();
+  auto ac = a.contiguous().cpu(), bc = b.contiguous().cpu();
+  const auto nan_a = ac.isnan(), nan_b = bc.isnan();
+  if (!torch::equal(nan_a, nan_b)) return ::testing::AssertionFailure() << "NaN positions differ";
+  const auto int_type = a.element_size() == 4 ? torch::kInt32 : torch::kInt16;
+  auto ia = ac.view(int_type).masked_fill(nan_a, 0), ib = bc.view(int_type).masked_fill(nan_b, 0);
+  const auto diff = (ia != ib);
+  if (diff.any().item<bool>()) {
+    const auto idx = diff.nonzero()[0][0].item<std::int64_t>();
+    return ::testing::AssertionFailure() << diff.sum().item<std::int64_t>() << " elements differ, first at " << idx
+                                         << ": " << ac[idx].item<float>() << " vs " << bc[idx].item<float>();
+  }
+  return ::testing::AssertionSuccess();
+}
+
+}  // namespace ampfuse_test

@@ -1,0 +1,263 @@
+// check_non_finite and scale_ against ATen (isfinite, mul_,
+// _amp_foreach_non_finite_check_and_unscale_), on every compiled CPU
+// instruction set and on CUDA (skipped without a device).
+
+#include <ampfuse/tensor_ops.h>
+
+#include <cmath>
+#include <limits>
+#include <tuple>
+
+#include "contract/cpu/kernels.h"
+#include "tests/common.h"
+
+namespace {
+
+using ampfuse_test::bitwise_equal;
+
+struct EngineCase {
+  std::string device;  // "cpu" or "cuda"
+  torch::Dtype dtype;
+  std::string isa;     // CPU instruction set, "" on CUDA
+};
+
+void PrintTo(const EngineCase& c, std::ostream* os) {
+  *os << c.device << "/" << ampfuse_test::dtype_name(c.dtype) << (c.isa.empty() ? "" : "/" + c.isa);
+}
+
+std::string case_name(const ::testing::TestParamInfo<EngineCase>& info) {
+  return info.param.device + "_" + ampfuse_test::dtype_name(info.param.dtype) +
+         (info.param.isa.empty() ? "" : "_" + info.param.isa);
+}
+
+std::vector<EngineCase> engine_cases() {
+  std::vector<EngineCase> cases;
+  for (auto dtype : {torch::kFloat, torch::kHalf, torch::kBFloat16}) {
+    for (const char* isa : {"avx512", "avx2", "baseline"}) cases.push_back({"cpu", dtype, isa});
+    cases.push_back({"cuda", dtype, ""});
+  }
+  return cases;
+}
+
+class EngineOps : public ::testing::TestWithParam<EngineCase> {
+ protected:
+  void SetUp() override {
+    const EngineCase& c = GetParam();
+    device_ = torch::Device(c.device);
+    AMPFUSE_SKIP_WITHOUT(device_);
+    if (!c.isa.empty()) {
+      const auto isas = ampfuse::cpu::available_isas();
+      if (std::find(isas.begin(), isas.end(), c.isa) == isas.end())
+        GTEST_SKIP() << "this CPU lacks " << c.isa;
+      ampfuse::cpu::force_isa(c.isa);
+    }
+    seed_ = ampfuse_test::seed_for_test();
+    rng_.seed(seed_);
+  }
+  void TearDown() override { ampfuse::cpu::force_isa(""); }
+
+  torch::TensorOptions opts() const { return torch::TensorOptions().dtype(GetParam().dtype).device(device_); }
+  torch::Tensor scalar(float v) const {
+    return torch::full({1}, v, torch::TensorOptions().dtype(torch::kFloat).device(device_));
+  }
+
+  // Sizes: 0, 1, odd, around the CPU vector widths (8, 16) and the chunk
+  // size, plus a misaligned view (storage offset 1) and a random one.
+  std::vector<torch::Tensor> make_list() {
+    const std::int64_t chunk = ampfuse::cpu::kChunkSize;
+    std::vector<std::int64_t> sizes = {0, 1, 3, 7, 8, 9, 15, 16, 17, 31, 33, 0, chunk - 1, chunk, chunk + 1, 100003};
+    std::shuffle(sizes.begin(), sizes.end(), rng_);
+    sizes.push_back(static_cast<std::int64_t>(rng_() % 5000));
+    std::vector<torch::Tensor> list;
+    for (std::int64_t n : sizes) list.push_back(torch::randn({n}, opts()));
+    list.push_back(torch::randn({4099}, opts()).narrow(0, 1, 4097));  // misaligned, odd
+    list.push_back(torch::randn({5, 7, 3}, opts()));                     // n-d
+    return list;
+  }
+
+  static std::vector<torch::Tensor> clone_all(const std::vector<torch::Tensor>& l) {
+    std::vector<torch::Tensor> out;
+    for (const auto& t : l) out.push_back(t.clone());
+    return out;
+  }
+
+  float reference_sum_sq(const std::vector<torch::Tensor>& l) const {
+    double s = 0;
+    for (const auto& t : l) s += t.to(torch::kDouble).square().sum().item<double>();
+    return static_cast<float>(s);
+  }
+
+  torch::Device device_{torch::kCPU};
+  std::uint64_t seed_ = 0;
+  std::mt19937_64 rng_;
+};
+
+TEST_P(EngineOps, FiniteListLeavesFoundInfAndMatchesSumOfSquares) {
+  auto list = make_list();
+  const auto before = clone_all(list);
+  auto found_inf = scalar(0.f);
+  auto sum_sq = scalar(0.f);
+  ampfuse::check_non_finite(list, found_inf, sum_sq);
+  EXPECT_EQ(found_inf.item<float>(), 0.f);
+  const float ref = reference_sum_sq(list);
+  EXPECT_NEAR(sum_sq.item<float>(), ref, 1e-6 * std::abs(ref));
+  for (std::size_t i = 0; i < list.size(); ++i) EXPECT_TRUE(bitwise_equal(list[i], before[i])) << "read-only pass wrote tensor " << i;
+
+  // ATen agrees (its op multiplies by inv_scale, so it runs on copies).
+  auto aten_list = clone_all(list);
+  auto aten_found = scalar(0.f);
+  at::_amp_foreach_non_finite_check_and_unscale_(aten_list, aten_found, scalar(1.f));
+  EXPECT_EQ(aten_found.item<float>(), 0.f);
+
+  // sum_sq accumulates: a second call adds the same amount.
+  ampfuse::check_non_finite(list, found_inf, sum_sq);
+  EXPECT_NEAR(sum_sq.item<float>(), 2 * ref, 2e-6 * std::abs(ref));
+}
+
+TEST_P(EngineOps, FindsInjectedNonFiniteEverywhere) {
+  const float values[] = {std::numeric_limits<float>::infinity(), -std::numeric_limits<float>::infinity(),
+                          std::numeric_limits<float>::quiet_NaN()};
+  enum Where { kFirst, kLast, kRandom, kTail, kLastTensor, kAfterEmpty, kCount };
+  const char* where_names[] = {"first", "last", "random", "tail", "last tensor", "after empty tensor"};
+  for (int where = 0; where < kCount; ++where) {
+    for (float v : values) {
+      auto list = make_list();
+      // Indices of non-empty tensors, and the element to poison.
+      std::vector<std::size_t> non_empty;
+      for (std::size_t i = 0; i < list.size(); ++i)
+        if (list[i].numel() > 0) non_empty.push_back(i);
+      std::size_t t = 0;
+      std::int64_t e = 0;
+      switch (where) {
+        case kFirst: t = non_empty.front(); e = 0; break;
+        case kLast: t = non_empty.back(); e = list[t].numel() - 1; break;
+        case kRandom:
+          t = non_empty[rng_() % non_empty.size()];
+          e = static_cast<std::int64_t>(rng_() % list[t].numel());
+          break;
+        case kTail: {  // the last element of a tensor whose size is not a multiple of 16
+          std::vector<std::size_t> odd;
+          for (std::size_t i : non_empty)
+            if (list[i].numel() % 16 != 0 && list[i].numel() > 16) odd.push_back(i);
+          t = odd[rng_() % odd.size()];
+          e = list[t].numel() - 1 - static_cast<std::int64_t>(rng_() % (list[t].numel() % 16));
+          break;
+        }
+        case kLastTensor: {
+          t = list.size() - 1;
+          e = static_cast<std::int64_t>(rng_() % list[t].numel());
+          break;
+        }
+        case kAfterEmpty: {
+          list.insert(list.begin() + 3, torch::empty({0}, opts()));
+          t = 4;
+          if (list[t].numel() == 0) list[t] = torch::randn({5}, opts());
+          e = 0;
+          break;
+        }
+      }
+      list[t].view(-1)[e] = v;
+      SCOPED_TRACE(std::string(where_names[where]) + ", value " + std::to_string(v) + ", tensor " +
+                   std::to_string(t) + " element " + std::to_string(e));
+      const auto before = clone_all(list);
+      auto found_inf = scalar(0.f);
+      auto sum_sq = scalar(0.f);
+      ampfuse::check_non_finite(list, found_inf, sum_sq);
+      EXPECT_NE(found_inf.item<float>(), 0.f);
+      EXPECT_FALSE(std::isfinite(sum_sq.item<float>()));
+      auto only_flag = scalar(0.f);
+      ampfuse::check_non_finite(list, only_flag);
+      EXPECT_NE(only_flag.item<float>(), 0.f);
+      for (std::size_t i = 0; i < list.size(); ++i) EXPECT_TRUE(bitwise_equal(list[i], before[i]));
+
+      auto aten_list = clone_all(list);
+      auto aten_found = scalar(0.f);
+      at::_amp_foreach_non_finite_check_and_unscale_(aten_list, aten_found, scalar(1.f));
+      EXPECT_EQ(found_inf.item<float>(), aten_found.item<float>());
+    }
+  }
+}
+
+TEST_P(EngineOps, FoundInfIsNeverCleared) {
+  auto list = make_list();
+  auto found_inf = scalar(3.f);  // a sum from earlier calls: left as it is
+  ampfuse::check_non_finite(list, found_inf);
+  EXPECT_EQ(found_inf.item<float>(), 3.f);
+}
+
+TEST_P(EngineOps, ScaleMatchesAtenBitwise) {
+  std::uniform_real_distribution<float> log_scale(-20.f, 20.f);
+  for (float s : {1.f / 65536.f, 1.f, 3.f, std::exp2(log_scale(rng_)), 0.1f}) {
+    SCOPED_TRACE("scale " + std::to_string(s));
+    auto list = make_list();
+    auto mul_ref = clone_all(list);
+    auto unscale_ref = clone_all(list);
+    ampfuse::scale_(list, scalar(s));
+    for (auto& t : mul_ref) t.mul_(scalar(s));
+    auto found = scalar(0.f);
+    at::_amp_foreach_non_finite_check_and_unscale_(unscale_ref, found, scalar(s));
+    for (std::size_t i = 0; i < list.size(); ++i) {
+      EXPECT_TRUE(bitwise_equal(list[i], mul_ref[i])) << "vs mul_, tensor " << i;
+      EXPECT_TRUE(bitwise_equal(list[i], unscale_ref[i])) << "vs ATen unscale, tensor " << i;
+    }
+  }
+}
+
+TEST_P(EngineOps, ScaleKeepsNonFiniteAndOverflows) {
+  auto t = torch::tensor({1.f, -2.f, 60000.f, 0.f, -0.f, 1e-8f}, torch::kFloat).to(opts());
+  t = torch::cat({t, torch::full({3}, std::numeric_limits<float>::infinity(), opts()),
+                  torch::full({2}, std::numeric_limits<float>::quiet_NaN(), opts())});
+  auto ref = t.clone().mul_(scalar(4.f));
+  ampfuse::scale_({t}, scalar(4.f));
+  EXPECT_TRUE(bitwise_equal(t, ref));
+}
+
+TEST_P(EngineOps, RandomListsVisitEveryElementOnce) {
+  // Scaling by 2 visits each element exactly once iff every element doubles.
+  for (int round = 0; round < 4; ++round) {
+    const std::size_t n = rng_() % (round == 0 ? 2001 : 300);
+    std::vector<torch::Tensor> list;
+    for (std::size_t i = 0; i < n; ++i) list.push_back(torch::ones({static_cast<std::int64_t>(rng_() % 300)}, opts()));
+    ampfuse::scale_(list, scalar(2.f));
+    for (std::size_t i = 0; i < n; ++i)
+      ASSERT_TRUE(torch::all(list[i] == 2).item<bool>()) << "round " << round << ", tensor " << i;
+  }
+}
+
+TEST_P(EngineOps, MixedDtypesInOneList) {
+  auto list = make_list();
+  list.push_back(torch::randn({100}, opts().dtype(torch::kFloat)));
+  list.push_back(torch::randn({101}, opts().dtype(torch::kHalf)));
+  list.push_back(torch::randn({102}, opts().dtype(torch::kBFloat16)));
+  auto ref = clone_all(list);
+  ampfuse::scale_(list, scalar(0.25f));
+  for (std::size_t i = 0; i < list.size(); ++i) EXPECT_TRUE(bitwise_equal(list[i], ref[i].mul_(0.25)));
+  auto found_inf = scalar(0.f);
+  auto sum_sq = scalar(0.f);
+  ampfuse::check_non_finite(list, found_inf, sum_sq);
+  EXPECT_EQ(found_inf.item<float>(), 0.f);
+  const float r = reference_sum_sq(list);
+  EXPECT_NEAR(sum_sq.item<float>(), r, 1e-6 * r);
+}
+
+INSTANTIATE_TEST_SUITE_P(All, EngineOps, ::testing::ValuesIn(engine_cases()), case_name);
+
+TEST(EngineDeterminism, SumOfSquaresDoesNotDependOnThreads) {
+  ampfuse_test::seed_for_test();
+  std::vector<torch::Tensor> list;
+  for (int i = 0; i < 50; ++i) list.push_back(torch::randn({1 + i * 7919}));
+  const int threads = torch::get_num_threads();
+  std::vector<float> results;
+  for (int n : {1, 2, 3}) {
+    torch::set_num_threads(n);
+    auto found = torch::zeros({1});
+    auto s = torch::zeros({1});
+    ampfuse::check_non_finite(list, found, s);
+    results.push_back(s.item<float>());
+  }
+  torch::set_num_threads(threads);
+  EXPECT_EQ(results[0], results[1]);
+  EXPECT_EQ(results[0], results[2]);
+}
+
+}  // namespace
