@@ -32,6 +32,10 @@ ScalarType to_scalar_type(c10::ScalarType t) {
   }
 }
 
+std::string cpu_isa() { return cpu::kernels().isa; }
+
+std::int64_t cpu_chunk_size() { return cpu::kChunkSize; }
+
 namespace {
 
 bool supported_dtype(c10::ScalarType t) {

@@ -1,6 +1,8 @@
 // Run-time choice of the CPU kernels' instruction set.
 
 #include <atomic>
+#include <cstdlib>
+#include <cstring>
 #include <stdexcept>
 
 #include "contract/cpu/kernels.h"
@@ -42,7 +44,13 @@ std::vector<Target> compiled_targets() {
   return t;
 }
 
+// The best supported target, or the one named by AMPFUSE_CPU_ISA (as
+// ATEN_CPU_CAPABILITY does for ATen) when it is compiled in and supported.
 const Kernels* best() {
+  const char* wanted = std::getenv("AMPFUSE_CPU_ISA");
+  if (wanted != nullptr && *wanted != '\0')
+    for (const Target& t : compiled_targets())
+      if (t.supported() && std::strcmp(wanted, t.kernels->isa) == 0) return t.kernels;
   for (const Target& t : compiled_targets())
     if (t.supported()) return t.kernels;
   return &baseline::kKernels;

@@ -42,6 +42,12 @@ void scale_(at::TensorList tensors, const at::Tensor& scale);
 TensorListsView make_list_views(const std::vector<at::TensorList>& lists, const std::vector<std::string>& names,
                                 const char* op);
 
+/// The CPU instruction set the kernels use here: "avx512", "avx2" or "baseline".
+std::string cpu_isa();
+
+/// Elements per CPU work chunk (the unit that threads share out).
+std::int64_t cpu_chunk_size();
+
 /// The dtype ampfuse uses for a torch dtype; throws for anything but fp32/fp16/bf16.
 ScalarType to_scalar_type(c10::ScalarType t);
 

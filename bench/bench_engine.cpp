@@ -1,0 +1,143 @@
+// The multi-tensor engine's first users against ATen and the traffic twins:
+//   Check      read-only non-finite check        (4 bytes per fp32 element)
+//   CheckNorm  check + sum of squares for clipping (4 bytes; ATen: unscale + _foreach_norm)
+//   Scale      in-place multiply by a device scalar (8 bytes)
+// On CUDA (when a device is present) the same, timed with CUDA events, and
+// the device-to-device copy ceiling.
+
+#include <ampfuse/tensor_ops.h>
+
+#if defined(AMPFUSE_WITH_CUDA)
+#include <ATen/cuda/CUDAEvent.h>
+#include <c10/cuda/CUDAStream.h>
+#endif
+
+#include "bench/ceilings.h"
+#include "bench/common.h"
+
+namespace ampfuse_bench {
+namespace {
+
+using Fn = std::function<void()>;
+
+// Times fn on the device's own clock: CPU wall time, or CUDA events around a
+// batch of launches (so that launch latency is not mistaken for bandwidth).
+void run_timed(benchmark::State& state, torch::Device device, const Fn& fn, std::int64_t bytes) {
+  fn();  // warm-up: first-touch, metadata upload
+#if defined(AMPFUSE_WITH_CUDA)
+  if (device.is_cuda()) {
+    constexpr int kBatch = 10;
+    torch::cuda::synchronize();
+    for (auto _ : state) {
+      at::cuda::CUDAEvent start(cudaEventDefault), stop(cudaEventDefault);
+      start.record();
+      for (int i = 0; i < kBatch; ++i) fn();
+      stop.record();
+      stop.synchronize();
+      state.SetIterationTime(start.elapsed_time(stop) / 1e3 / kBatch);
+    }
+    state.SetBytesProcessed(state.iterations() * bytes);
+    return;
+  }
+#endif
+  for (auto _ : state) fn();
+  state.SetBytesProcessed(state.iterations() * bytes);
+}
+
+void register_one(const std::string& name, torch::Device device, std::function<Fn()> make, std::int64_t bytes) {
+  auto* b = benchmark::RegisterBenchmark(name.c_str(), [device, make, bytes](benchmark::State& state) {
+    const Fn fn = make();
+    run_timed(state, device, fn, bytes);
+  });
+  b->Unit(benchmark::kMillisecond)->MinTime(0.5);
+  if (device.is_cuda()) b->UseManualTime(); else b->UseRealTime();
+}
+
+std::vector<float*> float_pointers(std::vector<torch::Tensor>& list) {
+  std::vector<float*> p;
+  for (auto& t : list) p.push_back(t.data_ptr<float>());
+  return p;
+}
+
+void register_engine(torch::Device device) {
+  const std::string dev = device.is_cuda() ? "@cuda" : "";
+  auto fopts = torch::TensorOptions().dtype(torch::kFloat).device(device);
+  for (const ParamSet& set : engine_sets()) {
+    const std::int64_t n = total_numel(set);
+    const std::string tail = "/" + set.name + dev;
+    auto grads = [set, device]() -> std::vector<torch::Tensor>& { return tensors_for(set, device); };
+
+    register_one("Check/ours" + tail, device, [=] {
+      auto found = torch::zeros({1}, fopts);
+      return Fn([=] { ampfuse::check_non_finite(grads(), found); });
+    }, 4 * n);
+    register_one("Check/aten_isfinite_all" + tail, device, [=] {
+      return Fn([=] {
+        for (const auto& t : grads()) benchmark::DoNotOptimize(at::isfinite(t).all());
+      });
+    }, 4 * n);
+    register_one("Check/aten_amp_unscale" + tail, device, [=] {
+      auto found = torch::zeros({1}, fopts);
+      auto one = torch::ones({1}, fopts);
+      return Fn([=]() mutable { at::_amp_foreach_non_finite_check_and_unscale_(grads(), found, one); });
+    }, 4 * n);
+
+    register_one("CheckNorm/ours" + tail, device, [=] {
+      auto found = torch::zeros({1}, fopts);
+      auto sum_sq = torch::zeros({1}, fopts);
+      return Fn([=] { ampfuse::check_non_finite(grads(), found, sum_sq); });
+    }, 4 * n);
+    register_one("CheckNorm/aten_unscale_foreach_norm" + tail, device, [=] {
+      auto found = torch::zeros({1}, fopts);
+      auto one = torch::ones({1}, fopts);
+      return Fn([=]() mutable {
+        at::_amp_foreach_non_finite_check_and_unscale_(grads(), found, one);
+        benchmark::DoNotOptimize(at::_foreach_norm(grads(), 2));
+      });
+    }, 4 * n);
+
+    register_one("Scale/ours" + tail, device, [=] {
+      auto s = torch::ones({1}, fopts);
+      return Fn([=] { ampfuse::scale_(grads(), s); });
+    }, 8 * n);
+    register_one("Scale/aten_foreach_mul" + tail, device, [=] {
+      auto s = torch::ones({}, fopts);  // ATen's foreach ops take a 0-dim tensor
+      return Fn([=] { at::_foreach_mul_(grads(), s); });
+    }, 8 * n);
+
+    if (device.is_cpu()) {
+      const ampfuse::Plan plan(set.numels, ampfuse::cpu_chunk_size());
+      for (const char* op : {"Check", "CheckNorm"})
+        register_one(std::string(op) + "/ceiling_read" + tail, device, [=] {
+          return Fn([=] { benchmark::DoNotOptimize(read_only_twin(float_pointers(grads()), plan)); });
+        }, 4 * n);
+      register_one("Scale/ceiling_read_write" + tail, device, [=] {
+        return Fn([=] { read_write_twin(float_pointers(grads()), plan, 1.0f); });
+      }, 8 * n);
+    } else {
+      for (const char* op : {"Check", "CheckNorm", "Scale"})
+        register_one(std::string(op) + "/ceiling_d2d_copy" + tail, device, [=] {
+          auto src = torch::empty({n}, fopts);
+          auto dst = torch::empty({n}, fopts);
+          return Fn([=]() mutable { dst.copy_(src); });
+        }, 8 * n);
+    }
+  }
+}
+
+}  // namespace
+}  // namespace ampfuse_bench
+
+int main(int argc, char** argv) {
+  const int threads = ampfuse_bench::bench_threads();
+  torch::set_num_threads(threads);
+  benchmark::AddCustomContext("threads", std::to_string(torch::get_num_threads()));
+  benchmark::AddCustomContext("cpu_isa", ampfuse::cpu_isa());
+  ampfuse_bench::register_engine(torch::kCPU);
+  if (torch::cuda::is_available()) ampfuse_bench::register_engine(torch::kCUDA);
+  benchmark::Initialize(&argc, argv);
+  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
+}

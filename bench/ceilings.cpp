@@ -1,0 +1,38 @@
+#include "ceilings.h"
+
+#include <ATen/Parallel.h>
+
+#include <atomic>
+#include <cstring>
+
+namespace ampfuse_bench {
+
+template <class F>
+static void for_chunks(const ampfuse::Plan& plan, F&& f) {
+  at::parallel_for(0, plan.num_chunks(), 1, [&](std::int64_t b, std::int64_t e) {
+    for (std::int64_t c = b; c < e; ++c) {
+      const ampfuse::Chunk ch = plan.chunk(c);
+      f(ch);
+    }
+  });
+}
+
+std::uint32_t read_only_twin(const std::vector<float*>& data, const ampfuse::Plan& plan) {
+  std::atomic<std::uint32_t> result{0};
+  for_chunks(plan, [&](const ampfuse::Chunk& ch) {
+    const auto* p = reinterpret_cast<const std::uint32_t*>(data[ch.tensor] + ch.begin);
+    std::uint32_t acc = 0;
+    for (std::int64_t i = 0; i < ch.size; ++i) acc |= p[i];
+    result.fetch_or(acc, std::memory_order_relaxed);
+  });
+  return result.load();
+}
+
+void read_write_twin(const std::vector<float*>& data, const ampfuse::Plan& plan, float s) {
+  for_chunks(plan, [&](const ampfuse::Chunk& ch) {
+    float* p = data[ch.tensor] + ch.begin;
+    for (std::int64_t i = 0; i < ch.size; ++i) p[i] = p[i] * s;
+  });
+}
+
+}  // namespace ampfuse_bench

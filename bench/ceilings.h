@@ -1,0 +1,20 @@
+#pragma once
+// Traffic twins: loops that move the same bytes as a kernel with trivial
+// arithmetic, split over threads exactly as the engine splits its work.
+
+#include <ampfuse/multi_tensor.h>
+
+#include <cstdint>
+#include <vector>
+
+namespace ampfuse_bench {
+
+/// Reads every float of the lists (the non-finite check's traffic). Returns
+/// an OR of the bits so the compiler keeps the loads.
+std::uint32_t read_only_twin(const std::vector<float*>& data, const ampfuse::Plan& plan);
+
+/// Reads and writes every float once (the in-place scale's traffic); s is
+/// passed at run time so that the compiler cannot drop the loop.
+void read_write_twin(const std::vector<float*>& data, const ampfuse::Plan& plan, float s);
+
+}  // namespace ampfuse_bench

@@ -1,0 +1,60 @@
+#pragma once
+// Shared set-up of the benchmarks: thread count, parameter sets, naming.
+//
+// Every contender runs with the same thread count, set explicitly
+// (AMPFUSE_BENCH_THREADS, default: all cores), since ATen may default to 1.
+// Names are <operation>/<contender>/<parameter set>; bench/report.py turns
+// them into ratio tables. "ours" is ampfuse; "ceiling_*" are traffic twins.
+
+#include <benchmark/benchmark.h>
+#include <torch/torch.h>
+
+#include <cstdlib>
+#include <map>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace ampfuse_bench {
+
+inline int bench_threads() {
+  if (const char* env = std::getenv("AMPFUSE_BENCH_THREADS")) return std::atoi(env);
+  return static_cast<int>(std::thread::hardware_concurrency());
+}
+
+struct ParamSet {
+  std::string name;
+  std::vector<std::int64_t> numels;
+};
+
+/// 64M fp32 in one tensor (the large case) and 10,000 x 4,096 (many small).
+inline const std::vector<ParamSet>& engine_sets() {
+  static const std::vector<ParamSet> sets = {
+      {"1x64M", {64ll << 20}},
+      {"10000x4096", std::vector<std::int64_t>(10000, 4096)},
+  };
+  return sets;
+}
+
+/// Random tensors per set and dtype, made once and shared by all contenders.
+inline std::vector<torch::Tensor>& tensors_for(const ParamSet& set, torch::Device device = torch::kCPU,
+                                               torch::Dtype dtype = torch::kFloat, int which = 0) {
+  static std::map<std::string, std::vector<torch::Tensor>> cache;
+  const std::string key = set.name + "/" + device.str() + "/" + std::to_string(static_cast<int>(dtype)) + "/" +
+                          std::to_string(which);
+  auto it = cache.find(key);
+  if (it == cache.end()) {
+    std::vector<torch::Tensor> list;
+    for (std::int64_t n : set.numels) list.push_back(torch::randn({n}, torch::TensorOptions().dtype(dtype).device(device)));
+    it = cache.emplace(key, std::move(list)).first;
+  }
+  return it->second;
+}
+
+inline std::int64_t total_numel(const ParamSet& set) {
+  std::int64_t n = 0;
+  for (auto v : set.numels) n += v;
+  return n;
+}
+
+}  // namespace ampfuse_bench
