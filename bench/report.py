@@ -19,7 +19,7 @@ import sys
 # (operation, parameter set, contender, minimum ratio, what the ratio is)
 TARGETS = [
     ("Check", "1x64M", "ceiling_read", 0.85, "of the read-only ceiling"),
-    ("Check", "10000x4096", "aten_isfinite_all", 3.0, "x faster than at::isfinite(t).all() per tensor"),
+    ("Check", "10000x4096", "aten_isfinite_all", 3.0, "the speed of at::isfinite(t).all() per tensor"),
 ]
 
 
@@ -109,6 +109,32 @@ def target_lines(table):
     return md, ok_all
 
 
+BEGIN, END = "<!-- ratios:begin -->", "<!-- ratios:end -->"
+
+
+def update_readme(path, context, table):
+    """Rewrites the compact ratio table between the README's markers."""
+    lines = [BEGIN, "",
+             f"{context.get('threads', '?')} threads for every contender, CPU kernels on "
+             f"{context.get('cpu_isa', '?')}; full tables in [bench/RESULTS.md](bench/RESULTS.md).", "",
+             "| operation | parameter set | ampfuse vs contenders |", "| --- | --- | --- |"]
+    for (op, pset), (ours, rows) in table.items():
+        cells = []
+        for contender, _, _, ratio, kind in rows:
+            cells.append(f"{ratio * 100:.0f}% of {contender}" if kind == "ceiling" else f"{ratio:.2f}x {contender}")
+        lines.append(f"| {op} | {pset} | {'; '.join(cells)} |")
+    lines += ["", END]
+    with open(path) as f:
+        text = f.read()
+    if BEGIN not in text or END not in text:
+        print(f"{path}: no {BEGIN} ... {END} block; not updated", file=sys.stderr)
+        return
+    head, rest = text.split(BEGIN, 1)
+    _, tail = rest.split(END, 1)
+    with open(path, "w") as f:
+        f.write(head + "\n".join(lines) + tail)
+
+
 def plot(table, path):
     import matplotlib
     matplotlib.use("Agg")
@@ -135,6 +161,7 @@ def main():
     ap.add_argument("--md")
     ap.add_argument("--png")
     ap.add_argument("--title", default="ampfuse benchmark results")
+    ap.add_argument("--readme", help="README whose ratios block (between markers) is rewritten")
     args = ap.parse_args()
     context, rows = {}, collections.OrderedDict()
     for path in args.json:
@@ -144,7 +171,10 @@ def main():
     table = ratios(rows)
     md = markdown(context, table, args.title)
     tl, ok = target_lines(table)
-    md[7:7] = tl
+    intro = md.index("") + 1  # after the title
+    intro = md.index("", intro + 1) + 1  # after the set-up paragraph
+    intro = md.index("", intro + 1) + 1  # after the legend
+    md[intro:intro] = tl
     text = "\n".join(md) + "\n"
     print(text)
     if args.md:
@@ -152,6 +182,8 @@ def main():
             f.write(text)
     if args.png:
         plot(table, args.png)
+    if args.readme:
+        update_readme(args.readme, context, table)
     return 0
 
 

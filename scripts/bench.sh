@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # Sets up a fresh machine as scripts/test.sh does, builds the benchmarks, runs
-# the comparison, prints the ratio table and regenerates bench/RESULTS.md and
-# bench/results.png. Extra arguments go to the benchmark binary
+# the comparison, prints the ratio table and regenerates bench/RESULTS.md,
+# bench/results.png and the ratios block of README.md. Extra arguments go to the benchmark binary
 # (e.g. --benchmark_filter=Check). AMPFUSE_BENCH_THREADS sets the thread
 # count for every contender (default: all cores).
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 
 install_system_packages
-configure_build Release -DAMPFUSE_BUILD_TESTS=OFF -DAMPFUSE_BUILD_BENCH=ON
+configure_build Release -DAMPFUSE_BUILD_TESTS=ON -DAMPFUSE_BUILD_BENCH=ON
 build --target ampfuse_bench
 python=${AMPFUSE_PYTHON:-$AMPFUSE_VENV/bin/python}
 torch_version=$("$python" -c 'import torch; print(torch.__version__)' 2>/dev/null || echo unknown)
@@ -16,4 +16,4 @@ out="$AMPFUSE_BUILD_DIR/bench.json"
 "$AMPFUSE_BUILD_DIR/bench/ampfuse_bench" --benchmark_out="$out" --benchmark_out_format=json \
   --benchmark_context=torch_version="$torch_version" "$@"
 "$python" "$AMPFUSE_ROOT/bench/report.py" "$out" --md "$AMPFUSE_ROOT/bench/RESULTS.md" \
-  --png "$AMPFUSE_ROOT/bench/results.png"
+  --png "$AMPFUSE_ROOT/bench/results.png" --readme "$AMPFUSE_ROOT/README.md"
