@@ -51,8 +51,9 @@ void check_tensor(const at::Tensor& t, const char* op, const std::string& name, 
               ", which is not supported (expected Float, Half or BFloat16)");
   TORCH_CHECK(!device || t.device() == *device, op, ": ", name, "[", i, "] is on ", t.device(),
               " but ", name, "[0] is on ", *device, "; one list must be on one device");
-  TORCH_CHECK(t.is_contiguous(), op, ": ", name, "[", i,
-              "] is not contiguous; ampfuse works in place on contiguous tensors only");
+  TORCH_CHECK(t.is_non_overlapping_and_dense(), op, ": ", name, "[", i,
+              "] is not dense (a strided view with gaps or overlaps); ampfuse works in place on tensors whose "
+              "elements fill one block of memory");
 #if !defined(AMPFUSE_WITH_CUDA)
   TORCH_CHECK(t.device().is_cpu(), op, ": ", name, "[", i, "] is on ", t.device(),
               " but ampfuse was built without CUDA");
@@ -62,11 +63,14 @@ void check_tensor(const at::Tensor& t, const char* op, const std::string& name, 
 #endif
 }
 
-void check_scalar(const at::Tensor& s, const char* op, const char* name, const c10::optional<c10::Device>& device) {
+void check_scalar(const at::Tensor& s, const char* op, const char* name, const c10::optional<c10::Device>& device,
+                  bool allow_double = false) {
   TORCH_CHECK(s.defined(), op, ": ", name, " is undefined");
-  TORCH_CHECK(s.layout() == c10::kStrided && s.scalar_type() == c10::ScalarType::Float && s.numel() == 1, op, ": ",
-              name, " must be a dense float32 tensor of one element, got ", s.scalar_type(), " with ", s.numel(),
-              " elements");
+  const bool dtype_ok = s.scalar_type() == c10::ScalarType::Float ||
+                        (allow_double && s.scalar_type() == c10::ScalarType::Double);
+  TORCH_CHECK(s.layout() == c10::kStrided && dtype_ok && s.numel() == 1, op, ": ", name, " must be a dense ",
+              allow_double ? "float32 or float64" : "float32", " tensor of one element, got ", s.scalar_type(),
+              " with ", s.numel(), " elements");
   TORCH_CHECK(!device || s.device() == *device, op, ": ", name, " is on ", s.device(), " but the tensors are on ",
               *device);
 }
@@ -146,6 +150,9 @@ TensorListsView make_list_views(const std::vector<at::TensorList>& lists, const 
       check_tensor(t, op, names[l], i, device);
       TORCH_CHECK(t.sizes() == lists[0][i].sizes(), op, ": ", names[l], "[", i, "] has shape ", t.sizes(), " but ",
                   names[0], "[", i, "] has shape ", lists[0][i].sizes());
+      TORCH_CHECK(t.strides() == lists[0][i].strides(), op, ": ", names[l], "[", i, "] has strides ", t.strides(),
+                  " but ", names[0], "[", i, "] has strides ", lists[0][i].strides(),
+                  "; tensors updated together must share one memory layout");
     }
   }
   views.lists.resize(lists.size());
@@ -159,7 +166,7 @@ void check_non_finite(at::TensorList tensors, const at::Tensor& found_inf, const
   constexpr const char* op = "ampfuse::check_non_finite";
   const auto device = common_device(tensors);
   check_scalar(found_inf, op, "found_inf", device);
-  if (sum_sq) check_scalar(*sum_sq, op, "sum_sq", device);
+  if (sum_sq) check_scalar(*sum_sq, op, "sum_sq", device, /*allow_double=*/true);
   const TensorListsView views = make_list_views({tensors}, {"tensors"}, op);
   if (!device) return;
 
@@ -180,8 +187,12 @@ void check_non_finite(at::TensorList tensors, const at::Tensor& found_inf, const
     }
     if (any_non_finite) *found_inf.data_ptr<float>() = 1.f;
     if (sum_sq) {
-      float* out = sum_sq->data_ptr<float>();
-      *out = static_cast<float>(static_cast<double>(*out) + total);
+      if (sum_sq->scalar_type() == c10::ScalarType::Double) {
+        *sum_sq->data_ptr<double>() += total;
+      } else {
+        float* out = sum_sq->data_ptr<float>();
+        *out = static_cast<float>(static_cast<double>(*out) + total);
+      }
     }
     return;
   }
@@ -195,27 +206,37 @@ void check_non_finite(at::TensorList tensors, const at::Tensor& found_inf, const
     if (sum_sq)
       workspace = at::empty({static_cast<std::int64_t>(cuda::check_workspace_bytes(meta.num_chunks))},
                             found_inf.options().dtype(at::kByte));
-    cuda::check_non_finite(meta, g.dtype, found_inf.data_ptr<float>(), sum_sq ? sum_sq->data_ptr<float>() : nullptr,
-                           sum_sq ? workspace.data_ptr() : nullptr, stream);
+    cuda::SumSq out{};
+    if (sum_sq && sum_sq->scalar_type() == c10::ScalarType::Double) out.f64 = sum_sq->data_ptr<double>();
+    else if (sum_sq) out.f32 = sum_sq->data_ptr<float>();
+    cuda::check_non_finite(meta, g.dtype, found_inf.data_ptr<float>(), out, sum_sq ? workspace.data_ptr() : nullptr,
+                           stream);
   }
 #endif
 }
 
-void scale_(at::TensorList tensors, const at::Tensor& scale) {
-  constexpr const char* op = "ampfuse::scale_";
+namespace {
+
+void scale_impl(const char* op, at::TensorList tensors, const at::Tensor& scale, const at::Tensor* found_inf) {
   const auto device = common_device(tensors);
   check_scalar(scale, op, "scale", device);
+  if (found_inf) check_scalar(*found_inf, op, "found_inf", device);
   const TensorListsView views = make_list_views({tensors}, {"tensors"}, op);
   if (!device) return;
 
   if (device->is_cpu()) {
     const cpu::Kernels& k = cpu::kernels();
     const float s = *scale.data_ptr<float>();
+    bool any_non_finite = false;
     for (const Group& g : make_groups(views, cpu::kChunkSize)) {
       const std::vector<void*> ptrs = data_pointers(g.view);
-      const cpu::ScaleArgs args{cpu::plan_ref(g.plan), ptrs.data(), g.dtype, s};
+      std::vector<unsigned char> chunk_non_finite(found_inf ? static_cast<std::size_t>(g.plan.num_chunks()) : 0);
+      const cpu::ScaleArgs args{cpu::plan_ref(g.plan), ptrs.data(), g.dtype, s,
+                                found_inf ? chunk_non_finite.data() : nullptr};
       at::parallel_for(0, g.plan.num_chunks(), 1, [&](std::int64_t b, std::int64_t e) { k.scale(args, b, e); });
+      for (unsigned char f : chunk_non_finite) any_non_finite |= f != 0;
     }
+    if (any_non_finite) *found_inf->data_ptr<float>() = 1.f;
     return;
   }
 #if defined(AMPFUSE_WITH_CUDA)
@@ -224,9 +245,17 @@ void scale_(at::TensorList tensors, const at::Tensor& scale) {
   for (const Group& g : make_groups(views, cuda::kChunkSize)) {
     std::vector<std::int64_t> words;
     const cuda::LaunchMeta meta = launch_meta(g, words, *device);
-    cuda::scale(meta, g.dtype, scale.data_ptr<float>(), stream);
+    cuda::scale(meta, g.dtype, scale.data_ptr<float>(), found_inf ? found_inf->data_ptr<float>() : nullptr, stream);
   }
 #endif
+}
+
+}  // namespace
+
+void scale_(at::TensorList tensors, const at::Tensor& scale) { scale_impl("ampfuse::scale_", tensors, scale, nullptr); }
+
+void unscale_(at::TensorList tensors, const at::Tensor& found_inf, const at::Tensor& inv_scale) {
+  scale_impl("ampfuse::unscale_", tensors, inv_scale, &found_inf);
 }
 
 }  // namespace ampfuse

@@ -29,6 +29,12 @@ void expect_refused(std::vector<torch::Tensor> list, const std::string& what) {
   } catch (const c10::Error& e) {
     EXPECT_THAT(e.what_without_backtrace(), HasSubstr(what));
   }
+  try {
+    ampfuse::unscale_(list, found_inf, torch::full({1}, 0.5f));
+    ADD_FAILURE() << "unscale_ accepted a list with: " << what;
+  } catch (const c10::Error& e) {
+    EXPECT_THAT(e.what_without_backtrace(), HasSubstr(what));
+  }
   EXPECT_EQ(found_inf.item<float>(), 0.f);
   EXPECT_EQ(sum_sq.item<float>(), 5.f);
   for (std::size_t i = 0; i < list.size(); ++i)
@@ -54,8 +60,18 @@ TEST(BadInput, SparseTensor) {
   expect_refused({torch::randn({4}), sparse}, "tensors[1] has layout Sparse");
 }
 
-TEST(BadInput, NonContiguous) {
-  expect_refused({torch::randn({4}), torch::randn({5, 6}).t()}, "tensors[1] is not contiguous");
+TEST(BadInput, ViewWithGaps) {
+  expect_refused({torch::randn({4}), torch::randn({10}).slice(0, 0, 10, 2)}, "tensors[1] is not dense");
+}
+
+TEST(BadInput, DenseNonContiguousLayoutsAreAccepted) {
+  // A transposed matrix and a channels-last tensor fill one block of memory.
+  auto t = torch::randn({5, 6}).t();
+  auto cl = torch::randn({2, 3, 4, 5}).contiguous(torch::MemoryFormat::ChannelsLast);
+  auto t_ref = t * 2, cl_ref = cl * 2;
+  ampfuse::scale_({t, cl}, torch::full({1}, 2.f));
+  EXPECT_TRUE(torch::equal(t, t_ref));
+  EXPECT_TRUE(torch::equal(cl, cl_ref));
 }
 
 TEST(BadInput, UndefinedTensor) {
@@ -84,6 +100,7 @@ TEST(BadInput, ScalarsMustBeOneFloatOnTheDevice) {
       c10::Error);
   EXPECT_THROW(ampfuse::check_non_finite(list, torch::zeros({2})), c10::Error);
   EXPECT_THROW(ampfuse::check_non_finite(list, torch::zeros({1}), torch::zeros({1}, torch::kHalf)), c10::Error);
+  EXPECT_THROW(ampfuse::unscale_(list, torch::zeros({1}, torch::kDouble), torch::ones({1})), c10::Error);
   EXPECT_THROW(ampfuse::scale_(list, torch::ones({1}, torch::kHalf)), c10::Error);
   EXPECT_THROW(ampfuse::scale_(list, torch::Tensor()), c10::Error);
   EXPECT_TRUE(torch::equal(list[0], before));
@@ -104,6 +121,13 @@ TEST(BadInput, ListsOfDifferentLengthsOrShapes) {
     ADD_FAILURE() << "accepted lists of different shapes";
   } catch (const c10::Error& e) {
     EXPECT_THAT(e.what_without_backtrace(), HasSubstr("test_op: grad[1] has shape [3, 2] but param[1] has shape [2, 3]"));
+  }
+  std::vector<torch::Tensor> grads_layout = {torch::randn({4}), torch::randn({3, 2}).t()};
+  try {
+    ampfuse::make_list_views({params, grads_layout}, {"param", "grad"}, "test_op");
+    ADD_FAILURE() << "accepted lists of different memory layouts";
+  } catch (const c10::Error& e) {
+    EXPECT_THAT(e.what_without_backtrace(), HasSubstr("test_op: grad[1] has strides [1, 2] but param[1] has strides [3, 1]"));
   }
   const auto views = ampfuse::make_list_views({params, params}, {"param", "grad"}, "test_op");
   EXPECT_EQ(views.depth(), 2);

@@ -203,6 +203,42 @@ TEST_P(EngineOps, ScaleMatchesAtenBitwise) {
   }
 }
 
+TEST_P(EngineOps, UnscaleMatchesAtenBitwise) {
+  // Values, found_inf and the sum-of-flags semantics of
+  // at::_amp_foreach_non_finite_check_and_unscale_, with and without inf/NaN.
+  for (int round = 0; round < 4; ++round) {
+    auto list = make_list();
+    if (round >= 2) {  // poison one element of a random non-empty tensor
+      std::size_t t;
+      do t = rng_() % list.size(); while (list[t].numel() == 0);
+      list[t].view(-1)[static_cast<std::int64_t>(rng_() % list[t].numel())] =
+          round == 2 ? std::numeric_limits<float>::infinity() : std::numeric_limits<float>::quiet_NaN();
+    }
+    const float inv = 1.f / std::exp2(static_cast<float>(rng_() % 24));
+    auto ref = clone_all(list);
+    auto found = scalar(0.f), ref_found = scalar(0.f);
+    ampfuse::unscale_(list, found, scalar(inv));
+    at::_amp_foreach_non_finite_check_and_unscale_(ref, ref_found, scalar(inv));
+    SCOPED_TRACE("round " + std::to_string(round));
+    EXPECT_EQ(found.item<float>(), ref_found.item<float>());
+    EXPECT_EQ(found.item<float>(), round >= 2 ? 1.f : 0.f);
+    for (std::size_t i = 0; i < list.size(); ++i) EXPECT_TRUE(bitwise_equal(list[i], ref[i])) << "tensor " << i;
+  }
+}
+
+TEST_P(EngineOps, SumOfSquaresInDoubleDoesNotOverflow) {
+  // Scaled fp32 gradients can square past fp32's range; an fp64 sum_sq holds them.
+  auto list = make_list();
+  if (GetParam().dtype == torch::kFloat) list.push_back(torch::full({1000}, 1e30f, opts()));
+  auto found = scalar(0.f);
+  auto sum_sq = torch::zeros({1}, torch::TensorOptions().dtype(torch::kDouble).device(device_));
+  ampfuse::check_non_finite(list, found, sum_sq);
+  double ref = 0;
+  for (const auto& t : list) ref += t.to(torch::kDouble).square().sum().item<double>();
+  EXPECT_EQ(found.item<float>(), 0.f);
+  EXPECT_NEAR(sum_sq.item<double>(), ref, 1e-12 * ref);
+}
+
 TEST_P(EngineOps, ScaleKeepsNonFiniteAndOverflows) {
   auto t = torch::tensor({1.f, -2.f, 60000.f, 0.f, -0.f, 1e-8f}, torch::kFloat).to(opts());
   t = torch::cat({t, torch::full({3}, std::numeric_limits<float>::infinity(), opts()),

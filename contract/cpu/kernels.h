@@ -37,6 +37,7 @@ struct ScaleArgs {
   void* const* data;
   ScalarType dtype;
   float scale;
+  unsigned char* chunk_non_finite;  ///< out, or null: as in CheckArgs, of the values before scaling
 };
 
 using CheckFn = void (*)(const CheckArgs&, std::int64_t chunk_begin, std::int64_t chunk_end);

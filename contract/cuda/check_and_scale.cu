@@ -37,7 +37,7 @@ __device__ __forceinline__ void for_each_element_read(const T* p, std::int64_t n
 
 template <class T, bool kSumSq, class Meta>
 __global__ void __launch_bounds__(kBlockSize)
-    check_kernel(Meta meta, float* found_inf, float* sum_sq, CheckWorkspace ws) {
+    check_kernel(Meta meta, float* found_inf, SumSq sum_sq, CheckWorkspace ws) {
   const BlockChunk c = locate_chunk(meta, blockIdx.x);
   const T* p = static_cast<const T*>(meta.data(0, c.slot)) + c.begin;
   bool non_finite = false;
@@ -67,16 +67,25 @@ __global__ void __launch_bounds__(kBlockSize)
       for (unsigned b = threadIdx.x; b < gridDim.x; b += blockDim.x) total += __ldcg(ws.partials + b);
       __syncthreads();  // temp is reused
       total = Reduce(temp).Sum(total);
-      if (threadIdx.x == 0) *sum_sq = static_cast<float>(static_cast<double>(*sum_sq) + total);
+      if (threadIdx.x == 0) {
+        if (sum_sq.f64 != nullptr) *sum_sq.f64 += total;
+        else *sum_sq.f32 = static_cast<float>(static_cast<double>(*sum_sq.f32) + total);
+      }
     }
   }
 }
 
-template <class T, class Meta>
-__global__ void __launch_bounds__(kBlockSize) scale_kernel(Meta meta, const float* scale) {
+template <class T, bool kCheck, class Meta>
+__global__ void __launch_bounds__(kBlockSize) scale_kernel(Meta meta, const float* scale, float* found_inf) {
   const BlockChunk c = locate_chunk(meta, blockIdx.x);
   T* p = static_cast<T*>(meta.data(0, c.slot)) + c.begin;
   const float s = *scale;
+  bool non_finite = false;
+  auto scaled = [&](T v) {
+    const float x = to_float(v);
+    if (kCheck) non_finite |= !isfinite(x);
+    return from_float<T>(x * s);
+  };
   using V = Vec16<T>;
   std::int64_t i = threadIdx.x;
   if (is_aligned16(p)) {
@@ -85,12 +94,13 @@ __global__ void __launch_bounds__(kBlockSize) scale_kernel(Meta meta, const floa
     for (; i < num_vec; i += blockDim.x) {
       V v = pv[i];
 #pragma unroll
-      for (int k = 0; k < V::kSize; ++k) v.v[k] = from_float<T>(to_float(v.v[k]) * s);
+      for (int k = 0; k < V::kSize; ++k) v.v[k] = scaled(v.v[k]);
       pv[i] = v;
     }
     i = num_vec * V::kSize + threadIdx.x;
   }
-  for (; i < c.size; i += blockDim.x) p[i] = from_float<T>(to_float(p[i]) * s);
+  for (; i < c.size; i += blockDim.x) p[i] = scaled(p[i]);
+  if (kCheck && __syncthreads_or(non_finite) && threadIdx.x == 0) *found_inf = 1.f;
 }
 
 }  // namespace
@@ -116,12 +126,12 @@ std::size_t check_workspace_bytes(std::int64_t num_chunks) {
   return static_cast<std::size_t>(num_chunks) * sizeof(double) + sizeof(unsigned);
 }
 
-void check_non_finite(const LaunchMeta& meta, ScalarType dtype, float* found_inf, float* sum_sq,
-                      void* workspace, Stream stream) {
+void check_non_finite(const LaunchMeta& meta, ScalarType dtype, float* found_inf, SumSq sum_sq, void* workspace,
+                      Stream stream) {
   using namespace detail;
   if (meta.num_chunks == 0) return;
   CheckWorkspace ws{nullptr, nullptr};
-  if (sum_sq != nullptr) {
+  if (sum_sq.wanted()) {
     ws.partials = static_cast<double*>(workspace);
     ws.counter = reinterpret_cast<unsigned*>(ws.partials + meta.num_chunks);
     check_cuda(cudaMemsetAsync(ws.counter, 0, sizeof(unsigned), stream), "cudaMemsetAsync");
@@ -129,7 +139,7 @@ void check_non_finite(const LaunchMeta& meta, ScalarType dtype, float* found_inf
   dispatch_dtype(dtype, [&](auto tag) {
     using T = decltype(tag);
     launch_with_meta<1>(meta, [&](auto m, dim3 grid) {
-      if (sum_sq != nullptr)
+      if (sum_sq.wanted())
         check_kernel<T, true><<<grid, kBlockSize, 0, stream>>>(m, found_inf, sum_sq, ws);
       else
         check_kernel<T, false><<<grid, kBlockSize, 0, stream>>>(m, found_inf, sum_sq, ws);
@@ -137,12 +147,15 @@ void check_non_finite(const LaunchMeta& meta, ScalarType dtype, float* found_inf
   });
 }
 
-void scale(const LaunchMeta& meta, ScalarType dtype, const float* scale, Stream stream) {
+void scale(const LaunchMeta& meta, ScalarType dtype, const float* scale, float* found_inf, Stream stream) {
   using namespace detail;
   dispatch_dtype(dtype, [&](auto tag) {
     using T = decltype(tag);
     launch_with_meta<1>(meta, [&](auto m, dim3 grid) {
-      scale_kernel<T><<<grid, kBlockSize, 0, stream>>>(m, scale);
+      if (found_inf != nullptr)
+        scale_kernel<T, true><<<grid, kBlockSize, 0, stream>>>(m, scale, found_inf);
+      else
+        scale_kernel<T, false><<<grid, kBlockSize, 0, stream>>>(m, scale, found_inf);
     });
   });
 }

@@ -45,14 +45,23 @@ std::int64_t inline_capacity(int depth);
 /// Workspace for check_non_finite with sum_sq: one fp64 partial per chunk and a counter.
 std::size_t check_workspace_bytes(std::int64_t num_chunks);
 
+/// Where the sum of squares goes: at most one of the two is set.
+struct SumSq {
+  float* f32 = nullptr;
+  double* f64 = nullptr;
+  bool wanted() const { return f32 != nullptr || f64 != nullptr; }
+};
+
 /// Read-only pass: *found_inf = 1 when any element is inf or NaN (left alone
-/// otherwise); when sum_sq is not null, *sum_sq += sum of squares, reduced in
-/// a fixed order (deterministic). One launch, plus a 4-byte memset of the
-/// workspace counter when sum_sq is asked for.
-void check_non_finite(const LaunchMeta& meta, ScalarType dtype, float* found_inf, float* sum_sq,
-                      void* workspace, Stream stream);
+/// otherwise); when sum_sq is wanted, adds the sum of squares to it, reduced
+/// in a fixed order (deterministic). One launch, plus a 4-byte memset of the
+/// workspace counter when the sum is asked for.
+void check_non_finite(const LaunchMeta& meta, ScalarType dtype, float* found_inf, SumSq sum_sq, void* workspace,
+                      Stream stream);
 
 /// In place: x = x * (*scale), computed in fp32, rounded to the storage type.
-void scale(const LaunchMeta& meta, ScalarType dtype, const float* scale, Stream stream);
+/// When found_inf is not null, also *found_inf = 1 if any value (before
+/// scaling) is inf or NaN, in the same pass.
+void scale(const LaunchMeta& meta, ScalarType dtype, const float* scale, float* found_inf, Stream stream);
 
 }  // namespace ampfuse::cuda

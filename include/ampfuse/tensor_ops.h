@@ -2,12 +2,14 @@
 // Multi-tensor operations on lists of LibTorch tensors: the engine's first
 // users, and what GradScaler builds on.
 //
-// Accepted tensors: dense (strided), contiguous, dtype float32, float16 or
-// bfloat16, all on one device (CPU, or one CUDA device). Anything else is
-// refused with an error naming the tensor and the problem, before anything is
-// written. Non-contiguous tensors are refused rather than copied, because an
-// in-place operation on a copy would be lost silently; call .contiguous() on
-// the owner first. Zero-element tensors are allowed and skipped.
+// Accepted tensors: strided and dense (contiguous, or any permutation of a
+// contiguous layout, such as a transposed matrix or channels-last: their
+// elements fill one block of memory), dtype float32, float16 or bfloat16, all
+// on one device (CPU, or one CUDA device). Anything else is refused with an
+// error naming the tensor and the problem, before anything is written. Views
+// with gaps (t[::2]) are refused rather than copied, because an in-place
+// operation on a copy would be lost silently. Zero-element tensors are
+// allowed and skipped.
 
 #include <ATen/core/Tensor.h>
 #include <c10/util/ArrayRef.h>
@@ -22,10 +24,11 @@ namespace ampfuse {
 
 /// Read-only pass over `tensors`: sets found_inf (fp32, one element, same
 /// device) to 1 when any element is inf or NaN, and leaves it as it was
-/// otherwise, so one found_inf can gather several calls. When `sum_sq` (fp32,
-/// one element, same device) is given, adds the sum of the squares of all
-/// elements to it, accumulated in fp64 and reduced in an order that does not
-/// depend on the number of threads. No host synchronization on CUDA.
+/// otherwise, so one found_inf can gather several calls. When `sum_sq` (fp32
+/// or fp64, one element, same device) is given, adds the sum of the squares
+/// of all elements to it, accumulated in fp64 and reduced in an order that
+/// does not depend on the number of threads (fp64 avoids overflow when the
+/// tensors are scaled gradients). No host synchronization on CUDA.
 void check_non_finite(at::TensorList tensors, const at::Tensor& found_inf,
                       const c10::optional<at::Tensor>& sum_sq = c10::nullopt);
 
@@ -47,6 +50,13 @@ std::string cpu_isa();
 
 /// Elements per CPU work chunk (the unit that threads share out).
 std::int64_t cpu_chunk_size();
+
+/// In place, in one pass: found_inf = 1 when any element is inf or NaN (left
+/// alone otherwise), and every element x becomes x * inv_scale (fp32 math,
+/// round to nearest even). The semantics, and for the same inputs the bits,
+/// of at::_amp_foreach_non_finite_check_and_unscale_, on CPU and CUDA, for
+/// fp32, fp16 and bf16 alike.
+void unscale_(at::TensorList tensors, const at::Tensor& found_inf, const at::Tensor& inv_scale);
 
 /// The dtype ampfuse uses for a torch dtype; throws for anything but fp32/fp16/bf16.
 ScalarType to_scalar_type(c10::ScalarType t);
