@@ -2,5 +2,7 @@
 // The whole public API of ampfuse.
 
 #include "ampfuse/config.h"
+#include "ampfuse/contract.h"
+#include "ampfuse/grad_scaler.h"
 #include "ampfuse/multi_tensor.h"
 #include "ampfuse/tensor_ops.h"

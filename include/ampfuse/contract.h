@@ -1,0 +1,58 @@
+#pragma once
+// The scaler contract (docs/contract.md): what GradScaler hands an optimizer
+// at step(), and the interface an optimizer implements to receive it. Any
+// optimizer, ampfuse's or a third party's, that implements ScalerAware gets
+// unscale, clip and skip-on-inf in its own update pass, with no host sync.
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
+
+#include <utility>
+#include <vector>
+
+namespace ampfuse {
+
+/// The scaler's word for the grads of one optimizer on one device. Every
+/// defined field is an fp32 tensor of one element on that device.
+struct ScaleSignal {
+  /// Multiply grads by it (in opmath) before use. Undefined when the grads are
+  /// already unscaled, because GradScaler::unscale_ was called.
+  at::Tensor inv_scale;
+  /// Non-zero when any grad of this optimizer (any group, any device) is inf
+  /// or NaN. Final before step_with_signals is called. It may be a sum:
+  /// test != 0, never == 1.
+  at::Tensor found_inf;
+  /// Multiply the unscaled grads by it (fused gradient clipping). Undefined means 1.
+  at::Tensor clip_coef;
+};
+
+/// The signals of one step: one per device that holds grads of the optimizer.
+class StepSignals {
+ public:
+  /// Sets the signal of `device` (replacing an earlier one).
+  void set(c10::Device device, ScaleSignal signal);
+  /// The signal of `device`; throws c10::Error naming the device when absent.
+  const ScaleSignal& at(c10::Device device) const;
+  bool contains(c10::Device device) const;
+  const std::vector<std::pair<c10::Device, ScaleSignal>>& all() const { return signals_; }
+
+ private:
+  std::vector<std::pair<c10::Device, ScaleSignal>> signals_;
+};
+
+/// Implemented by optimizers that follow the contract. GradScaler::step calls
+/// step_with_signals instead of unscaling the grads in place and reading
+/// found_inf on the host. An implementation must, on every backend:
+///  1. when found_inf != 0 (tested on the device), write nothing at all:
+///     parameters, state, step counters and grads stay bit-identical;
+///  2. otherwise use g * inv_scale * clip_coef, in opmath, as the gradient,
+///     reading grads and never writing them;
+///  3. never synchronize with the host (no .item(), no device-to-host copy);
+///  4. advance step counters only on steps that were not skipped.
+class ScalerAware {
+ public:
+  virtual ~ScalerAware() = default;
+  virtual void step_with_signals(const StepSignals& signals) = 0;
+};
+
+}  // namespace ampfuse

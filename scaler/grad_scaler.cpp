@@ -1,0 +1,334 @@
+// GradScaler: torch.amp.GradScaler's semantics on LibTorch, plus the
+// contract path (ScalerAware optimizers) and fused clipping.
+
+#include "ampfuse/grad_scaler.h"
+
+#include <ATen/ops/full.h>
+#include <ATen/ops/zeros.h>
+#include <c10/util/Exception.h>
+#include <torch/nn/utils/clip_grad.h>
+#include <torch/optim/lbfgs.h>
+
+#include <cmath>
+
+#include "ampfuse/tensor_ops.h"
+#include "scaler/update_scale.h"
+
+#if defined(AMPFUSE_WITH_CUDA)
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#endif
+
+namespace ampfuse {
+namespace {
+
+using DeviceGrads = std::vector<std::pair<c10::Device, std::vector<at::Tensor>>>;
+
+// The optimizer's defined grads, by device in order of first appearance.
+DeviceGrads grads_by_device(torch::optim::Optimizer& optimizer) {
+  DeviceGrads out;
+  for (auto& group : optimizer.param_groups()) {
+    for (auto& p : group.params()) {
+      const at::Tensor& g = p.grad();
+      if (!g.defined()) continue;
+      auto it = std::find_if(out.begin(), out.end(), [&](const auto& e) { return e.first == g.device(); });
+      if (it == out.end()) {
+        out.emplace_back(g.device(), std::vector<at::Tensor>{});
+        it = std::prev(out.end());
+      }
+      it->second.push_back(g);
+    }
+  }
+  return out;
+}
+
+const std::vector<at::Tensor>& grads_on(const DeviceGrads& grads, c10::Device device) {
+  for (const auto& [d, list] : grads)
+    if (d == device) return list;
+  static const std::vector<at::Tensor> none;
+  return none;
+}
+
+at::TensorOptions f32_on(c10::Device device) { return at::TensorOptions().dtype(at::kFloat).device(device); }
+
+constexpr const char* kScaleFix =
+    "This may indicate your script did not use scaler.scale(loss or outputs) earlier in the iteration.";
+
+}  // namespace
+
+GradScaler::GradScaler(GradScalerOptions options) : options_(options), init_scale_(options.init_scale()) {
+  TORCH_CHECK(options_.growth_factor() > 1.0, "The growth factor must be > 1.0.");
+  TORCH_CHECK(options_.backoff_factor() < 1.0, "The backoff factor must be < 1.0.");
+  TORCH_CHECK(options_.growth_interval() > 0, "ampfuse::GradScaler: growth_interval must be > 0, got ",
+              options_.growth_interval());
+  TORCH_CHECK(options_.min_scale() >= 0.0, "ampfuse::GradScaler: min_scale must be >= 0, got ", options_.min_scale());
+}
+
+at::Tensor GradScaler::scale(const at::Tensor& outputs) {
+  if (!options_.enabled()) return outputs;
+  if (!scale_.defined()) {
+    scale_ = at::full({}, init_scale_, f32_on(outputs.device()));
+    growth_tracker_ = at::full({}, init_growth_tracker_, at::TensorOptions().dtype(at::kInt).device(outputs.device()));
+  }
+  return outputs * scale_.to(outputs.device(), /*non_blocking=*/true);
+}
+
+std::vector<at::Tensor> GradScaler::scale(const std::vector<at::Tensor>& outputs) {
+  std::vector<at::Tensor> out;
+  out.reserve(outputs.size());
+  for (const auto& t : outputs) out.push_back(scale(t));
+  return out;
+}
+
+void GradScaler::require_scale(const char* what) const {
+  TORCH_CHECK(scale_.defined(), "Attempted ", what, " but _scale is None.  ", kScaleFix);
+}
+
+GradScaler::OptimizerState& GradScaler::state_of(const torch::optim::Optimizer& optimizer) {
+  return per_optimizer_[&optimizer];
+}
+
+at::Tensor GradScaler::inv_scale_on(c10::Device device) const {
+  // PyTorch: self._scale.double().reciprocal().float()
+  return scale_.to(at::kDouble).reciprocal().to(at::kFloat).to(device, /*non_blocking=*/true);
+}
+
+void GradScaler::check_grads(torch::optim::Optimizer& optimizer, OptimizerState& state, bool unscale_in_place) {
+  // Validate every device's grads before the first write (ampfuse::unscale_
+  // validates its own list first; this covers the lists after it).
+  const DeviceGrads grads = grads_by_device(optimizer);
+  std::vector<DeviceState> devices;
+  for (const auto& [device, list] : grads) {
+    make_list_views({list}, {"grad"}, unscale_in_place ? "GradScaler::unscale_" : "GradScaler::step");
+    devices.push_back({device, at::zeros({}, f32_on(device)), inv_scale_on(device), {}});
+  }
+  for (std::size_t i = 0; i < devices.size(); ++i) {
+    DeviceState& ds = devices[i];
+    if (unscale_in_place) {
+      ampfuse::unscale_(grads[i].second, ds.found_inf, ds.inv_scale);
+      ds.inv_scale = at::Tensor();  // grads are unscaled now
+    } else {
+      check_non_finite(grads[i].second, ds.found_inf);
+    }
+  }
+  state.devices = std::move(devices);
+  state.checked = true;
+}
+
+at::Tensor GradScaler::combined_found_inf(const OptimizerState& state, c10::Device device) const {
+  if (state.devices.size() == 1 && state.devices[0].device == device) return state.devices[0].found_inf;
+  at::Tensor sum = at::zeros({}, f32_on(device));
+  for (const DeviceState& ds : state.devices) sum.add_(ds.found_inf.to(device, /*non_blocking=*/true));
+  return sum;
+}
+
+void GradScaler::unscale_(torch::optim::Optimizer& optimizer) {
+  if (!options_.enabled()) return;
+  require_scale("unscale_");
+  OptimizerState& state = state_of(optimizer);
+  TORCH_CHECK(state.stage != Stage::kUnscaled,
+              "unscale_() has already been called on this optimizer since the last update().");
+  TORCH_CHECK(state.stage != Stage::kStepped, "unscale_() is being called after step().");
+  TORCH_CHECK(!state.clipped, "unscale_() is being called after clip_grad_norm_(); call it before, or not at all "
+                              "(clip_grad_norm_ does not need it)");
+  check_grads(optimizer, state, /*unscale_in_place=*/true);
+  state.stage = Stage::kUnscaled;
+}
+
+at::Tensor GradScaler::clip_grad_norm_(torch::optim::Optimizer& optimizer, double max_norm, double norm_type) {
+  TORCH_CHECK(norm_type == 2.0, "GradScaler::clip_grad_norm_: only norm_type 2 is fused, got ", norm_type,
+              "; for other norms call unscale_(optimizer) and then torch::nn::utils::clip_grad_norm_");
+  if (!options_.enabled()) {
+    std::vector<at::Tensor> params;
+    for (auto& group : optimizer.param_groups())
+      for (auto& p : group.params()) params.push_back(p);
+    return at::full({}, torch::nn::utils::clip_grad_norm_(params, max_norm, norm_type), at::kFloat);
+  }
+  require_scale("clip_grad_norm_");
+  OptimizerState& state = state_of(optimizer);
+  TORCH_CHECK(state.stage != Stage::kStepped, "clip_grad_norm_() is being called after step().");
+  TORCH_CHECK(!state.clipped, "clip_grad_norm_() has already been called on this optimizer since the last update().");
+
+  const DeviceGrads grads = grads_by_device(optimizer);
+  for (const auto& [device, list] : grads) make_list_views({list}, {"grad"}, "GradScaler::clip_grad_norm_");
+  if (grads.empty()) return at::zeros({}, f32_on(scale_.device()));
+
+  // One read-only pass per device: inf/NaN (unless unscale_ found them
+  // already) and the sum of squares, in fp64 so scaled grads cannot overflow.
+  const bool scaled = !state.checked;
+  std::vector<DeviceState> devices;
+  at::Tensor total_sq;
+  for (const auto& [device, list] : grads) {
+    DeviceState ds{device, at::zeros({}, f32_on(device)), scaled ? inv_scale_on(device) : at::Tensor(), {}};
+    at::Tensor sum_sq = at::zeros({}, at::TensorOptions().dtype(at::kDouble).device(device));
+    check_non_finite(list, ds.found_inf, sum_sq);
+    total_sq = total_sq.defined() ? total_sq.add_(sum_sq.to(total_sq.device(), /*non_blocking=*/true)) : sum_sq;
+    devices.push_back(std::move(ds));
+  }
+  const c10::Device first = grads.front().first;
+  at::Tensor norm = total_sq.sqrt();
+  if (scaled) norm.mul_(inv_scale_on(first).to(at::kDouble));
+  norm = norm.to(at::kFloat);
+  // torch::nn::utils::clip_grad_norm_'s arithmetic, on the device.
+  const at::Tensor clip_coef = at::clamp(max_norm / (norm + 1e-6), c10::nullopt, 1.0);
+
+  if (scaled) {
+    state.devices = std::move(devices);
+    state.checked = true;
+  }
+  for (DeviceState& ds : state.devices) ds.clip_coef = clip_coef.to(ds.device, /*non_blocking=*/true);
+  state.clipped = true;
+  return norm;
+}
+
+void GradScaler::step(torch::optim::Optimizer& optimizer) {
+  TORCH_CHECK(dynamic_cast<torch::optim::LBFGS*>(&optimizer) == nullptr,
+              "GradScaler::step: LBFGS needs a closure, and closure use is not supported if GradScaler is enabled "
+              "(as in PyTorch)");
+  if (!options_.enabled()) {
+    optimizer.step();
+    return;
+  }
+  require_scale("step");
+  OptimizerState& state = state_of(optimizer);
+  TORCH_CHECK(state.stage != Stage::kStepped, "step() has already been called since the last update().");
+
+  if (auto* aware = dynamic_cast<ScalerAware*>(&optimizer)) {
+    if (!state.checked) check_grads(optimizer, state, /*unscale_in_place=*/false);
+    TORCH_CHECK(!state.devices.empty(), "No inf checks were recorded for this optimizer.");
+    StepSignals signals;
+    for (const DeviceState& ds : state.devices)
+      signals.set(ds.device, {ds.inv_scale, combined_found_inf(state, ds.device), ds.clip_coef});
+    aware->step_with_signals(signals);
+  } else {
+    if (!state.checked) check_grads(optimizer, state, /*unscale_in_place=*/true);
+    TORCH_CHECK(!state.devices.empty(), "No inf checks were recorded for this optimizer.");
+    // PyTorch's path: one host read of found_inf, then step or skip.
+    double found = 0.0;
+    for (const DeviceState& ds : state.devices) found += ds.found_inf.item<float>();
+    if (found == 0.0) {
+      // Deferred factors: the unscale (when clip_grad_norm_ came first) and the clip coefficient.
+      const DeviceGrads grads = grads_by_device(optimizer);
+      for (const DeviceState& ds : state.devices) {
+        at::Tensor factor = ds.inv_scale;
+        if (ds.clip_coef.defined()) factor = factor.defined() ? factor * ds.clip_coef : ds.clip_coef;
+        if (factor.defined()) ampfuse::scale_(grads_on(grads, ds.device), factor.reshape({1}));
+      }
+      optimizer.step();
+    }
+  }
+  last_found_inf_[&optimizer] = combined_found_inf(state, state.devices.front().device);
+  state.stage = Stage::kStepped;
+}
+
+void GradScaler::update() {
+  if (!options_.enabled()) return;
+  require_scale("update");
+  std::vector<at::Tensor> found_infs;
+  for (const auto& [opt, state] : per_optimizer_)
+    for (const DeviceState& ds : state.devices) found_infs.push_back(ds.found_inf);
+  TORCH_CHECK(!found_infs.empty(), "No inf checks were recorded prior to update.");
+  at::Tensor combined = found_infs[0].to(scale_.device(), /*non_blocking=*/true).clone();
+  for (std::size_t i = 1; i < found_infs.size(); ++i) combined.add_(found_infs[i].to(scale_.device(), true));
+
+  const scaler::UpdateScaleParams params{options_.growth_factor(), options_.backoff_factor(),
+                                         options_.growth_interval(), options_.min_scale()};
+  if (scale_.device().is_cpu()) {
+    scaler::update_scale_math(scale_.data_ptr<float>(), growth_tracker_.data_ptr<std::int32_t>(),
+                              *combined.data_ptr<float>(), params);
+  } else {
+#if defined(AMPFUSE_WITH_CUDA)
+    const c10::cuda::CUDAGuard guard(scale_.device());
+    scaler::update_scale_cuda(scale_.data_ptr<float>(), growth_tracker_.data_ptr<std::int32_t>(),
+                              combined.data_ptr<float>(), params,
+                              c10::cuda::getCurrentCUDAStream(scale_.device().index()).stream());
+#else
+    TORCH_CHECK(false, "GradScaler::update: the scale is on ", scale_.device(), " but ampfuse was built without CUDA");
+#endif
+  }
+  per_optimizer_.clear();
+}
+
+void GradScaler::update(double new_scale) {
+  if (!options_.enabled()) return;
+  require_scale("update");
+  scale_.fill_(new_scale);
+  per_optimizer_.clear();
+}
+
+void GradScaler::update(const at::Tensor& new_scale) {
+  if (!options_.enabled()) return;
+  require_scale("update");
+  const char* reason =
+      "new_scale should be a float or a 1-element torch.cuda.FloatTensor or torch.FloatTensor with "
+      "requires_grad=False.";
+  TORCH_CHECK(new_scale.defined() && new_scale.device().type() == scale_.device().type(), reason);
+  TORCH_CHECK(new_scale.numel() == 1, reason);
+  TORCH_CHECK(!new_scale.requires_grad(), reason);
+  scale_.copy_(new_scale.reshape({}));
+  per_optimizer_.clear();
+}
+
+double GradScaler::get_scale() const {
+  if (!options_.enabled()) return 1.0;
+  return scale_.defined() ? scale_.item<double>() : init_scale_;
+}
+
+std::int64_t GradScaler::get_growth_tracker() const {
+  if (!options_.enabled()) return 0;
+  return growth_tracker_.defined() ? growth_tracker_.item<std::int64_t>() : init_growth_tracker_;
+}
+
+bool GradScaler::last_step_skipped(const torch::optim::Optimizer& optimizer) const {
+  const auto it = last_found_inf_.find(&optimizer);
+  return it != last_found_inf_.end() && it->second.item<float>() != 0.f;
+}
+
+void GradScaler::save(torch::serialize::OutputArchive& archive) const {
+  if (!options_.enabled()) return;
+  archive.write("scale", c10::IValue(get_scale()));
+  archive.write("growth_factor", c10::IValue(options_.growth_factor()));
+  archive.write("backoff_factor", c10::IValue(options_.backoff_factor()));
+  archive.write("growth_interval", c10::IValue(options_.growth_interval()));
+  archive.write("_growth_tracker", c10::IValue(get_growth_tracker()));
+}
+
+void GradScaler::load(torch::serialize::InputArchive& archive) {
+  if (!options_.enabled()) return;
+  const char* keys[] = {"scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker"};
+  c10::IValue values[5];
+  int present = 0;
+  for (int i = 0; i < 5; ++i) present += archive.try_read(keys[i], values[i]) ? 1 : 0;
+  TORCH_CHECK(present > 0,
+              "The source state dict is empty, possibly because it was saved from a disabled instance of GradScaler.");
+  for (int i = 0; i < 5; ++i) {
+    TORCH_CHECK(!values[i].isNone(), "GradScaler::load: the archive has no '", keys[i],
+                "'; it does not hold a GradScaler state");
+    const bool is_int_key = i >= 3;
+    TORCH_CHECK(is_int_key ? values[i].isInt() : values[i].isDouble(), "GradScaler::load: '", keys[i], "' is a ",
+                values[i].tagKind(), ", expected ", is_int_key ? "an int" : "a float");
+  }
+  // Validate before the first write: a rejected archive changes nothing.
+  const double new_scale = values[0].toDouble();
+  GradScalerOptions options = options_;
+  options.growth_factor(values[1].toDouble()).backoff_factor(values[2].toDouble()).growth_interval(values[3].toInt());
+  GradScaler check(options);  // throws on factors PyTorch would refuse
+  (void)check;
+  options_ = options;
+  init_scale_ = new_scale;
+  if (scale_.defined()) scale_.fill_(new_scale);
+  init_growth_tracker_ = values[4].toInt();
+  if (growth_tracker_.defined()) growth_tracker_.fill_(init_growth_tracker_);
+}
+
+torch::serialize::OutputArchive& operator<<(torch::serialize::OutputArchive& archive, const GradScaler& scaler) {
+  scaler.save(archive);
+  return archive;
+}
+
+torch::serialize::InputArchive& operator>>(torch::serialize::InputArchive& archive, GradScaler& scaler) {
+  scaler.load(archive);
+  return archive;
+}
+
+}  // namespace ampfuse

@@ -1,0 +1,604 @@
+// GradScaler against ATen, the reference: scale trajectories against
+// at::_amp_update_scale_, unscale_ against
+// at::_amp_foreach_non_finite_check_and_unscale_, clipping against
+// torch::nn::utils::clip_grad_norm_, a training run against PyTorch's
+// algorithm written by hand, misuse errors by message, and the contract path.
+
+#include <ampfuse/grad_scaler.h>
+#include <ampfuse/tensor_ops.h>
+
+#include <unistd.h>
+
+#include <cstdio>
+#include <filesystem>
+#include <limits>
+
+#include "scaler/update_scale.h"
+#include "tests/common.h"
+
+#if defined(AMPFUSE_WITH_CUDA)
+#include <c10/cuda/CUDAStream.h>
+#endif
+
+namespace {
+
+using ampfuse_test::bitwise_equal;
+using ::testing::HasSubstr;
+
+constexpr float kInf = std::numeric_limits<float>::infinity();
+
+// A minimal optimizer that implements the contract with ATen ops (no host
+// sync): p -= lr * g * inv_scale * clip_coef unless found_inf != 0, and a
+// device step counter that advances only on applied steps.
+class ContractSGD : public torch::optim::Optimizer, public ampfuse::ScalerAware {
+ public:
+  ContractSGD(std::vector<torch::Tensor> params, double lr)
+      : Optimizer({torch::optim::OptimizerParamGroup(std::move(params))},
+                  std::make_unique<torch::optim::SGDOptions>(lr)),
+        lr_(lr) {}
+
+  torch::Tensor step(LossClosure = nullptr) override {
+    torch::NoGradGuard no_grad;
+    for (auto& p : param_groups()[0].params())
+      if (p.grad().defined()) p.sub_(p.grad() * lr_);
+    return {};
+  }
+
+  void step_with_signals(const ampfuse::StepSignals& signals) override {
+    torch::NoGradGuard no_grad;
+    ++calls;
+    for (auto& p : param_groups()[0].params()) {
+      if (!p.grad().defined()) continue;
+      const ampfuse::ScaleSignal& s = signals.at(p.device());
+      auto g = p.grad().to(torch::kFloat);
+      if (s.inv_scale.defined()) g = g * s.inv_scale;
+      if (s.clip_coef.defined()) g = g * s.clip_coef;
+      const auto updated = (p.to(torch::kFloat) - g * lr_).to(p.scalar_type());
+      p.copy_(torch::where(s.found_inf != 0, p, updated));
+      if (!applied_steps.defined()) applied_steps = torch::zeros({}, torch::TensorOptions().dtype(torch::kLong).device(p.device()));
+    }
+    applied_steps.add_((signals.all().front().second.found_inf == 0).to(torch::kLong));
+  }
+
+  int calls = 0;
+  torch::Tensor applied_steps;
+
+ private:
+  double lr_;
+};
+
+torch::Tensor leaf(torch::Tensor t) { return t.detach().requires_grad_(true); }
+
+// ---------------------------------------------------------------- scale update
+
+TEST(ScaleUpdate, TrajectoryMatchesAtenOverTenThousandSteps) {
+  const auto seed = ampfuse_test::seed_for_test();
+  std::mt19937_64 rng(seed);
+  std::vector<torch::Device> devices = {torch::kCPU};
+  if (ampfuse_test::cuda_available()) devices.push_back(torch::kCUDA);
+  for (const auto device : devices) {
+    for (int config = 0; config < 4; ++config) {
+      const double growth = config == 0 ? 2.0 : 1.0 + std::uniform_real_distribution<double>(1e-3, 3.0)(rng);
+      const double backoff = config == 0 ? 0.5 : std::uniform_real_distribution<double>(0.05, 0.99)(rng);
+      const std::int64_t interval = config == 0 ? 2000 : 1 + static_cast<std::int64_t>(rng() % 40);
+      // Start near fp32's top on one config, so that "never grow to inf" is exercised.
+      const float start = config == 3 ? 1e38f : 65536.f;
+      const double p_inf = std::uniform_real_distribution<double>(0.0, 0.3)(rng);
+      SCOPED_TRACE("device " + device.str() + ", growth " + std::to_string(growth) + ", backoff " +
+                   std::to_string(backoff) + ", interval " + std::to_string(interval));
+
+      auto f32 = torch::TensorOptions().dtype(torch::kFloat).device(device);
+      auto ref_scale = torch::full({}, start, f32);
+      auto ref_tracker = torch::zeros({}, f32.dtype(torch::kInt));
+      auto our_scale = ref_scale.clone();
+      auto our_tracker = ref_tracker.clone();
+      auto found = torch::zeros({}, f32);
+      const ampfuse::scaler::UpdateScaleParams params{growth, backoff, interval, 0.0};
+      for (int step = 0; step < 10000; ++step) {
+        // found_inf may be a sum (several optimizers): 0, 1, 2 or 3.
+        const float f = std::bernoulli_distribution(p_inf)(rng) ? static_cast<float>(1 + rng() % 3) : 0.f;
+        found.fill_(f);
+        at::_amp_update_scale_(ref_scale, ref_tracker, found, growth, backoff, interval);
+        if (device.is_cpu()) {
+          ampfuse::scaler::update_scale_math(our_scale.data_ptr<float>(), our_tracker.data_ptr<std::int32_t>(), f,
+                                             params);
+        } else {
+#if defined(AMPFUSE_WITH_CUDA)
+          ampfuse::scaler::update_scale_cuda(our_scale.data_ptr<float>(), our_tracker.data_ptr<std::int32_t>(),
+                                             found.data_ptr<float>(), params,
+                                             c10::cuda::getCurrentCUDAStream().stream());
+#endif
+        }
+        if (step % 500 == 499 || step < 50) {
+          ASSERT_TRUE(bitwise_equal(our_scale, ref_scale)) << "step " << step;
+          ASSERT_TRUE(torch::equal(our_tracker, ref_tracker)) << "step " << step;
+        }
+      }
+      EXPECT_TRUE(bitwise_equal(our_scale, ref_scale));
+      EXPECT_TRUE(torch::isfinite(our_scale).item<bool>());
+    }
+  }
+}
+
+TEST(ScaleUpdate, MinScaleBoundsTheBackOff) {
+  const ampfuse::scaler::UpdateScaleParams params{2.0, 0.5, 100, 4.0};
+  float scale = 16.f;
+  std::int32_t tracker = 7;
+  for (int i = 0; i < 5; ++i) ampfuse::scaler::update_scale_math(&scale, &tracker, 1.f, params);
+  EXPECT_EQ(scale, 4.f);
+  EXPECT_EQ(tracker, 0);
+}
+
+// ---------------------------------------------------------------- helpers
+
+struct Model {
+  std::vector<torch::Tensor> params;
+};
+
+Model make_params(const std::vector<std::vector<std::int64_t>>& shapes, torch::Dtype dtype, std::uint64_t seed) {
+  torch::manual_seed(seed);
+  Model m;
+  for (const auto& s : shapes) m.params.push_back(leaf(torch::randn(s).to(dtype)));
+  return m;
+}
+
+void set_grads(std::vector<torch::Tensor>& params, float magnitude) {
+  for (auto& p : params) p.mutable_grad() = torch::randn_like(p) * magnitude;
+}
+
+std::vector<torch::Tensor> clone_grads(const std::vector<torch::Tensor>& params) {
+  std::vector<torch::Tensor> g;
+  for (const auto& p : params) g.push_back(p.grad().clone());
+  return g;
+}
+
+// ---------------------------------------------------------------- unscale_
+
+TEST(GradScaler, UnscaleIsBitIdenticalToAten) {
+  const auto seed = ampfuse_test::seed_for_test();
+  for (auto dtype : {torch::kFloat, torch::kHalf, torch::kBFloat16}) {
+    for (bool poison : {false, true}) {
+      SCOPED_TRACE(ampfuse_test::dtype_name(dtype) + (poison ? ", with inf" : ""));
+      Model m = make_params({{7, 13}, {0}, {1}, {4097}, {64, 64}}, dtype, seed);
+      set_grads(m.params, 1000.f);
+      if (poison) m.params[3].mutable_grad()[5] = kInf;
+      auto ref = clone_grads(m.params);
+      torch::optim::SGD opt(m.params, 0.1);
+      ampfuse::GradScaler scaler(ampfuse::GradScalerOptions().init_scale(1024.0 * 3));
+      scaler.scale(torch::ones({}));
+      scaler.unscale_(opt);
+      auto found = torch::zeros({});
+      auto inv = torch::full({}, 1024.0 * 3, torch::kFloat).to(torch::kDouble).reciprocal().to(torch::kFloat);
+      at::_amp_foreach_non_finite_check_and_unscale_(ref, found, inv);
+      for (std::size_t i = 0; i < ref.size(); ++i) EXPECT_TRUE(bitwise_equal(m.params[i].grad(), ref[i])) << i;
+      // The host read of step() agrees with ATen's found_inf.
+      const auto before = m.params[0].detach().clone();
+      scaler.step(opt);
+      EXPECT_EQ(scaler.last_step_skipped(opt), found.item<float>() != 0.f);
+      EXPECT_EQ(torch::equal(before, m.params[0].detach()), poison);
+    }
+  }
+}
+
+// ---------------------------------------------------------------- clipping
+
+// Reference: grads unscaled by ATen, then torch::nn::utils::clip_grad_norm_, then SGD.
+void expect_clip_matches(bool contract, bool unscale_first, bool poison, std::uint64_t seed) {
+  SCOPED_TRACE(std::string(contract ? "contract" : "classic") + (unscale_first ? ", unscale_ first" : "") +
+               (poison ? ", with NaN" : ""));
+  const float scale = 4096.f, lr = 0.01f, max_norm = 0.5f;
+  Model m = make_params({{33, 17}, {5}, {1000}}, torch::kFloat, seed);
+  Model r = make_params({{33, 17}, {5}, {1000}}, torch::kFloat, seed);
+  set_grads(m.params, scale);
+  if (poison) m.params[1].mutable_grad()[2] = std::numeric_limits<float>::quiet_NaN();
+  for (std::size_t i = 0; i < r.params.size(); ++i) r.params[i].mutable_grad() = m.params[i].grad().clone();
+  const auto grads_before = clone_grads(m.params);
+
+  std::unique_ptr<torch::optim::Optimizer> opt;
+  if (contract) opt = std::make_unique<ContractSGD>(m.params, lr);
+  else opt = std::make_unique<torch::optim::SGD>(m.params, lr);
+  ampfuse::GradScaler scaler(ampfuse::GradScalerOptions().init_scale(scale));
+  scaler.scale(torch::ones({}));
+  if (unscale_first) scaler.unscale_(*opt);
+  const auto norm = scaler.clip_grad_norm_(*opt, max_norm);
+  scaler.step(*opt);
+
+  // Reference.
+  auto ref_grads = clone_grads(r.params);
+  auto found = torch::zeros({});
+  at::_amp_foreach_non_finite_check_and_unscale_(ref_grads, found, torch::full({}, 1.f / scale));
+  for (std::size_t i = 0; i < r.params.size(); ++i) r.params[i].mutable_grad() = ref_grads[i];
+  const double ref_norm = torch::nn::utils::clip_grad_norm_(r.params, max_norm);
+  if (poison) {
+    EXPECT_FALSE(std::isfinite(norm.item<float>()));
+    EXPECT_TRUE(scaler.last_step_skipped(*opt));
+    for (std::size_t i = 0; i < m.params.size(); ++i) EXPECT_TRUE(bitwise_equal(m.params[i], r.params[i]));
+    return;
+  }
+  EXPECT_NEAR(norm.item<float>(), ref_norm, 1e-6 * ref_norm);
+  {
+    torch::NoGradGuard no_grad;
+    for (auto& p : r.params) p.sub_(p.grad() * lr);
+  }
+  for (std::size_t i = 0; i < m.params.size(); ++i) {
+    const auto diff = (m.params[i] - r.params[i]).abs().max().item<float>();
+    const auto mag = r.params[i].abs().max().item<float>();
+    EXPECT_LE(diff, 1e-6f * mag + 1e-7f) << "param " << i;
+  }
+  if (contract && !unscale_first)  // the contract path never writes grads
+    for (std::size_t i = 0; i < m.params.size(); ++i) EXPECT_TRUE(bitwise_equal(m.params[i].grad(), grads_before[i]));
+}
+
+TEST(GradScaler, ClipGradNormMatchesLibTorch) {
+  const auto seed = ampfuse_test::seed_for_test();
+  for (bool contract : {false, true})
+    for (bool unscale_first : {false, true})
+      for (bool poison : {false, true}) expect_clip_matches(contract, unscale_first, poison, seed);
+}
+
+TEST(GradScaler, ClipGradNormOnlyTwoNorm) {
+  Model m = make_params({{4}}, torch::kFloat, 1);
+  set_grads(m.params, 1.f);
+  torch::optim::SGD opt(m.params, 0.1);
+  ampfuse::GradScaler scaler;
+  scaler.scale(torch::ones({}));
+  try {
+    scaler.clip_grad_norm_(opt, 1.0, 1.0);
+    FAIL() << "accepted norm_type 1";
+  } catch (const c10::Error& e) {
+    EXPECT_THAT(e.what_without_backtrace(), HasSubstr("only norm_type 2 is fused"));
+  }
+}
+
+// ---------------------------------------------------------------- misuse
+
+template <class F>
+void expect_error(F&& f, const std::string& message) {
+  try {
+    f();
+    ADD_FAILURE() << "no error; expected: " << message;
+  } catch (const c10::Error& e) {
+    EXPECT_THAT(e.what_without_backtrace(), HasSubstr(message));
+  }
+}
+
+TEST(GradScalerMisuse, ErrorsByMessage) {
+  Model m = make_params({{3, 3}}, torch::kFloat, 2);
+  torch::optim::SGD opt(m.params, 0.1);
+  set_grads(m.params, 1.f);
+  {
+    ampfuse::GradScaler scaler;
+    expect_error([&] { scaler.step(opt); }, "Attempted step but _scale is None.");
+    expect_error([&] { scaler.unscale_(opt); }, "Attempted unscale_ but _scale is None.");
+    expect_error([&] { scaler.update(); }, "Attempted update but _scale is None.");
+    scaler.scale(torch::ones({}));
+    expect_error([&] { scaler.update(); }, "No inf checks were recorded prior to update.");
+    scaler.unscale_(opt);
+    expect_error([&] { scaler.unscale_(opt); },
+                 "unscale_() has already been called on this optimizer since the last update().");
+    scaler.step(opt);
+    expect_error([&] { scaler.step(opt); }, "step() has already been called since the last update().");
+    expect_error([&] { scaler.unscale_(opt); }, "unscale_() is being called after step().");
+    expect_error([&] { scaler.clip_grad_norm_(opt, 1.0); }, "clip_grad_norm_() is being called after step().");
+    scaler.update();
+    scaler.clip_grad_norm_(opt, 1.0);
+    expect_error([&] { scaler.clip_grad_norm_(opt, 1.0); },
+                 "clip_grad_norm_() has already been called on this optimizer since the last update().");
+    expect_error([&] { scaler.update(torch::ones({2})); }, "new_scale should be a float or a 1-element");
+    expect_error([&] { scaler.update(torch::ones({}, torch::kFloat).requires_grad_()); },
+                 "new_scale should be a float or a 1-element");
+  }
+  expect_error([] { ampfuse::GradScaler s(ampfuse::GradScalerOptions().growth_factor(1.0)); },
+               "The growth factor must be > 1.0.");
+  expect_error([] { ampfuse::GradScaler s(ampfuse::GradScalerOptions().backoff_factor(1.0)); },
+               "The backoff factor must be < 1.0.");
+  {
+    torch::optim::LBFGS lbfgs(m.params);
+    ampfuse::GradScaler scaler;
+    scaler.scale(torch::ones({}));
+    expect_error([&] { scaler.step(lbfgs); }, "closure use is not supported if GradScaler is enabled");
+  }
+  {
+    // An optimizer without grads records no inf check (PyTorch asserts the same).
+    Model empty = make_params({{3}}, torch::kFloat, 3);
+    torch::optim::SGD opt2(empty.params, 0.1);
+    ampfuse::GradScaler scaler;
+    scaler.scale(torch::ones({}));
+    expect_error([&] { scaler.step(opt2); }, "No inf checks were recorded for this optimizer.");
+  }
+}
+
+TEST(GradScalerMisuse, BadGradsAreRefusedAndNothingIsWritten) {
+  Model m = make_params({{4}, {6}}, torch::kFloat, 4);
+  torch::optim::SGD opt(m.params, 0.1);
+  m.params[0].mutable_grad() = torch::randn({4});
+  m.params[1].mutable_grad() = torch::randn({12}).slice(0, 0, 12, 2);  // a view with gaps
+  const auto g0 = m.params[0].grad().clone();
+  ampfuse::GradScaler scaler;
+  scaler.scale(torch::ones({}));
+  expect_error([&] { scaler.unscale_(opt); }, "grad[1] is not dense");
+  EXPECT_TRUE(bitwise_equal(m.params[0].grad(), g0));
+  // Still READY: the refused call did not count.
+  m.params[1].mutable_grad() = torch::randn({6});
+  scaler.unscale_(opt);
+}
+
+TEST(GradScaler, DisabledIsAPassThrough) {
+  Model m = make_params({{4}}, torch::kFloat, 5);
+  set_grads(m.params, 1.f);
+  m.params[0].mutable_grad()[0] = kInf;  // not checked when disabled, as in PyTorch
+  torch::optim::SGD opt(m.params, 0.1);
+  ampfuse::GradScaler scaler(ampfuse::GradScalerOptions().enabled(false));
+  auto loss = torch::full({}, 3.f);
+  EXPECT_TRUE(scaler.scale(loss).is_same(loss));
+  scaler.unscale_(opt);
+  scaler.step(opt);
+  scaler.update();
+  EXPECT_FALSE(torch::isfinite(m.params[0]).all().item<bool>());
+  EXPECT_EQ(scaler.get_scale(), 1.0);
+  torch::serialize::OutputArchive archive;
+  archive << scaler;  // writes nothing
+}
+
+// ---------------------------------------------------------------- several optimizers
+
+TEST(GradScaler, TwoOptimizersOnlyTheInfOneSkipsAndScaleBacksOffOnce) {
+  Model a = make_params({{5, 5}}, torch::kFloat, 6), b = make_params({{7}}, torch::kFloat, 7);
+  torch::optim::SGD opt_a(a.params, 0.1);
+  ContractSGD opt_b(b.params, 0.1);
+  for (bool contract_inf : {true, false}) {
+    SCOPED_TRACE(contract_inf ? "inf in the contract optimizer" : "inf in the classic optimizer");
+    set_grads(a.params, 100.f);
+    set_grads(b.params, 100.f);
+    (contract_inf ? b : a).params[0].mutable_grad().view(-1)[1] = kInf;
+    const auto a_before = a.params[0].detach().clone(), b_before = b.params[0].detach().clone();
+    const auto b_grad = b.params[0].grad().clone();
+    ampfuse::GradScaler scaler(ampfuse::GradScalerOptions().init_scale(1024.0));
+    scaler.scale(torch::ones({}));
+    scaler.step(opt_a);
+    scaler.step(opt_b);
+    scaler.update();
+    EXPECT_EQ(scaler.get_scale(), 512.0);
+    EXPECT_EQ(scaler.last_step_skipped(opt_a), !contract_inf);
+    EXPECT_EQ(scaler.last_step_skipped(opt_b), contract_inf);
+    EXPECT_EQ(torch::equal(a_before, a.params[0].detach()), !contract_inf);
+    EXPECT_EQ(torch::equal(b_before, b.params[0].detach()), contract_inf);
+    EXPECT_TRUE(bitwise_equal(b.params[0].grad(), b_grad)) << "the contract path wrote a grad";
+  }
+  EXPECT_EQ(opt_b.applied_steps.item<std::int64_t>(), 1);
+  EXPECT_EQ(opt_b.calls, 2);
+}
+
+TEST(GradScaler, ContractPathMatchesClassicPathAndSkipsBitwise) {
+  const auto seed = ampfuse_test::seed_for_test();
+  for (auto dtype : {torch::kFloat, torch::kHalf, torch::kBFloat16}) {
+    SCOPED_TRACE(ampfuse_test::dtype_name(dtype));
+    Model c = make_params({{9, 9}, {3}}, dtype, seed), k = make_params({{9, 9}, {3}}, dtype, seed);
+    ContractSGD contract(c.params, 0.05);
+    torch::optim::SGD classic(k.params, 0.05);
+    ampfuse::GradScaler s1(ampfuse::GradScalerOptions().init_scale(256.0).growth_interval(3));
+    ampfuse::GradScaler s2(ampfuse::GradScalerOptions().init_scale(256.0).growth_interval(3));
+    std::mt19937_64 rng(seed);
+    for (int step = 0; step < 12; ++step) {
+      set_grads(c.params, 256.f);
+      if (rng() % 3 == 0) c.params[1].mutable_grad()[0] = kInf;
+      for (std::size_t i = 0; i < c.params.size(); ++i) k.params[i].mutable_grad() = c.params[i].grad().clone();
+      const auto before = c.params[0].detach().clone();
+      s1.scale(torch::ones({}));
+      s2.scale(torch::ones({}));
+      s1.step(contract);
+      s2.step(classic);
+      s1.update();
+      s2.update();
+      EXPECT_EQ(s1.get_scale(), s2.get_scale()) << "step " << step;
+      EXPECT_EQ(s1.last_step_skipped(contract), s2.last_step_skipped(classic));
+      if (s1.last_step_skipped(contract)) EXPECT_TRUE(bitwise_equal(c.params[0].detach(), before));
+      // The classic path rounds the unscaled grad to the storage type before
+      // the update, the contract path does not: a few ulps of that type apart.
+      const double tol = dtype == torch::kFloat ? 1e-5 : dtype == torch::kHalf ? 5e-3 : 4e-2;
+      for (std::size_t i = 0; i < c.params.size(); ++i)
+        EXPECT_TRUE(torch::allclose(c.params[i].to(torch::kFloat), k.params[i].to(torch::kFloat), tol, tol))
+            << "step " << step << ", max diff "
+            << (c.params[i].to(torch::kFloat) - k.params[i].to(torch::kFloat)).abs().max().item<float>();
+    }
+  }
+}
+
+// ---------------------------------------------------------------- training runs
+
+// A small MLP with fp32 master parameters whose forward runs in fp16 (what
+// autocast does), so that scaled gradients really overflow.
+struct Mlp {
+  std::vector<torch::Tensor> params;
+  explicit Mlp(std::uint64_t seed) {
+    torch::manual_seed(seed);
+    params = {leaf(torch::randn({16, 32}) * 0.3), leaf(torch::zeros({32})), leaf(torch::randn({32, 1}) * 0.3),
+              leaf(torch::zeros({1}))};
+  }
+  Mlp(const Mlp& other) {
+    for (const auto& p : other.params) params.push_back(leaf(p.detach().clone()));
+  }
+  torch::Tensor loss(const torch::Tensor& x, const torch::Tensor& y) const {
+    auto h = torch::relu(torch::matmul(x.to(torch::kHalf), params[0].to(torch::kHalf)) + params[1].to(torch::kHalf));
+    auto out = torch::matmul(h, params[2].to(torch::kHalf)) + params[3].to(torch::kHalf);
+    return torch::mse_loss(out.to(torch::kFloat), y);
+  }
+};
+
+struct Batch {
+  torch::Tensor x, y;
+};
+
+std::vector<Batch> make_data(int steps, std::uint64_t seed) {
+  torch::manual_seed(seed);
+  std::vector<Batch> data;
+  const auto w = torch::randn({16, 1});
+  for (int i = 0; i < steps; ++i) {
+    auto x = torch::randn({64, 16});
+    data.push_back({x, torch::matmul(x, w) + 0.1 * torch::randn({64, 1})});
+  }
+  return data;
+}
+
+TEST(GradScalerTraining, MatchesPyTorchsAlgorithmWrittenByHand) {
+  const auto seed = ampfuse_test::seed_for_test();
+  const int steps = 200;
+  const auto data = make_data(steps, seed);
+  Mlp ours(seed), ref(ours);
+  torch::optim::Adam opt(ours.params, torch::optim::AdamOptions(1e-3));
+  torch::optim::Adam ref_opt(ref.params, torch::optim::AdamOptions(1e-3));
+  // A scale high enough to overflow fp16 at first; growth every 10 clean steps.
+  const double init = 1 << 24;
+  const std::int64_t interval = 10;
+  ampfuse::GradScaler scaler(ampfuse::GradScalerOptions().init_scale(init).growth_interval(interval));
+  auto ref_scale = torch::full({}, init, torch::kFloat);
+  auto ref_tracker = torch::zeros({}, torch::kInt);
+
+  int skipped = 0, grown = 0;
+  double last_scale = init;
+  for (int step = 0; step < steps; ++step) {
+    opt.zero_grad();
+    scaler.scale(ours.loss(data[step].x, data[step].y)).backward();
+    scaler.step(opt);
+    scaler.update();
+
+    // PyTorch's GradScaler, by hand with ATen ops.
+    ref_opt.zero_grad();
+    (ref.loss(data[step].x, data[step].y) * ref_scale).backward();
+    std::vector<torch::Tensor> grads;
+    for (auto& p : ref.params) grads.push_back(p.grad());
+    auto found = torch::zeros({});
+    at::_amp_foreach_non_finite_check_and_unscale_(grads, found, ref_scale.to(torch::kDouble).reciprocal().to(torch::kFloat));
+    if (found.item<float>() == 0.f) ref_opt.step();
+    at::_amp_update_scale_(ref_scale, ref_tracker, found, 2.0, 0.5, interval);
+
+    ASSERT_EQ(scaler.last_step_skipped(opt), found.item<float>() != 0.f) << "step " << step;
+    ASSERT_EQ(scaler.get_scale(), ref_scale.item<double>()) << "step " << step;
+    for (std::size_t i = 0; i < ours.params.size(); ++i)
+      ASSERT_TRUE(bitwise_equal(ours.params[i].detach(), ref.params[i].detach())) << "step " << step << " param " << i;
+    skipped += scaler.last_step_skipped(opt);
+    grown += scaler.get_scale() > last_scale;
+    last_scale = scaler.get_scale();
+  }
+  // The run exercised both directions.
+  EXPECT_GT(skipped, 5);
+  EXPECT_GT(grown, 2);
+  std::cout << "[ info     ] " << skipped << " of " << steps << " steps skipped, scale grew " << grown
+            << " times, final scale " << scaler.get_scale() << "\n";
+}
+
+std::string temp_path(const std::string& name) {
+  return (std::filesystem::temp_directory_path() / ("ampfuse_" + std::to_string(::getpid()) + "_" + name)).string();
+}
+
+TEST(GradScalerTraining, StateDictRoundTripContinuesBitIdentically) {
+  const auto seed = ampfuse_test::seed_for_test();
+  const int steps = 60, cut = 30;
+  const auto data = make_data(steps, seed);
+  const double init = 1 << 22;
+  auto opts = ampfuse::GradScalerOptions().init_scale(init).growth_interval(7);
+  auto train = [&](Mlp& m, torch::optim::Adam& opt, ampfuse::GradScaler& scaler, int from, int to) {
+    for (int step = from; step < to; ++step) {
+      opt.zero_grad();
+      scaler.scale(m.loss(data[step].x, data[step].y)).backward();
+      scaler.step(opt);
+      scaler.update();
+    }
+  };
+  Mlp full(seed);
+  torch::optim::Adam full_opt(full.params, torch::optim::AdamOptions(1e-3));
+  ampfuse::GradScaler full_scaler(opts);
+  train(full, full_opt, full_scaler, 0, cut);
+  const std::string scaler_file = temp_path("scaler.pt"), opt_file = temp_path("adam.pt");
+  torch::save(full_scaler, scaler_file);
+  torch::save(full_opt, opt_file);
+  Mlp resumed(full);  // parameters at the cut
+  train(full, full_opt, full_scaler, cut, steps);
+
+  torch::optim::Adam resumed_opt(resumed.params, torch::optim::AdamOptions(1e-3));
+  torch::load(resumed_opt, opt_file);
+  ampfuse::GradScaler resumed_scaler(ampfuse::GradScalerOptions().init_scale(1.0));  // overwritten by load
+  torch::load(resumed_scaler, scaler_file);
+  EXPECT_EQ(resumed_scaler.get_growth_tracker(), [&] {
+    torch::serialize::InputArchive a;
+    a.load_from(scaler_file);
+    c10::IValue v;
+    a.read("_growth_tracker", v);
+    return v.toInt();
+  }());
+  EXPECT_EQ(resumed_scaler.options().growth_interval(), 7);
+  train(resumed, resumed_opt, resumed_scaler, cut, steps);
+  EXPECT_EQ(resumed_scaler.get_scale(), full_scaler.get_scale());
+  EXPECT_EQ(resumed_scaler.get_growth_tracker(), full_scaler.get_growth_tracker());
+  for (std::size_t i = 0; i < full.params.size(); ++i)
+    EXPECT_TRUE(bitwise_equal(resumed.params[i].detach(), full.params[i].detach())) << "param " << i;
+  std::remove(scaler_file.c_str());
+  std::remove(opt_file.c_str());
+}
+
+TEST(GradScalerSerialization, StateDictKeysAndBadArchives) {
+  ampfuse::GradScaler scaler(ampfuse::GradScalerOptions().init_scale(8.0).growth_interval(3));
+  torch::serialize::OutputArchive out;
+  out << scaler;
+  const std::string file = temp_path("keys.pt");
+  out.save_to(file);
+  torch::serialize::InputArchive in;
+  in.load_from(file);
+  c10::IValue v;
+  for (const char* key : {"scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker"})
+    EXPECT_TRUE(in.try_read(key, v)) << key;
+  in.read("scale", v);
+  EXPECT_EQ(v.toDouble(), 8.0);
+
+  // An empty archive, as a disabled scaler writes.
+  torch::serialize::OutputArchive empty;
+  empty.write("unrelated", c10::IValue(1.0));
+  empty.save_to(file);
+  ampfuse::GradScaler target;
+  target.scale(torch::ones({}));
+  expect_error([&] { torch::load(target, file); }, "The source state dict is empty");
+  // A mismatched one: keys missing, or of the wrong type.
+  torch::serialize::OutputArchive partial;
+  partial.write("scale", c10::IValue(4.0));
+  partial.save_to(file);
+  expect_error([&] { torch::load(target, file); }, "the archive has no 'growth_factor'");
+  torch::serialize::OutputArchive wrong;
+  wrong.write("scale", c10::IValue(4.0));
+  wrong.write("growth_factor", c10::IValue(2.0));
+  wrong.write("backoff_factor", c10::IValue(0.5));
+  wrong.write("growth_interval", c10::IValue(2.5));
+  wrong.write("_growth_tracker", c10::IValue(std::int64_t{0}));
+  wrong.save_to(file);
+  expect_error([&] { torch::load(target, file); }, "'growth_interval' is a Double, expected an int");
+  EXPECT_EQ(target.get_scale(), 65536.0) << "a rejected archive changed the scaler";
+  std::remove(file.c_str());
+}
+
+TEST(GradScaler, LowPrecisionGradsAreUnscaledEverywhere) {
+  // PyTorch refuses fp16 grads in unscale_; ampfuse unscales fp16 and bf16 alike.
+  for (auto dtype : {torch::kHalf, torch::kBFloat16}) {
+    Model m = make_params({{10}}, dtype, 9);
+    m.params[0].mutable_grad() = torch::full({10}, 64.f, dtype);
+    torch::optim::SGD opt(m.params, 0.1);
+    ampfuse::GradScaler scaler(ampfuse::GradScalerOptions().init_scale(32.0));
+    scaler.scale(torch::ones({}));
+    scaler.unscale_(opt);
+    EXPECT_TRUE(torch::equal(m.params[0].grad(), torch::full({10}, 2.f, dtype)));
+  }
+}
+
+TEST(GradScaler, UpdateWithExplicitScale) {
+  Model m = make_params({{4}}, torch::kFloat, 10);
+  set_grads(m.params, 1.f);
+  torch::optim::SGD opt(m.params, 0.1);
+  ampfuse::GradScaler scaler;
+  scaler.scale(torch::ones({}));
+  scaler.step(opt);
+  scaler.update(123.0);
+  EXPECT_EQ(scaler.get_scale(), 123.0);
+  scaler.update(torch::full({1}, 7.f));
+  EXPECT_EQ(scaler.get_scale(), 7.0);
+  EXPECT_EQ(scaler.scale_tensor().dim(), 0);
+}
+
+}  // namespace
