@@ -16,9 +16,6 @@
 #include "bench/common.h"
 
 namespace ampfuse_bench {
-namespace {
-
-using Fn = std::function<void()>;
 
 // Times fn on the device's own clock: CPU wall time, or CUDA events around a
 // batch of launches (so that launch latency is not mistaken for bandwidth).
@@ -53,11 +50,15 @@ void register_one(const std::string& name, torch::Device device, std::function<F
   if (device.is_cuda()) b->UseManualTime(); else b->UseRealTime();
 }
 
+namespace {
+
 std::vector<float*> float_pointers(std::vector<torch::Tensor>& list) {
   std::vector<float*> p;
   for (auto& t : list) p.push_back(t.data_ptr<float>());
   return p;
 }
+
+}  // namespace
 
 void register_engine(torch::Device device) {
   const std::string dev = device.is_cuda() ? "@cuda" : "";
@@ -125,19 +126,4 @@ void register_engine(torch::Device device) {
   }
 }
 
-}  // namespace
 }  // namespace ampfuse_bench
-
-int main(int argc, char** argv) {
-  const int threads = ampfuse_bench::bench_threads();
-  torch::set_num_threads(threads);
-  benchmark::AddCustomContext("threads", std::to_string(torch::get_num_threads()));
-  benchmark::AddCustomContext("cpu_isa", ampfuse::cpu_isa());
-  ampfuse_bench::register_engine(torch::kCPU);
-  if (torch::cuda::is_available()) ampfuse_bench::register_engine(torch::kCUDA);
-  benchmark::Initialize(&argc, argv);
-  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
-  benchmark::RunSpecifiedBenchmarks();
-  benchmark::Shutdown();
-  return 0;
-}

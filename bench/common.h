@@ -10,12 +10,24 @@
 #include <torch/torch.h>
 
 #include <cstdlib>
+#include <functional>
 #include <map>
 #include <string>
 #include <thread>
 #include <vector>
 
 namespace ampfuse_bench {
+
+using Fn = std::function<void()>;
+
+/// Times fn (after one warm-up call) and reports `bytes` per call: CPU wall
+/// time, or CUDA events around batches of calls on a CUDA device.
+void run_timed(benchmark::State& state, torch::Device device, const Fn& fn, std::int64_t bytes);
+/// Registers <name>, whose function is made by make() when it first runs.
+void register_one(const std::string& name, torch::Device device, std::function<Fn()> make, std::int64_t bytes);
+
+void register_engine(torch::Device device);
+void register_scaler(torch::Device device);
 
 inline int bench_threads() {
   if (const char* env = std::getenv("AMPFUSE_BENCH_THREADS")) return std::atoi(env);
