@@ -28,7 +28,10 @@ def load(path):
         data = json.load(f)
     rows = collections.OrderedDict()
     for b in data["benchmarks"]:
+        # With repetitions, only the medians; without, the single runs.
         if b.get("run_type") == "aggregate" and b.get("aggregate_name") != "median":
+            continue
+        if b.get("run_type") == "iteration" and b.get("repetitions", 1) > 1:
             continue
         name = b["run_name"] if "run_name" in b else b["name"]
         parts = name.split("/")
