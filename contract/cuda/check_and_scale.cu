@@ -116,10 +116,8 @@ int device_count() {
 }
 
 std::int64_t inline_capacity(int depth) {
-  switch (depth) {
-    case 1: return detail::InlineMeta<1>::kCapacity;
-    default: return 0;
-  }
+  // InlineMeta<Depth>::kCapacity for any depth.
+  return static_cast<std::int64_t>((detail::kMaxKernelArgBytes - 24) / (8 * static_cast<std::size_t>(depth) + 16));
 }
 
 std::size_t check_workspace_bytes(std::int64_t num_chunks) {

@@ -1,0 +1,35 @@
+#pragma once
+// CPU kernels of FusedAdam / FusedAdamW, one per instruction set (see
+// contract/cpu/kernels.h for the scheme). Raw pointers only.
+
+#include <cstdint>
+
+#include "contract/cpu/kernels.h"
+#include "fused/adam_math.h"
+
+namespace ampfuse::fused::cpu {
+
+struct AdamArgs {
+  ampfuse::cpu::PlanRef plan;
+  // By the caller's tensor index; max_exp_avg_sq is null unless amsgrad.
+  void* const* param;
+  void* const* grad;
+  void* const* exp_avg;
+  void* const* exp_avg_sq;
+  void* const* max_exp_avg_sq;
+  ScalarType dtype;                ///< of param, grad and state alike
+  const AdamStepScalars* scalars;  ///< by tensor index
+  AdamHyper hyper;
+  float grad_factor;               ///< inv_scale * clip_coef (1 when unscaled and unclipped)
+};
+
+using AdamFn = void (*)(const AdamArgs&, std::int64_t chunk_begin, std::int64_t chunk_end);
+
+/// The kernel for the instruction set that ampfuse::cpu::kernels() uses.
+AdamFn adam_kernel();
+
+namespace avx512 { extern const AdamFn kAdam; }
+namespace avx2 { extern const AdamFn kAdam; }
+namespace baseline { extern const AdamFn kAdam; }
+
+}  // namespace ampfuse::fused::cpu

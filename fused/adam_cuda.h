@@ -1,0 +1,28 @@
+#pragma once
+// FusedAdam's CUDA launcher. No LibTorch here.
+
+#include "contract/cuda/launch.h"
+#include "fused/adam_math.h"
+
+namespace ampfuse::fused::cuda {
+
+/// Lists of the launch metadata, in this order.
+enum AdamList : int { kParam = 0, kGrad = 1, kExpAvg = 2, kExpAvgSq = 3, kStep = 4, kMaxExpAvgSq = 5 };
+
+struct AdamCudaArgs {
+  AdamHyper hyper;
+  double lr, beta1, beta2;     ///< for the bias corrections, from each tensor's device step
+  const float* found_inf;      ///< skip when != 0; null: never skip
+  const float* inv_scale;      ///< null: 1
+  const float* clip_coef;      ///< null: 1
+  unsigned* counters;          ///< one per tensor of the launch, zero between launches
+};
+
+/// One launch over every chunk of every tensor: skips on found_inf (writing
+/// nothing), else updates param and state with g * inv_scale * clip_coef and
+/// advances each tensor's fp32 step counter (list kStep) by one, after every
+/// block of that tensor has read it (ticket in `counters`).
+void adam(const ampfuse::cuda::LaunchMeta& meta, ScalarType dtype, const AdamCudaArgs& args,
+          ampfuse::cuda::Stream stream);
+
+}  // namespace ampfuse::fused::cuda

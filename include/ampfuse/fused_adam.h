@@ -1,0 +1,90 @@
+#pragma once
+// FusedAdam and FusedAdamW: drop-in replacements for torch::optim::Adam and
+// torch::optim::AdamW. They are those classes (same options, parameter
+// groups, state and checkpoint format: torch::save of a FusedAdam loads into
+// torch::optim::Adam and back) with a fused step: one parallel region per
+// parameter group and dtype on CPU, one kernel launch on CUDA. They
+// implement the scaler contract: under GradScaler::step the unscale, the
+// clip and the skip on inf/NaN happen inside that same pass, with no host
+// sync on CUDA.
+//
+// Parameters: fp32, fp16 or bf16 (state in the parameter's dtype, as in
+// LibTorch), dense, with grads of the same dtype, device, shape and layout.
+// Anything else is refused, naming the group and the parameter, before
+// anything is written.
+//
+// Step counters: on CPU they are LibTorch's (AdamParamState::step). On CUDA
+// each parameter also has a device counter (so that a skipped step can be
+// decided on the device); AdamParamState::step is brought up to date by
+// save() and sync_state(), and is the source the device counters start from.
+
+#include <torch/arg.h>
+#include <torch/optim/adam.h>
+#include <torch/optim/adamw.h>
+
+#include <memory>
+#include <unordered_map>
+#include <vector>
+
+#include "ampfuse/contract.h"
+
+namespace ampfuse {
+
+/// ampfuse's options beyond LibTorch's AdamOptions / AdamWOptions, which are
+/// accepted unchanged. Apply to every parameter group.
+struct FusedAdamOptions {
+  FusedAdamOptions() = default;
+  /// Maximize the objective (ascend the gradient), as PyTorch's maximize=True.
+  TORCH_ARG(bool, maximize) = false;
+};
+
+namespace detail {
+struct FusedAdamState;
+}
+
+class FusedAdam : public torch::optim::Adam, public ScalerAware {
+ public:
+  explicit FusedAdam(const std::vector<torch::optim::OptimizerParamGroup>& param_groups,
+                     torch::optim::AdamOptions defaults = {}, FusedAdamOptions fused = {});
+  explicit FusedAdam(std::vector<at::Tensor> params, torch::optim::AdamOptions defaults = {},
+                     FusedAdamOptions fused = {});
+  ~FusedAdam() override;
+
+  /// One fused step on unscaled grads (what torch::optim::Adam::step does).
+  at::Tensor step(LossClosure closure = nullptr) override;
+  /// The contract step (GradScaler::step calls it).
+  void step_with_signals(const StepSignals& signals) override;
+  /// Copies device step counters into AdamParamState::step (syncs on CUDA).
+  void sync_state();
+  void save(torch::serialize::OutputArchive& archive) const override;
+  void load(torch::serialize::InputArchive& archive) override;
+
+  const FusedAdamOptions& fused_options() const { return fused_; }
+
+ private:
+  FusedAdamOptions fused_;
+  std::unique_ptr<detail::FusedAdamState> impl_;
+};
+
+class FusedAdamW : public torch::optim::AdamW, public ScalerAware {
+ public:
+  explicit FusedAdamW(const std::vector<torch::optim::OptimizerParamGroup>& param_groups,
+                      torch::optim::AdamWOptions defaults = {}, FusedAdamOptions fused = {});
+  explicit FusedAdamW(std::vector<at::Tensor> params, torch::optim::AdamWOptions defaults = {},
+                      FusedAdamOptions fused = {});
+  ~FusedAdamW() override;
+
+  at::Tensor step(LossClosure closure = nullptr) override;
+  void step_with_signals(const StepSignals& signals) override;
+  void sync_state();
+  void save(torch::serialize::OutputArchive& archive) const override;
+  void load(torch::serialize::InputArchive& archive) override;
+
+  const FusedAdamOptions& fused_options() const { return fused_; }
+
+ private:
+  FusedAdamOptions fused_;
+  std::unique_ptr<detail::FusedAdamState> impl_;
+};
+
+}  // namespace ampfuse

@@ -1,0 +1,448 @@
+// FusedAdam / FusedAdamW against torch::optim::Adam / AdamW and ATen's
+// _fused_adam_ / _fused_adamw_, on every CPU instruction set and on CUDA
+// (skipped without a device): numbers, skipped steps, checkpoints, bad input.
+
+#include <ampfuse/fused_adam.h>
+#include <ampfuse/grad_scaler.h>
+
+#include <unistd.h>
+
+#include <cstdio>
+#include <filesystem>
+#include <limits>
+
+#include "contract/cpu/kernels.h"
+#include "tests/common.h"
+
+namespace {
+
+using ampfuse_test::bitwise_equal;
+using ::testing::HasSubstr;
+
+struct AdamCase {
+  std::string device;
+  std::string isa;  // "" on CUDA
+  bool adamw;
+};
+
+void PrintTo(const AdamCase& c, std::ostream* os) {
+  *os << c.device << (c.isa.empty() ? "" : "/" + c.isa) << (c.adamw ? "/adamw" : "/adam");
+}
+
+std::string adam_case_name(const ::testing::TestParamInfo<AdamCase>& info) {
+  return info.param.device + (info.param.isa.empty() ? "" : "_" + info.param.isa) +
+         (info.param.adamw ? "_adamw" : "_adam");
+}
+
+std::vector<AdamCase> adam_cases() {
+  std::vector<AdamCase> cases;
+  for (bool adamw : {false, true}) {
+    for (const char* isa : {"avx512", "avx2", "baseline"}) cases.push_back({"cpu", isa, adamw});
+    cases.push_back({"cuda", "", adamw});
+  }
+  return cases;
+}
+
+// Random hyperparameters of one group.
+struct Hyper {
+  double lr, beta1, beta2, eps, weight_decay;
+  bool amsgrad;
+};
+
+Hyper random_hyper(std::mt19937_64& rng) {
+  std::uniform_real_distribution<double> u(0, 1);
+  return {std::pow(10.0, -4 + 2.5 * u(rng)), 0.5 + 0.49 * u(rng), 0.9 + 0.0999 * u(rng),
+          std::pow(10.0, -10 + 4 * u(rng)), u(rng) < 0.5 ? 0.0 : 0.1 * u(rng), u(rng) < 0.5};
+}
+
+template <class Options>
+Options to_options(const Hyper& h) {
+  Options o(h.lr);
+  o.betas(std::make_tuple(h.beta1, h.beta2)).eps(h.eps).weight_decay(h.weight_decay).amsgrad(h.amsgrad);
+  return o;
+}
+
+class FusedAdamTest : public ::testing::TestWithParam<AdamCase> {
+ protected:
+  void SetUp() override {
+    device_ = torch::Device(GetParam().device);
+    AMPFUSE_SKIP_WITHOUT(device_);
+    if (!GetParam().isa.empty()) {
+      const auto isas = ampfuse::cpu::available_isas();
+      if (std::find(isas.begin(), isas.end(), GetParam().isa) == isas.end()) GTEST_SKIP() << "no " << GetParam().isa;
+      ampfuse::cpu::force_isa(GetParam().isa);
+    }
+    seed_ = ampfuse_test::seed_for_test();
+    rng_.seed(seed_);
+  }
+  void TearDown() override { ampfuse::cpu::force_isa(""); }
+
+  // Shapes with 0, 1, odd sizes, the vector widths and a chunk boundary.
+  std::vector<std::vector<std::int64_t>> random_shapes(int n) {
+    const std::vector<std::vector<std::int64_t>> pool = {{0}, {1}, {3}, {7, 5}, {16}, {17}, {33, 3}, {65537},
+                                                         {4, 0, 3}, {129, 31}, {1000}};
+    std::vector<std::vector<std::int64_t>> shapes;
+    for (int i = 0; i < n; ++i) shapes.push_back(pool[rng_() % pool.size()]);
+    return shapes;
+  }
+
+  std::vector<torch::Tensor> make_params(const std::vector<std::vector<std::int64_t>>& shapes,
+                                         torch::Dtype dtype = torch::kFloat) {
+    std::vector<torch::Tensor> out;
+    for (const auto& s : shapes)
+      out.push_back(torch::randn(s, torch::TensorOptions().dtype(dtype).device(device_)).requires_grad_(true));
+    return out;
+  }
+
+  static std::vector<torch::Tensor> copies(const std::vector<torch::Tensor>& params, torch::Dtype dtype) {
+    std::vector<torch::Tensor> out;
+    for (const auto& p : params) out.push_back(p.detach().to(dtype).clone().requires_grad_(true));
+    return out;
+  }
+
+  std::unique_ptr<torch::optim::Optimizer> make_ours(const std::vector<std::vector<torch::Tensor>>& groups,
+                                                     const std::vector<Hyper>& hypers, bool maximize = false) {
+    const auto fused = ampfuse::FusedAdamOptions().maximize(maximize);
+    if (GetParam().adamw) {
+      std::vector<torch::optim::OptimizerParamGroup> g;
+      for (std::size_t i = 0; i < groups.size(); ++i)
+        g.emplace_back(groups[i], std::make_unique<torch::optim::AdamWOptions>(to_options<torch::optim::AdamWOptions>(hypers[i])));
+      return std::make_unique<ampfuse::FusedAdamW>(g, torch::optim::AdamWOptions(), fused);
+    }
+    std::vector<torch::optim::OptimizerParamGroup> g;
+    for (std::size_t i = 0; i < groups.size(); ++i)
+      g.emplace_back(groups[i], std::make_unique<torch::optim::AdamOptions>(to_options<torch::optim::AdamOptions>(hypers[i])));
+    return std::make_unique<ampfuse::FusedAdam>(g, torch::optim::AdamOptions(), fused);
+  }
+
+  std::unique_ptr<torch::optim::Optimizer> make_reference(const std::vector<std::vector<torch::Tensor>>& groups,
+                                                          const std::vector<Hyper>& hypers) {
+    if (GetParam().adamw) {
+      std::vector<torch::optim::OptimizerParamGroup> g;
+      for (std::size_t i = 0; i < groups.size(); ++i)
+        g.emplace_back(groups[i], std::make_unique<torch::optim::AdamWOptions>(to_options<torch::optim::AdamWOptions>(hypers[i])));
+      return std::make_unique<torch::optim::AdamW>(g);
+    }
+    std::vector<torch::optim::OptimizerParamGroup> g;
+    for (std::size_t i = 0; i < groups.size(); ++i)
+      g.emplace_back(groups[i], std::make_unique<torch::optim::AdamOptions>(to_options<torch::optim::AdamOptions>(hypers[i])));
+    return std::make_unique<torch::optim::Adam>(g);
+  }
+
+  static void expect_close(const std::vector<torch::Tensor>& a, const std::vector<torch::Tensor>& b, double rtol,
+                           double atol, const std::string& what) {
+    for (std::size_t i = 0; i < a.size(); ++i) {
+      const auto x = a[i].detach().to(torch::kDouble).cpu(), y = b[i].detach().to(torch::kDouble).cpu();
+      if (x.numel() == 0) continue;
+      const auto excess = ((x - y).abs() - (atol + rtol * y.abs())).max().item<double>();
+      EXPECT_LE(excess, 0.0) << what << ", tensor " << i << ": max |diff| " << (x - y).abs().max().item<double>();
+    }
+  }
+
+  torch::Device device_{torch::kCPU};
+  std::uint64_t seed_ = 0;
+  std::mt19937_64 rng_;
+};
+
+TEST_P(FusedAdamTest, MatchesTorchOptimOverHundredSteps) {
+  for (int round = 0; round < 3; ++round) {
+    const int num_groups = 1 + static_cast<int>(rng_() % 3);
+    std::vector<std::vector<torch::Tensor>> ours, ref;
+    std::vector<Hyper> hypers;
+    for (int g = 0; g < num_groups; ++g) {
+      ours.push_back(make_params(random_shapes(1 + static_cast<int>(rng_() % 4))));
+      ref.push_back(copies(ours.back(), torch::kFloat));
+      hypers.push_back(random_hyper(rng_));
+    }
+    const bool maximize = round == 2;
+    auto opt = make_ours(ours, hypers, maximize);
+    auto ref_opt = make_reference(ref, hypers);
+    for (int step = 0; step < 100; ++step) {
+      for (int g = 0; g < num_groups; ++g)
+        for (std::size_t i = 0; i < ours[g].size(); ++i) {
+          auto grad = torch::randn_like(ours[g][i]);
+          ours[g][i].mutable_grad() = grad.clone();
+          // LibTorch has no maximize: the reference descends on -g.
+          ref[g][i].mutable_grad() = maximize ? -grad : grad.clone();
+        }
+      opt->step();
+      ref_opt->step();
+    }
+    SCOPED_TRACE("round " + std::to_string(round) + (maximize ? " (maximize)" : ""));
+    for (int g = 0; g < num_groups; ++g) expect_close(ours[g], ref[g], 1e-5, 1e-6, "group " + std::to_string(g));
+  }
+}
+
+TEST_P(FusedAdamTest, LowPrecisionParamsTrackAnFp32Reference) {
+  // fp16/bf16 parameters and state, fp32 math: within a few storage ulps of
+  // an fp32 run after 20 steps.
+  for (auto dtype : {torch::kHalf, torch::kBFloat16}) {
+    SCOPED_TRACE(ampfuse_test::dtype_name(dtype));
+    const Hyper h{1e-2, 0.9, 0.999, 1e-6, 0.0, false};
+    auto low = make_params({{257}, {64, 3}}, dtype);
+    auto ref = copies(low, torch::kFloat);
+    auto opt = make_ours({low}, {h});
+    auto ref_opt = make_reference({ref}, {h});
+    for (int step = 0; step < 20; ++step) {
+      for (std::size_t i = 0; i < low.size(); ++i) {
+        auto grad = torch::randn_like(ref[i]);
+        low[i].mutable_grad() = grad.to(dtype);
+        ref[i].mutable_grad() = grad.to(dtype).to(torch::kFloat);
+      }
+      opt->step();
+      ref_opt->step();
+    }
+    // Each step rounds p to the storage type once (half an ulp); over 20
+    // steps the error walks a few ulps: allow 6 ulps, relative.
+    const double ulp = dtype == torch::kHalf ? std::ldexp(1.0, -10) : std::ldexp(1.0, -7);
+    expect_close(low, ref, 6 * ulp, 6 * ulp, "vs fp32");
+  }
+}
+
+TEST_P(FusedAdamTest, ScaledStepMatchesUnscaledAndSkipsBitwise) {
+  const Hyper h = random_hyper(rng_);
+  auto ours = make_params({{33, 5}, {0}, {1000}});
+  auto ref = copies(ours, torch::kFloat);
+  auto opt = make_ours({ours}, {h});
+  auto ref_opt = make_reference({ref}, {h});
+  ampfuse::GradScaler scaler(ampfuse::GradScalerOptions().init_scale(1024.0).growth_interval(1000));
+  const float inf = std::numeric_limits<float>::infinity();
+  for (int step = 0; step < 12; ++step) {
+    // Steps 0 (the very first: no state yet) and 5 carry an inf.
+    const bool poison = step == 0 || step == 5;
+    for (std::size_t i = 0; i < ours.size(); ++i) {
+      auto grad = torch::randn_like(ref[i]);
+      ref[i].mutable_grad() = grad.clone();
+      ours[i].mutable_grad() = grad * static_cast<float>(scaler.get_scale());
+    }
+    if (poison) ours[2].mutable_grad()[7] = inf;
+    std::vector<torch::Tensor> params_before, grads_before;
+    for (const auto& p : ours) {
+      params_before.push_back(p.detach().clone());
+      grads_before.push_back(p.grad().clone());
+    }
+    scaler.scale(torch::ones({}, torch::TensorOptions().device(device_)));
+    scaler.step(*opt);
+    scaler.update();
+    for (std::size_t i = 0; i < ours.size(); ++i)
+      EXPECT_TRUE(bitwise_equal(ours[i].grad(), grads_before[i])) << "step " << step << ": grad " << i << " written";
+    EXPECT_EQ(scaler.last_step_skipped(*opt), poison);
+    if (poison) {
+      for (std::size_t i = 0; i < ours.size(); ++i)
+        EXPECT_TRUE(bitwise_equal(ours[i].detach(), params_before[i])) << "step " << step << ": skipped step wrote";
+      if (step == 0 && device_.is_cpu()) EXPECT_TRUE(opt->state().empty()) << "a skipped first step made state";
+      continue;
+    }
+    ref_opt->step();
+  }
+  expect_close(ours, ref, 1e-5, 1e-6, "after 12 steps, 2 skipped");
+  // Step counters advanced on the 10 applied steps only.
+  if (auto* a = dynamic_cast<ampfuse::FusedAdam*>(opt.get())) a->sync_state();
+  if (auto* a = dynamic_cast<ampfuse::FusedAdamW*>(opt.get())) a->sync_state();
+  for (const auto& [key, st] : opt->state()) {
+    const auto* s = dynamic_cast<const torch::optim::AdamParamState*>(st.get());
+    const auto* sw = dynamic_cast<const torch::optim::AdamWParamState*>(st.get());
+    EXPECT_EQ(s ? s->step() : sw->step(), 10);
+  }
+}
+
+TEST_P(FusedAdamTest, ClipThroughTheScalerMatchesLibTorchClipping) {
+  const Hyper h{1e-2, 0.9, 0.99, 1e-8, 0.0, false};
+  auto ours = make_params({{100}, {7, 7}});
+  auto ref = copies(ours, torch::kFloat);
+  auto opt = make_ours({ours}, {h});
+  auto ref_opt = make_reference({ref}, {h});
+  ampfuse::GradScaler scaler(ampfuse::GradScalerOptions().init_scale(256.0));
+  for (int step = 0; step < 5; ++step) {
+    for (std::size_t i = 0; i < ours.size(); ++i) {
+      auto grad = torch::randn_like(ref[i]) * 3;
+      ref[i].mutable_grad() = grad.clone();
+      ours[i].mutable_grad() = grad * 256.f;
+    }
+    scaler.scale(torch::ones({}, torch::TensorOptions().device(device_)));
+    scaler.clip_grad_norm_(*opt, 1.0);
+    scaler.step(*opt);
+    scaler.update();
+    torch::nn::utils::clip_grad_norm_(ref, 1.0);
+    ref_opt->step();
+  }
+  expect_close(ours, ref, 1e-5, 1e-6, "clipped");
+}
+
+TEST_P(FusedAdamTest, HostLrChangeTakesEffect) {
+  const Hyper h{1e-2, 0.9, 0.999, 1e-8, 0.0, false};
+  auto ours = make_params({{50}});
+  auto opt = make_ours({ours}, {h});
+  ours[0].mutable_grad() = torch::randn_like(ours[0]);
+  opt->step();
+  const auto before = ours[0].detach().clone();
+  opt->param_groups()[0].options().set_lr(0.0);  // what LibTorch's schedulers do
+  ours[0].mutable_grad() = torch::randn_like(ours[0]);
+  opt->step();
+  EXPECT_TRUE(bitwise_equal(ours[0].detach(), before));
+}
+
+std::string temp_path(const std::string& name) {
+  return (std::filesystem::temp_directory_path() / ("ampfuse_" + std::to_string(::getpid()) + "_" + name)).string();
+}
+
+TEST_P(FusedAdamTest, CheckpointsInteroperateWithTorchOptimBothWays) {
+  const Hyper h{3e-3, 0.8, 0.95, 1e-8, 0.01, true};
+  for (bool ours_first : {true, false}) {
+    SCOPED_TRACE(ours_first ? "FusedAdam -> torch::optim" : "torch::optim -> FusedAdam");
+    auto a = make_params({{31}, {5, 5}});
+    auto b = copies(a, torch::kFloat);
+    auto first = ours_first ? make_ours({a}, {h}) : make_reference({a}, {h});
+    std::vector<std::vector<torch::Tensor>> grads;
+    for (int step = 0; step < 20; ++step) {
+      std::vector<torch::Tensor> g;
+      for (const auto& p : a) g.push_back(torch::randn_like(p));
+      grads.push_back(g);
+    }
+    auto run = [&](torch::optim::Optimizer& opt, std::vector<torch::Tensor>& params, int from, int to) {
+      for (int step = from; step < to; ++step) {
+        for (std::size_t i = 0; i < params.size(); ++i) params[i].mutable_grad() = grads[step][i].clone();
+        opt.step();
+      }
+    };
+    run(*first, a, 0, 10);
+    const std::string file = temp_path("adam_interop.pt");
+    torch::save(*first, file);
+    // Copy the parameters at the cut, then finish both runs.
+    for (std::size_t i = 0; i < a.size(); ++i) {
+      torch::NoGradGuard no_grad;
+      b[i].copy_(a[i]);
+    }
+    auto second = ours_first ? make_reference({b}, {h}) : make_ours({b}, {h});
+    torch::load(*second, file);
+    run(*first, a, 10, 20);
+    run(*second, b, 10, 20);
+    expect_close(b, a, 1e-5, 1e-6, "continued after the checkpoint");
+    std::remove(file.c_str());
+  }
+}
+
+TEST_P(FusedAdamTest, BadInputNamesGroupAndParamAndChangesNothing) {
+  const Hyper h{1e-2, 0.9, 0.999, 1e-8, 0.0, false};
+  auto expect_refused = [&](std::vector<std::vector<torch::Tensor>> groups, const std::string& message) {
+    std::vector<torch::Tensor> before;
+    for (auto& g : groups)
+      for (auto& p : g) before.push_back(p.detach().clone());
+    std::unique_ptr<torch::optim::Optimizer> opt;
+    try {
+      opt = make_ours(groups, std::vector<Hyper>(groups.size(), h));
+      opt->step();
+      ADD_FAILURE() << "accepted: " << message;
+    } catch (const c10::Error& e) {
+      EXPECT_THAT(e.what_without_backtrace(), HasSubstr(message));
+    }
+    std::size_t k = 0;
+    for (auto& g : groups)
+      for (auto& p : g) EXPECT_TRUE(bitwise_equal(p.detach(), before[k++])) << message;
+    if (opt) EXPECT_TRUE(opt->state().empty()) << message;
+  };
+  const char* name = GetParam().adamw ? "FusedAdamW" : "FusedAdam";
+  auto good = [&] {
+    auto p = make_params({{6}})[0];
+    p.mutable_grad() = torch::randn_like(p);
+    return p;
+  };
+  {
+    auto p = make_params({{6}})[0];
+    p.mutable_grad() = torch::randn({6}, torch::TensorOptions().dtype(torch::kHalf).device(device_));
+    expect_refused({{good()}, {good(), p}}, std::string(name) + ": param group 1, param 1: grad dtype Half differs");
+  }
+  {
+    auto p = make_params({{6}})[0];
+    p.mutable_grad() = torch::randn({3, 2}, torch::TensorOptions().device(device_));
+    expect_refused({{good(), p}}, "param group 0, param 1: grad shape [3, 2] differs");
+  }
+  {
+    auto p = make_params({{6}})[0];
+    p.mutable_grad() = torch::empty({6}, torch::TensorOptions().device(torch::kMeta));
+    expect_refused({{p}}, "param group 0, param 0: grad is on meta");
+  }
+  {
+    auto p = make_params({{4, 4}})[0];
+    p.mutable_grad() = torch::randn({4, 4}).to_sparse().to(device_);
+    expect_refused({{good(), p}}, "param group 0, param 1: the grad is sparse");
+  }
+  {
+    auto p = torch::randn({4}, torch::TensorOptions().dtype(torch::kComplexFloat).device(device_)).requires_grad_();
+    p.mutable_grad() = torch::randn_like(p);
+    expect_refused({{good(), p}}, "param group 0, param 1: dtype ComplexFloat is not supported");
+  }
+  {
+    auto p = torch::ones({4}, torch::TensorOptions().dtype(torch::kInt).device(device_));
+    expect_refused({{good()}, {p}}, "param group 1, param 0: dtype Int is not supported");
+  }
+  {
+    auto p = good();
+    expect_refused({{good(), p}, {p}}, "param group 1, param 0 is also param 1 of group 0");
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(All, FusedAdamTest, ::testing::ValuesIn(adam_cases()), adam_case_name);
+
+// ATen's fused kernels on CPU, with and without grad_scale / found_inf.
+TEST(FusedAdamAten, MatchesAtenFusedAdamOnCpu) {
+  const auto seed = ampfuse_test::seed_for_test();
+  for (bool adamw : {false, true}) {
+    for (bool scaled : {false, true}) {
+      SCOPED_TRACE(std::string(adamw ? "adamw" : "adam") + (scaled ? ", grad_scale" : ""));
+      torch::manual_seed(seed);
+      const double lr = 2e-3, b1 = 0.85, b2 = 0.98, wd = 0.05, eps = 1e-7;
+      std::vector<torch::Tensor> p = {torch::randn({129}).requires_grad_(), torch::randn({17, 3}).requires_grad_()};
+      std::vector<torch::Tensor> q, m, v, vmax, steps;
+      for (auto& t : p) {
+        q.push_back(t.detach().clone());
+        m.push_back(torch::zeros_like(t));
+        v.push_back(torch::zeros_like(t));
+        vmax.push_back(torch::zeros_like(t));
+        steps.push_back(torch::zeros({}));
+      }
+      std::unique_ptr<torch::optim::Optimizer> opt;
+      auto fused = ampfuse::FusedAdamOptions();
+      if (adamw)
+        opt = std::make_unique<ampfuse::FusedAdamW>(p, torch::optim::AdamWOptions(lr).betas({b1, b2}).eps(eps).weight_decay(wd).amsgrad(true), fused);
+      else
+        opt = std::make_unique<ampfuse::FusedAdam>(p, torch::optim::AdamOptions(lr).betas({b1, b2}).eps(eps).weight_decay(wd).amsgrad(true), fused);
+      auto* aware = dynamic_cast<ampfuse::ScalerAware*>(opt.get());
+      const float scale = 512.f;
+      for (int step = 0; step < 30; ++step) {
+        const bool skip = scaled && step % 7 == 3;
+        std::vector<torch::Tensor> grads;
+        for (auto& t : p) grads.push_back(torch::randn_like(t) * (scaled ? scale : 1.f));
+        for (std::size_t i = 0; i < p.size(); ++i) p[i].mutable_grad() = grads[i].clone();
+        auto found = torch::full({}, skip ? 1.f : 0.f);
+        if (scaled) {
+          ampfuse::StepSignals signals;
+          signals.set(torch::kCPU, {torch::full({}, 1.f / scale), found, {}});
+          aware->step_with_signals(signals);
+        } else {
+          opt->step();
+        }
+        // PyTorch's _fused_adam: steps are incremented by the caller, and
+        // decremented again when found_inf says the step was skipped.
+        for (auto& s : steps) s.add_(1);
+        c10::optional<at::Tensor> gs, fi;
+        if (scaled) {
+          gs = torch::full({}, scale);
+          fi = found;
+        }
+        if (adamw)
+          at::_fused_adamw_(q, grads, m, v, vmax, steps, lr, b1, b2, wd, eps, true, false, gs, fi);
+        else
+          at::_fused_adam_(q, grads, m, v, vmax, steps, lr, b1, b2, wd, eps, true, false, gs, fi);
+        if (skip)
+          for (auto& s : steps) s.sub_(1);
+      }
+      for (std::size_t i = 0; i < p.size(); ++i) {
+        const auto diff = (p[i].detach() - q[i]).abs().max().item<float>();
+        EXPECT_LE(diff, 1e-5 * q[i].abs().max().item<float>()) << "tensor " << i;
+      }
+    }
+  }
+}
+
+}  // namespace
