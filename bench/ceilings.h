@@ -17,4 +17,8 @@ std::uint32_t read_only_twin(const std::vector<float*>& data, const ampfuse::Pla
 /// passed at run time so that the compiler cannot drop the loop.
 void read_write_twin(const std::vector<float*>& data, const ampfuse::Plan& plan, float s);
 
+/// Adam's traffic: reads p, g, m, v and writes p, m, v (28 bytes per fp32 element).
+void adam_twin(const std::vector<float*>& p, const std::vector<float*>& g, const std::vector<float*>& m,
+               const std::vector<float*>& v, const ampfuse::Plan& plan);
+
 }  // namespace ampfuse_bench

@@ -28,6 +28,7 @@ void register_one(const std::string& name, torch::Device device, std::function<F
 
 void register_engine(torch::Device device);
 void register_scaler(torch::Device device);
+void register_adam(torch::Device device);
 
 inline int bench_threads() {
   if (const char* env = std::getenv("AMPFUSE_BENCH_THREADS")) return std::atoi(env);

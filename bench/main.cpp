@@ -15,6 +15,7 @@ int main(int argc, char** argv) {
   for (const auto& device : devices) {
     ampfuse_bench::register_engine(device);
     ampfuse_bench::register_scaler(device);
+    ampfuse_bench::register_adam(device);
   }
   benchmark::Initialize(&argc, argv);
   if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;

@@ -20,6 +20,13 @@ import sys
 TARGETS = [
     ("Check", "1x64M", "ceiling_read", 0.85, "of the read-only ceiling"),
     ("Check", "10000x4096", "aten_isfinite_all", 3.0, "the speed of at::isfinite(t).all() per tensor"),
+    ("Adam", "8x8M", "ceiling_twin", 0.90, "of the traffic twin"),
+    ("Adam", "8x8M", "torch_optim_adam", 4.0, "the speed of torch::optim::Adam"),
+    ("Adam", "10000x4096", "torch_optim_adam", 8.0, "the speed of torch::optim::Adam"),
+    ("Adam", "8x8M", "aten_fused_adam", 1.0, "the speed of at::_fused_adam_"),
+    ("Adam", "10000x4096", "aten_fused_adam", 1.5, "the speed of at::_fused_adam_"),
+    ("AdamScaled", "8x8M", "aten_fused_adam", 1.25, "the speed of PyTorch's scaled fused step"),
+    ("AdamClip", "8x8M", "aten_fused_adam", 1.5, "the speed of PyTorch's unscale + clip + fused step"),
 ]
 
 

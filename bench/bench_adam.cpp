@@ -1,0 +1,161 @@
+// FusedAdam against torch::optim::Adam, ATen's _fused_adam_ and the traffic
+// twin (read p, g, m, v; write p, m, v: 28 bytes per fp32 parameter).
+//   Adam        unscaled step
+//   AdamScaled  a GradScaler step: ours = check pass + fused step (contract);
+//               PyTorch's = _amp_foreach_non_finite_check_and_unscale_ with
+//               inv_scale 1 (its check pass, which writes grads back) +
+//               _fused_adam_ with grad_scale and found_inf
+//   AdamClip    the same with clipping to a global 2-norm; PyTorch's =
+//               unscale_, clip_grad_norm_ (_foreach_norm, _foreach_mul_), fused step
+// Parameter sets: 64M in 8 tensors, 10,000 x 4,096, GPT-2 small (148 tensors, 124M).
+// The scale is 1 and max_norm huge, so repeated steps keep their values.
+
+#include <ampfuse/fused_adam.h>
+#include <ampfuse/grad_scaler.h>
+#include <ampfuse/tensor_ops.h>
+
+#include <ATen/Parallel.h>
+
+#include "bench/ceilings.h"
+#include "bench/common.h"
+
+namespace ampfuse_bench {
+namespace {
+
+const std::vector<ParamSet>& adam_sets() {
+  static const std::vector<ParamSet> sets = [] {
+    std::vector<ParamSet> s;
+    s.push_back({"8x8M", std::vector<std::int64_t>(8, 8ll << 20)});
+    s.push_back({"10000x4096", std::vector<std::int64_t>(10000, 4096)});
+    // GPT-2 small (Radford et al. 2019; the 124M checkpoint): token and
+    // position embeddings, 12 blocks of (ln_1, c_attn, c_proj, ln_2, c_fc,
+    // mlp c_proj), final layer norm.
+    std::vector<std::int64_t> gpt2 = {50257ll * 768, 1024ll * 768};
+    for (int layer = 0; layer < 12; ++layer) {
+      const std::vector<std::int64_t> block = {768, 768, 768ll * 2304, 2304, 768ll * 768, 768,
+                                               768, 768, 768ll * 3072, 3072, 3072ll * 768, 768};
+      gpt2.insert(gpt2.end(), block.begin(), block.end());
+    }
+    gpt2.push_back(768);
+    gpt2.push_back(768);
+    s.push_back({"gpt2-124M", gpt2});
+    return s;
+  }();
+  return sets;
+}
+
+struct AdamData {
+  std::vector<torch::Tensor> params, grads, exp_avg, exp_avg_sq, max_exp_avg_sq, steps;
+};
+
+// Parameters with grads attached, made once per set and device, shared by all contenders.
+AdamData& adam_data(const ParamSet& set, torch::Device device) {
+  static std::map<std::string, AdamData> cache;
+  const std::string key = set.name + device.str();
+  auto it = cache.find(key);
+  if (it == cache.end()) {
+    AdamData d;
+    auto opts = torch::TensorOptions().dtype(torch::kFloat).device(device);
+    for (std::int64_t n : set.numels) {
+      auto p = (torch::rand({n}, opts) - 0.5).requires_grad_(true);
+      auto g = torch::randn({n}, opts) * 1e-2;
+      p.mutable_grad() = g;
+      d.params.push_back(p);
+      d.grads.push_back(g);
+      d.exp_avg.push_back(torch::zeros({n}, opts));
+      d.exp_avg_sq.push_back(torch::zeros({n}, opts));
+      d.steps.push_back(torch::zeros({}, opts));
+    }
+    it = cache.emplace(key, std::move(d)).first;
+  }
+  return it->second;
+}
+
+std::vector<torch::Tensor> detached(const std::vector<torch::Tensor>& v) {
+  std::vector<torch::Tensor> out;
+  for (const auto& t : v) out.push_back(t.detach());
+  return out;
+}
+
+}  // namespace
+
+void register_adam(torch::Device device) {
+  const std::string dev = device.is_cuda() ? "@cuda" : "";
+  auto fopts = torch::TensorOptions().dtype(torch::kFloat).device(device);
+  constexpr double kLr = 1e-4, kMaxNorm = 1e30;
+  for (const ParamSet& set : adam_sets()) {
+    const std::int64_t n = total_numel(set);
+    const std::int64_t bytes = 28 * n;
+    const std::string tail = "/" + set.name + dev;
+    auto data = [set, device]() -> AdamData& { return adam_data(set, device); };
+
+    for (const char* op : {"Adam", "AdamScaled", "AdamClip"}) {
+      const std::string o = op;
+      const bool scaled = o != "Adam", clip = o == "AdamClip";
+      register_one(o + "/ours" + tail, device, [=] {
+        auto opt = std::make_shared<ampfuse::FusedAdam>(data().params, torch::optim::AdamOptions(kLr));
+        auto scaler = std::make_shared<ampfuse::GradScaler>(
+            ampfuse::GradScalerOptions().init_scale(1.0).growth_interval(1 << 30));
+        scaler->scale(torch::ones({}, fopts));
+        return Fn([=] {
+          if (!scaled) return void(opt->step());
+          if (clip) scaler->clip_grad_norm_(*opt, kMaxNorm);
+          scaler->step(*opt);
+          scaler->update();
+        });
+      }, bytes);
+      register_one(o + "/aten_fused_adam" + tail, device, [=] {
+        auto found = torch::zeros({}, fopts);
+        auto one = torch::ones({}, fopts);
+        return Fn([=]() mutable {
+          AdamData& d = data();
+          const auto params = detached(d.params);
+          at::_foreach_add_(d.steps, 1);
+          if (!scaled) {
+            at::_fused_adam_(params, d.grads, d.exp_avg, d.exp_avg_sq, {}, d.steps, kLr, 0.9, 0.999, 0.0, 1e-8,
+                             false, false);
+            return;
+          }
+          found.zero_();
+          at::_amp_foreach_non_finite_check_and_unscale_(d.grads, found, one);
+          if (clip) {
+            const auto total = at::linalg_vector_norm(at::stack(at::_foreach_norm(d.grads, 2)), 2);
+            at::_foreach_mul_(d.grads, at::clamp(kMaxNorm / (total + 1e-6), c10::nullopt, 1.0));
+            at::_fused_adam_(params, d.grads, d.exp_avg, d.exp_avg_sq, {}, d.steps, kLr, 0.9, 0.999, 0.0, 1e-8,
+                             false, false);
+          } else {
+            at::_fused_adam_(params, d.grads, d.exp_avg, d.exp_avg_sq, {}, d.steps, kLr, 0.9, 0.999, 0.0, 1e-8,
+                             false, false, one, found);
+          }
+          benchmark::DoNotOptimize(found.item<float>());  // PyTorch's update() reads the scale state
+        });
+      }, bytes);
+    }
+    register_one("Adam/torch_optim_adam" + tail, device, [=] {
+      auto opt = std::make_shared<torch::optim::Adam>(data().params, torch::optim::AdamOptions(kLr));
+      return Fn([=] { opt->step(); });
+    }, bytes);
+    if (device.is_cpu()) {
+      register_one("Adam/ceiling_twin" + tail, device, [=] {
+        AdamData& d = data();
+        auto plan = std::make_shared<ampfuse::Plan>(set.numels, ampfuse::cpu_chunk_size());
+        std::vector<float*> p, g, m, v;
+        for (std::size_t i = 0; i < d.params.size(); ++i) {
+          p.push_back(d.params[i].data_ptr<float>());
+          g.push_back(d.grads[i].data_ptr<float>());
+          m.push_back(d.exp_avg[i].data_ptr<float>());
+          v.push_back(d.exp_avg_sq[i].data_ptr<float>());
+        }
+        return Fn([=] { adam_twin(p, g, m, v, *plan); });
+      }, bytes);
+    } else {
+      register_one("Adam/ceiling_d2d_copy" + tail, device, [=] {
+        auto src = torch::empty({n * 7 / 2}, fopts);  // 28 bytes per parameter: 14 read + 14 written
+        auto dst = torch::empty({n * 7 / 2}, fopts);
+        return Fn([=]() mutable { dst.copy_(src); });
+      }, bytes);
+    }
+  }
+}
+
+}  // namespace ampfuse_bench
