@@ -51,6 +51,15 @@ def load(path):
     return data.get("context", {}), rows
 
 
+OP_ORDER = ["Check", "CheckNorm", "Scale", "Scaler", "ScalerClip", "Adam", "AdamScaled", "AdamClip"]
+
+
+def sort_key(key):
+    op, pset = key
+    base = pset.split("@")[0]
+    return (OP_ORDER.index(op) if op in OP_ORDER else len(OP_ORDER), op, "@" in pset, base)
+
+
 def ratios(rows):
     """{(op, set): [(contender, seconds, GB/s, ratio, kind)]}, ratio > 1 means ours is better
     (speedup for contenders; fraction of the ceiling for ceilings)."""
@@ -58,12 +67,14 @@ def ratios(rows):
     for (op, pset, contender), r in rows.items():
         groups.setdefault((op, pset), {})[contender] = r
     out = collections.OrderedDict()
-    for key, group in groups.items():
+    for key in sorted(groups, key=sort_key):
+        group = groups[key]
         ours = group.get("ours")
         if ours is None:
             continue
         lines = []
-        for contender, r in group.items():
+        for contender in sorted(group, key=lambda c: (c.startswith("ceiling"), c)):
+            r = group[contender]
             if contender == "ours":
                 continue
             if contender.startswith("ceiling"):
@@ -113,7 +124,7 @@ def target_lines(table):
         ok = ratio >= minimum
         ok_all &= ok
         shown = f"{ratio * 100:.0f}%" if found[0][4] == "ceiling" else f"{ratio:.2f}x"
-        want = f"{minimum * 100:.0f}%" if found[0][4] == "ceiling" else f"{minimum:.1f}x"
+        want = f"{minimum * 100:.0f}%" if found[0][4] == "ceiling" else f"{minimum:g}x"
         md.append(f"| {op} {pset}: at least {want} {what} | {shown} | {'yes' if ok else 'no'} |")
     md.append("")
     return md, ok_all

@@ -15,7 +15,8 @@ int main() {
 
   // --- README example begins ---
   torch::nn::Linear model(64, 64);
-  torch::optim::Adam optimizer(model->parameters(), torch::optim::AdamOptions(1e-3));
+  // Drop-in for torch::optim::Adam: same options, groups and checkpoints; one fused pass.
+  ampfuse::FusedAdam optimizer(model->parameters(), torch::optim::AdamOptions(1e-3));
   ampfuse::GradScaler scaler;  // init_scale 65536, growth 2, backoff 0.5, interval 2000
 
   for (auto& [x, y] : batches) {
@@ -23,11 +24,12 @@ int main() {
     auto loss = torch::mse_loss(model->forward(x), y);  // forward in fp16/bf16 for mixed precision
     scaler.scale(loss).backward();           // scaled, so small fp16 grads do not underflow
     scaler.clip_grad_norm_(optimizer, 1.0);  // optional: one read-only pass, grads not rewritten
-    scaler.step(optimizer);                  // skipped when a grad is inf/NaN
+    scaler.step(optimizer);                  // unscale, clip, skip on inf/NaN: in the same pass, no sync
     scaler.update();                         // back off on inf, grow after 2000 clean steps
     if (scaler.last_step_skipped(optimizer)) { /* e.g. hold the lr scheduler */ }
   }
   torch::save(scaler, "scaler.pt");          // PyTorch's state_dict keys
+  torch::save(optimizer, "adam.pt");         // loads into torch::optim::Adam too
   // --- README example ends ---
 
   std::cout << "scale " << scaler.get_scale() << "\n";

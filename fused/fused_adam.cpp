@@ -181,7 +181,12 @@ void fused_adam_step(torch::optim::Optimizer& opt, detail::FusedAdamState& impl,
         m[i] = states[i]->exp_avg().data_ptr();
         v[i] = states[i]->exp_avg_sq().data_ptr();
         if (o.amsgrad()) vmax[i] = states[i]->max_exp_avg_sq().data_ptr();
-        scalars[i] = fused::adam_step_scalars(o.lr(), beta1, beta2, static_cast<double>(states[i]->step() + 1));
+        // Parameters of a group usually share their step: two pow() per
+        // distinct step, not per tensor.
+        const std::int64_t step = states[i]->step() + 1;
+        scalars[i] = i > 0 && states[i - 1]->step() + 1 == step
+                         ? scalars[i - 1]
+                         : fused::adam_step_scalars(o.lr(), beta1, beta2, static_cast<double>(step));
       }
       float grad_factor = 1.f;
       if (signal) grad_factor = host_value(signal->inv_scale) * host_value(signal->clip_coef);
@@ -244,95 +249,64 @@ void fused_adam_step(torch::optim::Optimizer& opt, detail::FusedAdamState& impl,
   }
 }
 
-template <class State>
-void sync_device_steps(torch::optim::Optimizer& opt, detail::FusedAdamState& impl) {
-  for (const auto& [tensor_impl, step] : impl.device_steps) {
-    auto it = opt.state().find(const_cast<c10::TensorImpl*>(tensor_impl));
-    if (it != opt.state().end())
-      static_cast<State&>(*it->second).step(static_cast<std::int64_t>(step.template item<float>()));
-  }
-}
-
-template <class Optim>
-at::Tensor run_closure(const typename Optim::LossClosure& closure) {
-  if (!closure) return {};
-  at::AutoGradMode enable_grad(true);
-  return closure();
-}
-
-constexpr const char* kAdam = "FusedAdam";
-constexpr const char* kAdamW = "FusedAdamW";
+constexpr const char* optimizer_name(bool decoupled) { return decoupled ? "FusedAdamW" : "FusedAdam"; }
 
 }  // namespace
 
-// ---------------------------------------------------------------- FusedAdam
+namespace detail {
 
-FusedAdam::FusedAdam(const std::vector<torch::optim::OptimizerParamGroup>& param_groups,
-                     torch::optim::AdamOptions defaults, FusedAdamOptions fused)
-    : Adam(param_groups, std::move(defaults)), fused_(fused), impl_(std::make_unique<detail::FusedAdamState>()) {}
+template <class Base, class Options, class State, bool kDecoupled>
+FusedAdamImpl<Base, Options, State, kDecoupled>::FusedAdamImpl(
+    const std::vector<torch::optim::OptimizerParamGroup>& param_groups, Options defaults, FusedAdamOptions fused)
+    : Base(param_groups, std::move(defaults)), fused_(fused), impl_(std::make_unique<FusedAdamState>()) {}
 
-FusedAdam::FusedAdam(std::vector<at::Tensor> params, torch::optim::AdamOptions defaults, FusedAdamOptions fused)
-    : FusedAdam({torch::optim::OptimizerParamGroup(std::move(params))}, std::move(defaults), fused) {}
+template <class Base, class Options, class State, bool kDecoupled>
+FusedAdamImpl<Base, Options, State, kDecoupled>::FusedAdamImpl(std::vector<at::Tensor> params, Options defaults,
+                                                               FusedAdamOptions fused)
+    : FusedAdamImpl({torch::optim::OptimizerParamGroup(std::move(params))}, std::move(defaults), fused) {}
 
-FusedAdam::~FusedAdam() = default;
+template <class Base, class Options, class State, bool kDecoupled>
+FusedAdamImpl<Base, Options, State, kDecoupled>::~FusedAdamImpl() = default;
 
-at::Tensor FusedAdam::step(LossClosure closure) {
-  at::Tensor loss = run_closure<FusedAdam>(closure);
-  fused_adam_step<torch::optim::AdamOptions, torch::optim::AdamParamState>(*this, *impl_, fused_, false, kAdam,
-                                                                            nullptr);
+template <class Base, class Options, class State, bool kDecoupled>
+at::Tensor FusedAdamImpl<Base, Options, State, kDecoupled>::step(typename Base::LossClosure closure) {
+  at::Tensor loss;
+  if (closure) {
+    at::AutoGradMode enable_grad(true);
+    loss = closure();
+  }
+  fused_adam_step<Options, State>(*this, *impl_, fused_, kDecoupled, optimizer_name(kDecoupled), nullptr);
   return loss;
 }
 
-void FusedAdam::step_with_signals(const StepSignals& signals) {
-  fused_adam_step<torch::optim::AdamOptions, torch::optim::AdamParamState>(*this, *impl_, fused_, false, kAdam,
-                                                                            &signals);
+template <class Base, class Options, class State, bool kDecoupled>
+void FusedAdamImpl<Base, Options, State, kDecoupled>::step_with_signals(const StepSignals& signals) {
+  fused_adam_step<Options, State>(*this, *impl_, fused_, kDecoupled, optimizer_name(kDecoupled), &signals);
 }
 
-void FusedAdam::sync_state() { sync_device_steps<torch::optim::AdamParamState>(*this, *impl_); }
-
-void FusedAdam::save(torch::serialize::OutputArchive& archive) const {
-  const_cast<FusedAdam*>(this)->sync_state();
-  Adam::save(archive);
+template <class Base, class Options, class State, bool kDecoupled>
+void FusedAdamImpl<Base, Options, State, kDecoupled>::sync_state() {
+  for (const auto& entry : impl_->device_steps) {
+    auto it = this->state().find(const_cast<c10::TensorImpl*>(entry.first));
+    if (it != this->state().end())
+      static_cast<State&>(*it->second).step(static_cast<std::int64_t>(entry.second.template item<float>()));
+  }
 }
 
-void FusedAdam::load(torch::serialize::InputArchive& archive) {
-  Adam::load(archive);
-  impl_->device_steps.clear();  // restart from the loaded AdamParamState::step
+template <class Base, class Options, class State, bool kDecoupled>
+void FusedAdamImpl<Base, Options, State, kDecoupled>::save(torch::serialize::OutputArchive& archive) const {
+  const_cast<FusedAdamImpl*>(this)->sync_state();
+  Base::save(archive);
 }
 
-// ---------------------------------------------------------------- FusedAdamW
-
-FusedAdamW::FusedAdamW(const std::vector<torch::optim::OptimizerParamGroup>& param_groups,
-                       torch::optim::AdamWOptions defaults, FusedAdamOptions fused)
-    : AdamW(param_groups, std::move(defaults)), fused_(fused), impl_(std::make_unique<detail::FusedAdamState>()) {}
-
-FusedAdamW::FusedAdamW(std::vector<at::Tensor> params, torch::optim::AdamWOptions defaults, FusedAdamOptions fused)
-    : FusedAdamW({torch::optim::OptimizerParamGroup(std::move(params))}, std::move(defaults), fused) {}
-
-FusedAdamW::~FusedAdamW() = default;
-
-at::Tensor FusedAdamW::step(LossClosure closure) {
-  at::Tensor loss = run_closure<FusedAdamW>(closure);
-  fused_adam_step<torch::optim::AdamWOptions, torch::optim::AdamWParamState>(*this, *impl_, fused_, true, kAdamW,
-                                                                              nullptr);
-  return loss;
+template <class Base, class Options, class State, bool kDecoupled>
+void FusedAdamImpl<Base, Options, State, kDecoupled>::load(torch::serialize::InputArchive& archive) {
+  Base::load(archive);
+  impl_->device_steps.clear();  // restart from the loaded state's step
 }
 
-void FusedAdamW::step_with_signals(const StepSignals& signals) {
-  fused_adam_step<torch::optim::AdamWOptions, torch::optim::AdamWParamState>(*this, *impl_, fused_, true, kAdamW,
-                                                                              &signals);
-}
+template class FusedAdamImpl<torch::optim::Adam, torch::optim::AdamOptions, torch::optim::AdamParamState, false>;
+template class FusedAdamImpl<torch::optim::AdamW, torch::optim::AdamWOptions, torch::optim::AdamWParamState, true>;
 
-void FusedAdamW::sync_state() { sync_device_steps<torch::optim::AdamWParamState>(*this, *impl_); }
-
-void FusedAdamW::save(torch::serialize::OutputArchive& archive) const {
-  const_cast<FusedAdamW*>(this)->sync_state();
-  AdamW::save(archive);
-}
-
-void FusedAdamW::load(torch::serialize::InputArchive& archive) {
-  AdamW::load(archive);
-  impl_->device_steps.clear();
-}
-
+}  // namespace detail
 }  // namespace ampfuse

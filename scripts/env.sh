@@ -48,12 +48,15 @@ ensure_venv() {
 configure_build() {
   local build_type=${1:-Release}; shift || true
   local cmake=cmake prefix_args=()
+  AMPFUSE_PREFIX_PATH=""
   if [ -n "${Torch_DIR:-}" ]; then
     prefix_args+=(-DTorch_DIR="$Torch_DIR")
+    AMPFUSE_PREFIX_PATH="$Torch_DIR"
   else
     ensure_venv
     cmake="$AMPFUSE_VENV/bin/cmake"
-    prefix_args+=(-DCMAKE_PREFIX_PATH="$("$AMPFUSE_VENV/bin/python" -c 'import torch; print(torch.utils.cmake_prefix_path)')")
+    AMPFUSE_PREFIX_PATH=$("$AMPFUSE_VENV/bin/python" -c 'import torch; print(torch.utils.cmake_prefix_path)')
+    prefix_args+=(-DCMAKE_PREFIX_PATH="$AMPFUSE_PREFIX_PATH")
   fi
   local launcher=()
   if command -v ccache >/dev/null 2>&1; then
@@ -61,6 +64,7 @@ configure_build() {
     export CCACHE_SLOPPINESS=${CCACHE_SLOPPINESS:-pch_defines,time_macros,include_file_mtime,include_file_ctime}
     launcher=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache -DCMAKE_CUDA_COMPILER_LAUNCHER=ccache)
   fi
+  AMPFUSE_LAUNCHER_ARGS="${launcher[*]:-}"
   local cuda_args=(-DAMPFUSE_CUDA="${AMPFUSE_CUDA:-AUTO}")
   [ -x /usr/local/cuda/bin/nvcc ] && cuda_args+=(-DCMAKE_CUDA_COMPILER=/usr/local/cuda/bin/nvcc)
   "$cmake" -S "$AMPFUSE_ROOT" -B "$AMPFUSE_BUILD_DIR" -DCMAKE_BUILD_TYPE="$build_type" \

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Sets up everything a fresh machine needs, builds ampfuse (CUDA path too when
-# nvcc and a CUDA-enabled LibTorch are present), then runs every test.
+# nvcc and a CUDA-enabled LibTorch are present), installs it to a scratch
+# prefix and builds a consumer project against it (find_package(ampfuse)),
+# then runs every test through ctest. Extra arguments go to ctest.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 
@@ -8,5 +10,16 @@ install_system_packages
 configure_build Release -DAMPFUSE_BUILD_TESTS=ON -DAMPFUSE_BUILD_BENCH=ON
 build
 # Benchmarks are built (so a break fails here) but not run: that is scripts/bench.sh.
+
+log "install and find_package(ampfuse) from a consumer project"
+prefix="$AMPFUSE_BUILD_DIR/install"
+rm -rf "$prefix" "$AMPFUSE_BUILD_DIR/consumer"
+"$AMPFUSE_CMAKE" --install "$AMPFUSE_BUILD_DIR" --prefix "$prefix" >/dev/null
+"$AMPFUSE_CMAKE" -S "$AMPFUSE_ROOT/examples/consumer" -B "$AMPFUSE_BUILD_DIR/consumer" -DCMAKE_BUILD_TYPE=Release \
+  -DCMAKE_PREFIX_PATH="$prefix;$AMPFUSE_PREFIX_PATH" ${Torch_DIR:+-DTorch_DIR="$Torch_DIR"} \
+  -DTORCH_CUDA_ARCH_LIST="8.0;9.0" ${AMPFUSE_LAUNCHER_ARGS} >/dev/null
+"$AMPFUSE_CMAKE" --build "$AMPFUSE_BUILD_DIR/consumer" --parallel "${AMPFUSE_JOBS:-$(nproc)}" >/dev/null
+"$AMPFUSE_BUILD_DIR/consumer/consumer"
+
 cd "$AMPFUSE_BUILD_DIR"
 "$AMPFUSE_CTEST" --output-on-failure --parallel "${AMPFUSE_JOBS:-$(nproc)}" "$@"

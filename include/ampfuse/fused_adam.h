@@ -39,22 +39,23 @@ struct FusedAdamOptions {
 };
 
 namespace detail {
-struct FusedAdamState;
-}
 
-class FusedAdam : public torch::optim::Adam, public ScalerAware {
+struct FusedAdamState;
+
+/// What FusedAdam and FusedAdamW share; Base is torch::optim::Adam or AdamW.
+template <class Base, class Options, class State, bool kDecoupledWeightDecay>
+class FusedAdamImpl : public Base, public ScalerAware {
  public:
-  explicit FusedAdam(const std::vector<torch::optim::OptimizerParamGroup>& param_groups,
-                     torch::optim::AdamOptions defaults = {}, FusedAdamOptions fused = {});
-  explicit FusedAdam(std::vector<at::Tensor> params, torch::optim::AdamOptions defaults = {},
-                     FusedAdamOptions fused = {});
-  ~FusedAdam() override;
+  explicit FusedAdamImpl(const std::vector<torch::optim::OptimizerParamGroup>& param_groups, Options defaults = {},
+                         FusedAdamOptions fused = {});
+  explicit FusedAdamImpl(std::vector<at::Tensor> params, Options defaults = {}, FusedAdamOptions fused = {});
+  ~FusedAdamImpl() override;
 
   /// One fused step on unscaled grads (what torch::optim::Adam::step does).
-  at::Tensor step(LossClosure closure = nullptr) override;
+  at::Tensor step(typename Base::LossClosure closure = nullptr) override;
   /// The contract step (GradScaler::step calls it).
   void step_with_signals(const StepSignals& signals) override;
-  /// Copies device step counters into AdamParamState::step (syncs on CUDA).
+  /// Copies device step counters into the state's step (syncs on CUDA).
   void sync_state();
   void save(torch::serialize::OutputArchive& archive) const override;
   void load(torch::serialize::InputArchive& archive) override;
@@ -63,28 +64,21 @@ class FusedAdam : public torch::optim::Adam, public ScalerAware {
 
  private:
   FusedAdamOptions fused_;
-  std::unique_ptr<detail::FusedAdamState> impl_;
+  std::unique_ptr<FusedAdamState> impl_;
 };
 
-class FusedAdamW : public torch::optim::AdamW, public ScalerAware {
+}  // namespace detail
+
+class FusedAdam : public detail::FusedAdamImpl<torch::optim::Adam, torch::optim::AdamOptions,
+                                               torch::optim::AdamParamState, false> {
  public:
-  explicit FusedAdamW(const std::vector<torch::optim::OptimizerParamGroup>& param_groups,
-                      torch::optim::AdamWOptions defaults = {}, FusedAdamOptions fused = {});
-  explicit FusedAdamW(std::vector<at::Tensor> params, torch::optim::AdamWOptions defaults = {},
-                      FusedAdamOptions fused = {});
-  ~FusedAdamW() override;
+  using FusedAdamImpl::FusedAdamImpl;
+};
 
-  at::Tensor step(LossClosure closure = nullptr) override;
-  void step_with_signals(const StepSignals& signals) override;
-  void sync_state();
-  void save(torch::serialize::OutputArchive& archive) const override;
-  void load(torch::serialize::InputArchive& archive) override;
-
-  const FusedAdamOptions& fused_options() const { return fused_; }
-
- private:
-  FusedAdamOptions fused_;
-  std::unique_ptr<detail::FusedAdamState> impl_;
+class FusedAdamW : public detail::FusedAdamImpl<torch::optim::AdamW, torch::optim::AdamWOptions,
+                                                torch::optim::AdamWParamState, true> {
+ public:
+  using FusedAdamImpl::FusedAdamImpl;
 };
 
 }  // namespace ampfuse
