@@ -1,0 +1,133 @@
+// Shared by the fused optimizers' torch adapters (see optimizer_common.h).
+
+#include "fused/optimizer_common.h"
+
+#include <ATen/ops/zeros.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <unordered_map>
+
+#if defined(AMPFUSE_WITH_CUDA)
+#include "contract/cuda/launch.h"
+#include "contract/meta_cache.h"
+#endif
+
+namespace ampfuse::fused {
+
+namespace {
+
+bool supported_dtype(c10::ScalarType t) {
+  return t == c10::ScalarType::Float || t == c10::ScalarType::Half || t == c10::ScalarType::BFloat16;
+}
+
+}  // namespace
+
+void check_state_tensor(const at::Tensor& s, const at::Tensor& p, const char* name, const char* what, std::size_t g,
+                        std::size_t i) {
+  if (!s.defined()) return;
+  TORCH_CHECK(s.sizes() == p.sizes() && s.scalar_type() == p.scalar_type() && s.device() == p.device() &&
+                  s.strides() == p.strides(),
+              name, ": param group ", g, ", param ", i, ": state ", what, " has shape ", s.sizes(), ", dtype ",
+              s.scalar_type(), " on ", s.device(), " but the parameter has shape ", p.sizes(), ", dtype ",
+              p.scalar_type(), " on ", p.device(), " (a checkpoint of another model?)");
+}
+
+std::vector<Entry> validate_params(
+    torch::optim::Optimizer& opt, const char* name, const StepSignals* signals,
+    const std::function<void(const at::Tensor& param, std::size_t group, std::size_t index)>& check_state) {
+  std::vector<Entry> entries;
+  std::unordered_map<const c10::TensorImpl*, std::pair<std::size_t, std::size_t>> seen;
+  auto& groups = opt.param_groups();
+  for (std::size_t g = 0; g < groups.size(); ++g) {
+    const auto& params = groups[g].params();
+    for (std::size_t i = 0; i < params.size(); ++i) {
+      const at::Tensor& p = params[i];
+      TORCH_CHECK(p.defined(), name, ": param group ", g, ", param ", i, " is undefined");
+      const auto [it, inserted] = seen.emplace(p.unsafeGetTensorImpl(), std::make_pair(g, i));
+      TORCH_CHECK(inserted, name, ": param group ", g, ", param ", i, " is also param ", it->second.second,
+                  " of group ", it->second.first, "; a parameter may belong to one group only");
+      TORCH_CHECK(supported_dtype(p.scalar_type()), name, ": param group ", g, ", param ", i, ": dtype ",
+                  p.scalar_type(), " is not supported (expected Float, Half or BFloat16)");
+      TORCH_CHECK(p.layout() == c10::kStrided && p.is_non_overlapping_and_dense(), name, ": param group ", g,
+                  ", param ", i, " is not a dense tensor");
+      const at::Tensor& grad = p.grad();
+      if (!grad.defined()) continue;
+      TORCH_CHECK(!grad.is_sparse(), name, ": param group ", g, ", param ", i,
+                  ": the grad is sparse; sparse gradients are not supported");
+      TORCH_CHECK(grad.scalar_type() == p.scalar_type(), name, ": param group ", g, ", param ", i, ": grad dtype ",
+                  grad.scalar_type(), " differs from the parameter's ", p.scalar_type());
+      TORCH_CHECK(grad.device() == p.device(), name, ": param group ", g, ", param ", i, ": grad is on ",
+                  grad.device(), " but the parameter is on ", p.device());
+      TORCH_CHECK(grad.sizes() == p.sizes(), name, ": param group ", g, ", param ", i, ": grad shape ", grad.sizes(),
+                  " differs from the parameter's ", p.sizes());
+      TORCH_CHECK(grad.strides() == p.strides(), name, ": param group ", g, ", param ", i, ": grad strides ",
+                  grad.strides(), " differ from the parameter's ", p.strides());
+      TORCH_CHECK(p.device().is_cpu() || p.device().is_cuda(), name, ": param group ", g, ", param ", i, " is on ",
+                  p.device(), "; only CPU and CUDA are supported");
+#if !defined(AMPFUSE_WITH_CUDA)
+      TORCH_CHECK(p.device().is_cpu(), name, ": param group ", g, ", param ", i, " is on ", p.device(),
+                  " but ampfuse was built without CUDA");
+#endif
+      TORCH_CHECK(!signals || signals->contains(p.device()), name, ": param group ", g, ", param ", i, " is on ",
+                  p.device(), " but the scaler sent no signal for that device");
+      check_state(p, g, i);
+      entries.push_back({g, i, p, grad});
+    }
+  }
+  return entries;
+}
+
+bool cpu_step_skipped(const StepSignals* signals) {
+  if (!signals) return false;
+  for (const auto& entry : signals->all())
+    if (entry.first.is_cpu() && entry.second.found_inf.defined() && entry.second.found_inf.item<float>() != 0.f)
+      return true;
+  return false;
+}
+
+Lists group_lists(const std::vector<Entry>& entries, bool skip_cpu) {
+  Lists lists;
+  for (const Entry& e : entries) {
+    if (skip_cpu && e.param.device().is_cpu()) continue;
+    const ListKey key{e.group, e.param.device(), e.param.scalar_type()};
+    auto it = std::find_if(lists.begin(), lists.end(), [&](const auto& l) { return l.first == key; });
+    if (it == lists.end()) {
+      lists.emplace_back(key, std::vector<const Entry*>{});
+      it = std::prev(lists.end());
+    }
+    it->second.push_back(&e);
+  }
+  return lists;
+}
+
+float cpu_grad_factor(const ScaleSignal* signal) {
+  if (!signal) return 1.f;
+  auto value = [](const at::Tensor& t) { return t.defined() ? *t.to(at::kFloat).data_ptr<float>() : 1.f; };
+  return value(signal->inv_scale) * value(signal->clip_coef);
+}
+
+#if defined(AMPFUSE_WITH_CUDA)
+void make_cuda_launch(const TensorListsView& views, const Plan& plan, c10::Device device,
+                      std::vector<std::int64_t>& words, void* launch_meta) {
+  auto& meta = *static_cast<cuda::LaunchMeta*>(launch_meta);
+  words = cuda::pack_meta(views, plan);
+  meta.depth = views.depth();
+  meta.num_tensors = static_cast<std::int64_t>(plan.tensors().size());
+  meta.chunk_size = plan.chunk_size();
+  meta.num_chunks = plan.num_chunks();
+  meta.host = words.data();
+  meta.device = meta.num_tensors > cuda::inline_capacity(meta.depth) ? detail::device_meta(words, device) : nullptr;
+}
+
+at::Tensor& ticket_counters(std::map<std::tuple<std::size_t, std::string, int>, at::Tensor>& cache, const ListKey& key,
+                            std::int64_t num_tensors) {
+  const auto& [group, device, dtype] = key;
+  at::Tensor& counters = cache[std::make_tuple(group, device.str(), static_cast<int>(dtype))];
+  if (!counters.defined() || counters.numel() < num_tensors)
+    counters = at::zeros({std::max<std::int64_t>(num_tensors, 1)}, at::TensorOptions().dtype(at::kInt).device(device));
+  return counters;
+}
+#endif
+
+}  // namespace ampfuse::fused
