@@ -3,6 +3,8 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 
+#include <c10/cuda/CUDAStream.h>
+
 #include <list>
 #include <mutex>
 
@@ -11,6 +13,7 @@ namespace {
 
 struct Entry {
   c10::Device device;
+  c10::StreamId stream;  // entries are per stream: an upload is ordered on its own stream only
   std::vector<std::int64_t> words;
   at::Tensor on_device;
 };
@@ -25,9 +28,10 @@ std::int64_t g_uploads = 0;
 }  // namespace
 
 const std::int64_t* device_meta(const std::vector<std::int64_t>& words, c10::Device device) {
+  const c10::StreamId stream = c10::cuda::getCurrentCUDAStream(device.index()).id();
   std::lock_guard<std::mutex> lock(g_mutex);
   for (auto it = g_entries.begin(); it != g_entries.end(); ++it) {
-    if (it->device == device && it->words == words) {
+    if (it->device == device && it->stream == stream && it->words == words) {
       g_entries.splice(g_entries.begin(), g_entries, it);
       return g_entries.front().on_device.data_ptr<std::int64_t>();
     }
@@ -38,7 +42,7 @@ const std::int64_t* device_meta(const std::vector<std::int64_t>& words, c10::Dev
   // Pinned source and non_blocking: the copy is ordered on the current
   // stream and the host buffer is kept until it completes.
   at::Tensor on_device = host.to(device, /*non_blocking=*/true);
-  g_entries.push_front({device, words, on_device});
+  g_entries.push_front({device, stream, words, on_device});
   if (g_entries.size() > kCapacity) g_entries.pop_back();
   ++g_uploads;
   return g_entries.front().on_device.data_ptr<std::int64_t>();

@@ -12,9 +12,13 @@
 
 namespace ampfuse::detail {
 
-/// Device pointer to `words` on `device`: cached, or uploaded (without a host
-/// sync) on the current stream. Valid as long as the entry stays in the
-/// cache, which holds the most recently used lists.
+/// Device pointer to `words` on `device`: cached per (device, current
+/// stream), or uploaded (without a host sync) on the current stream. Valid as
+/// long as the entry stays in the cache, which holds the 32 most recently
+/// used lists; an evicted entry's memory returns to its stream's pool, so
+/// kernels already queued on that stream are safe. A CUDA graph that
+/// captured a launch keeps the pointer: keep the number of distinct long
+/// lists in use under the cache size while such a graph is replayed.
 const std::int64_t* device_meta(const std::vector<std::int64_t>& words, c10::Device device);
 
 /// Number of uploads so far (for tests and benchmarks).

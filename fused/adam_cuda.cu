@@ -62,18 +62,8 @@ __global__ void __launch_bounds__(kBlockSize) adam_kernel(Meta meta, AdamCudaArg
   }
   for (; i < c.size; i += blockDim.x) update(p[i], g[i], m[i], v[i], kAmsgrad ? vmax + i : nullptr);
 
-  // Rule 4: advance the step once per tensor, after every block of the
-  // tensor has read it. Each block takes a ticket after its read (the fence
-  // orders the two); the last ticket writes the new step and re-arms the
-  // counter for the next launch.
-  if (threadIdx.x == 0) {
-    __threadfence();
-    const auto chunks = static_cast<unsigned>(meta.chunk_offset(c.slot + 1) - meta.chunk_offset(c.slot));
-    if (atomicAdd(&args.counters[c.slot], 1u) == chunks - 1) {
-      *step_ptr = step;
-      args.counters[c.slot] = 0;
-    }
-  }
+  // Rule 4: the step advances once per tensor, after all its blocks read it.
+  once_per_tensor_after_reads(meta, c.slot, args.counters, [&] { *step_ptr = step; });
 }
 
 }  // namespace

@@ -18,6 +18,7 @@
 #include <cstdint>
 
 #include "ampfuse/config.h"
+#include "fused/math_ops.h"
 
 namespace ampfuse::fused {
 
@@ -71,19 +72,6 @@ AMPFUSE_HOST_DEVICE void adam_update(V& p, V g, V& m, V& v, V* vmax, const AdamH
   const V denom = Ops::sqrt(second) / Ops::splat(s.bias_correction2_sqrt) + Ops::splat(h.eps);
   p = p + Ops::splat(s.neg_step_size) * (m / denom);
 }
-
-/// Ops for plain floats (CUDA kernel, test reference).
-struct ScalarOps {
-  static AMPFUSE_HOST_DEVICE float splat(float x) { return x; }
-  static AMPFUSE_HOST_DEVICE float max(float a, float b) { return a > b ? a : b; }
-  static AMPFUSE_HOST_DEVICE float sqrt(float x) {
-#if defined(__CUDA_ARCH__)
-    return ::sqrtf(x);
-#else
-    return std::sqrt(x);
-#endif
-  }
-};
 
 /// Hyperparameters from LibTorch's options (doubles), rounded as LibTorch rounds them.
 inline AdamHyper make_adam_hyper(double lr, double beta1, double beta2, double eps, double weight_decay,

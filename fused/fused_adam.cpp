@@ -40,8 +40,9 @@ struct FusedAdamState {
 namespace {
 
 template <class State>
-State& state_for(torch::optim::Optimizer& opt, const at::Tensor& p, bool amsgrad) {
+State& state_for(torch::optim::Optimizer& opt, const at::Tensor& p, bool amsgrad, bool* created) {
   auto& slot = opt.state()[p.unsafeGetTensorImpl()];
+  *created = !slot;
   if (!slot) {
     auto st = std::make_unique<State>();
     st->step(0);
@@ -80,8 +81,11 @@ void fused_adam_step(torch::optim::Optimizer& opt, detail::FusedAdamState& impl,
 
     std::vector<State*> states;
     std::vector<std::int64_t> numels;
+    std::vector<bool> created;
     for (const fused::Entry* e : list) {
-      states.push_back(&state_for<State>(opt, e->param, o.amsgrad()));
+      bool fresh = false;
+      states.push_back(&state_for<State>(opt, e->param, o.amsgrad(), &fresh));
+      created.push_back(fresh);
       numels.push_back(e->param.numel());
     }
 
@@ -118,7 +122,10 @@ void fused_adam_step(torch::optim::Optimizer& opt, detail::FusedAdamState& impl,
     for (std::size_t i = 0; i < list.size(); ++i) {
       const at::Tensor& p = list[i]->param;
       at::Tensor& step = impl.device_steps[p.unsafeGetTensorImpl()];
-      if (!step.defined()) step = at::full({1}, static_cast<double>(states[i]->step()), p.options().dtype(at::kFloat));
+      // New state, or a counter left by a freed parameter at the same
+      // address: start from the state's step.
+      if (!step.defined() || created[i] || step.device() != p.device())
+        step = at::full({1}, static_cast<double>(states[i]->step()), p.options().dtype(at::kFloat));
       if (p.numel() == 0) empty_steps.push_back(step);
       views.lists[fused::cuda::kParam].push_back({p.data_ptr(), p.numel(), st});
       views.lists[fused::cuda::kGrad].push_back({list[i]->grad.data_ptr(), p.numel(), st});

@@ -33,9 +33,32 @@ void check_state_tensor(const at::Tensor& s, const at::Tensor& p, const char* na
               p.scalar_type(), " on ", p.device(), " (a checkpoint of another model?)");
 }
 
+namespace {
+
+// A signal's tensors are read by kernels on its device: check them as the
+// engine checks found_inf (a host or peer pointer would fault on the GPU).
+void check_signal(const ScaleSignal& s, c10::Device device, const char* name) {
+  auto check = [&](const at::Tensor& t, const char* field, bool required) {
+    if (!t.defined()) {
+      TORCH_CHECK(!required, name, ": the scale signal for ", device, " has no ", field);
+      return;
+    }
+    TORCH_CHECK(t.scalar_type() == at::kFloat && t.numel() == 1 && t.device() == device, name, ": the scale signal's ",
+                field, " for ", device, " must be a float32 tensor of one element on that device, got ",
+                t.scalar_type(), " with ", t.numel(), " elements on ", t.device());
+  };
+  check(s.found_inf, "found_inf", true);
+  check(s.inv_scale, "inv_scale", false);
+  check(s.clip_coef, "clip_coef", false);
+}
+
+}  // namespace
+
 std::vector<Entry> validate_params(
     torch::optim::Optimizer& opt, const char* name, const StepSignals* signals,
     const std::function<void(const at::Tensor& param, std::size_t group, std::size_t index)>& check_state) {
+  if (signals)
+    for (const auto& [device, signal] : signals->all()) check_signal(signal, device, name);
   std::vector<Entry> entries;
   std::unordered_map<const c10::TensorImpl*, std::pair<std::size_t, std::size_t>> seen;
   auto& groups = opt.param_groups();

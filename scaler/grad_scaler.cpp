@@ -51,6 +51,13 @@ const std::vector<at::Tensor>& grads_on(const DeviceGrads& grads, c10::Device de
 
 at::TensorOptions f32_on(c10::Device device) { return at::TensorOptions().dtype(at::kFloat).device(device); }
 
+// t on `device`, asynchronously where that is safe: a copy to a CUDA device
+// is stream-ordered, but a non-blocking copy to the CPU may be read by the
+// host before it lands, so copies to the CPU block (PyTorch's own advice).
+at::Tensor to_device(const at::Tensor& t, c10::Device device) {
+  return t.to(device, /*non_blocking=*/device.is_cuda());
+}
+
 constexpr const char* kScaleFix =
     "This may indicate your script did not use scaler.scale(loss or outputs) earlier in the iteration.";
 
@@ -70,7 +77,7 @@ at::Tensor GradScaler::scale(const at::Tensor& outputs) {
     scale_ = at::full({}, init_scale_, f32_on(outputs.device()));
     growth_tracker_ = at::full({}, init_growth_tracker_, at::TensorOptions().dtype(at::kInt).device(outputs.device()));
   }
-  return outputs * scale_.to(outputs.device(), /*non_blocking=*/true);
+  return outputs * to_device(scale_, outputs.device());
 }
 
 std::vector<at::Tensor> GradScaler::scale(const std::vector<at::Tensor>& outputs) {
@@ -90,7 +97,7 @@ GradScaler::OptimizerState& GradScaler::state_of(const torch::optim::Optimizer& 
 
 at::Tensor GradScaler::inv_scale_on(c10::Device device) const {
   // PyTorch: self._scale.double().reciprocal().float()
-  return scale_.to(at::kDouble).reciprocal().to(at::kFloat).to(device, /*non_blocking=*/true);
+  return to_device(scale_.to(at::kDouble).reciprocal().to(at::kFloat), device);
 }
 
 void GradScaler::check_grads(torch::optim::Optimizer& optimizer, OptimizerState& state, bool unscale_in_place) {
@@ -118,7 +125,7 @@ void GradScaler::check_grads(torch::optim::Optimizer& optimizer, OptimizerState&
 at::Tensor GradScaler::combined_found_inf(const OptimizerState& state, c10::Device device) const {
   if (state.devices.size() == 1 && state.devices[0].device == device) return state.devices[0].found_inf;
   at::Tensor sum = at::zeros({}, f32_on(device));
-  for (const DeviceState& ds : state.devices) sum.add_(ds.found_inf.to(device, /*non_blocking=*/true));
+  for (const DeviceState& ds : state.devices) sum.add_(to_device(ds.found_inf, device));
   return sum;
 }
 
@@ -162,7 +169,7 @@ at::Tensor GradScaler::clip_grad_norm_(torch::optim::Optimizer& optimizer, doubl
     DeviceState ds{device, at::zeros({}, f32_on(device)), scaled ? inv_scale_on(device) : at::Tensor(), {}};
     at::Tensor sum_sq = at::zeros({}, at::TensorOptions().dtype(at::kDouble).device(device));
     check_non_finite(list, ds.found_inf, sum_sq);
-    total_sq = total_sq.defined() ? total_sq.add_(sum_sq.to(total_sq.device(), /*non_blocking=*/true)) : sum_sq;
+    total_sq = total_sq.defined() ? total_sq.add_(to_device(sum_sq, total_sq.device())) : sum_sq;
     devices.push_back(std::move(ds));
   }
   const c10::Device first = grads.front().first;
@@ -176,7 +183,7 @@ at::Tensor GradScaler::clip_grad_norm_(torch::optim::Optimizer& optimizer, doubl
     state.devices = std::move(devices);
     state.checked = true;
   }
-  for (DeviceState& ds : state.devices) ds.clip_coef = clip_coef.to(ds.device, /*non_blocking=*/true);
+  for (DeviceState& ds : state.devices) ds.clip_coef = to_device(clip_coef, ds.device);
   state.clipped = true;
   return norm;
 }
@@ -228,8 +235,8 @@ void GradScaler::update() {
   for (const auto& [opt, state] : per_optimizer_)
     for (const DeviceState& ds : state.devices) found_infs.push_back(ds.found_inf);
   TORCH_CHECK(!found_infs.empty(), "No inf checks were recorded prior to update.");
-  at::Tensor combined = found_infs[0].to(scale_.device(), /*non_blocking=*/true).clone();
-  for (std::size_t i = 1; i < found_infs.size(); ++i) combined.add_(found_infs[i].to(scale_.device(), true));
+  at::Tensor combined = to_device(found_infs[0], scale_.device()).clone();
+  for (std::size_t i = 1; i < found_infs.size(); ++i) combined.add_(to_device(found_infs[i], scale_.device()));
 
   const scaler::UpdateScaleParams params{options_.growth_factor(), options_.backoff_factor(),
                                          options_.growth_interval(), options_.min_scale()};

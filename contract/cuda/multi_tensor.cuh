@@ -90,6 +90,25 @@ __device__ __forceinline__ BlockChunk locate_chunk(const Meta& meta, std::int64_
   return {lo, begin, rest < meta.chunk_size ? rest : meta.chunk_size};
 }
 
+/// Runs fn() once per tensor, after every block of that tensor has passed
+/// this point; blocks call it after reading a per-tensor value (a step
+/// counter, an "initialized" flag) that fn() then updates. Each block takes a
+/// ticket after its read (the fence orders the two); the last ticket runs
+/// fn() and re-arms the tensor's counter (zero between launches) for the
+/// next launch. Call from every thread of the block.
+template <class Meta, class F>
+__device__ __forceinline__ void once_per_tensor_after_reads(const Meta& meta, std::int64_t slot, unsigned* counters,
+                                                            F&& fn) {
+  if (threadIdx.x == 0) {
+    __threadfence();
+    const auto chunks = static_cast<unsigned>(meta.chunk_offset(slot + 1) - meta.chunk_offset(slot));
+    if (atomicAdd(&counters[slot], 1u) == chunks - 1) {
+      fn();
+      counters[slot] = 0;
+    }
+  }
+}
+
 // Storage <-> fp32 (opmath) conversions, round to nearest even.
 template <class T> __device__ __forceinline__ float to_float(T v);
 template <> __device__ __forceinline__ float to_float<float>(float v) { return v; }

@@ -1,0 +1,31 @@
+#pragma once
+// CPU kernels of FusedSGD, one per instruction set. Raw pointers only.
+
+#include <cstdint>
+
+#include "contract/cpu/kernels.h"
+#include "fused/sgd_math.h"
+
+namespace ampfuse::fused::cpu {
+
+struct SgdArgs {
+  ampfuse::cpu::PlanRef plan;
+  void* const* param;  ///< by tensor index
+  void* const* grad;
+  void* const* momentum_buffer;  ///< null when momentum is 0
+  const unsigned char* first;    ///< by tensor index: 1 when this step creates the buffer
+  ScalarType dtype;
+  SgdHyper hyper;
+  float grad_factor;
+};
+
+using SgdFn = void (*)(const SgdArgs&, std::int64_t chunk_begin, std::int64_t chunk_end);
+
+/// The kernel for the instruction set that ampfuse::cpu::kernels() uses.
+SgdFn sgd_kernel();
+
+namespace avx512 { extern const SgdFn kSgd; }
+namespace avx2 { extern const SgdFn kSgd; }
+namespace baseline { extern const SgdFn kSgd; }
+
+}  // namespace ampfuse::fused::cpu

@@ -1,0 +1,76 @@
+// FusedSGD on CUDA: one launch per parameter group and dtype.
+
+#include "contract/cuda/multi_tensor.cuh"
+#include "fused/sgd_cuda.h"
+
+namespace ampfuse::fused::cuda {
+namespace {
+
+using namespace ampfuse::cuda::detail;
+
+template <class T, bool kMomentum, class Meta>
+__global__ void __launch_bounds__(kBlockSize) sgd_kernel(Meta meta, SgdCudaArgs args) {
+  if (args.found_inf != nullptr && *args.found_inf != 0.f) return;  // contract rule 1
+  const BlockChunk c = locate_chunk(meta, blockIdx.x);
+  __shared__ bool first;
+  float* flag = kMomentum ? static_cast<float*>(meta.data(kSgdInitialized, c.slot)) : nullptr;
+  if (threadIdx.x == 0) first = kMomentum && *flag == 0.f;
+  __syncthreads();
+  float grad_factor = 1.f;
+  if (args.inv_scale != nullptr) grad_factor *= *args.inv_scale;
+  if (args.clip_coef != nullptr) grad_factor *= *args.clip_coef;
+
+  T* p = static_cast<T*>(meta.data(kSgdParam, c.slot)) + c.begin;
+  const T* g = static_cast<const T*>(meta.data(kSgdGrad, c.slot)) + c.begin;
+  T* buf = kMomentum ? static_cast<T*>(meta.data(kSgdMomentumBuffer, c.slot)) + c.begin : nullptr;
+  const bool is_first = first;
+
+  auto update = [&](T& pe, T ge, T* bufe) {
+    float pf = to_float(pe);
+    float bf = kMomentum && !is_first ? to_float(*bufe) : 0.f;
+    sgd_update<float, ScalarOps>(pf, to_float(ge) * grad_factor, &bf, is_first, args.hyper);
+    pe = from_float<T>(pf);
+    if (kMomentum) *bufe = from_float<T>(bf);
+  };
+
+  using V = Vec16<T>;
+  std::int64_t i = threadIdx.x;
+  const bool aligned = is_aligned16(p) && is_aligned16(g) && (!kMomentum || is_aligned16(buf));
+  if (aligned) {
+    const std::int64_t num_vec = c.size / V::kSize;
+    for (; i < num_vec; i += blockDim.x) {
+      V pv = reinterpret_cast<V*>(p)[i];
+      const V gv = reinterpret_cast<const V*>(g)[i];
+      V bv;
+      if (kMomentum) bv = reinterpret_cast<V*>(buf)[i];
+#pragma unroll
+      for (int k = 0; k < V::kSize; ++k) update(pv.v[k], gv.v[k], &bv.v[k]);
+      reinterpret_cast<V*>(p)[i] = pv;
+      if (kMomentum) reinterpret_cast<V*>(buf)[i] = bv;
+    }
+    i = num_vec * V::kSize + threadIdx.x;
+  }
+  for (; i < c.size; i += blockDim.x) update(p[i], g[i], kMomentum ? buf + i : nullptr);
+
+  if (kMomentum && is_first) once_per_tensor_after_reads(meta, c.slot, args.counters, [&] { *flag = 1.f; });
+}
+
+}  // namespace
+
+void sgd(const ampfuse::cuda::LaunchMeta& meta, ScalarType dtype, const SgdCudaArgs& args,
+         ampfuse::cuda::Stream stream) {
+  dispatch_dtype(dtype, [&](auto tag) {
+    using T = decltype(tag);
+    if (args.hyper.momentum != 0.f) {
+      launch_with_meta<4>(meta, [&](auto m, dim3 grid) {
+        sgd_kernel<T, true><<<grid, kBlockSize, 0, stream>>>(m, args);
+      });
+    } else {
+      launch_with_meta<2>(meta, [&](auto m, dim3 grid) {
+        sgd_kernel<T, false><<<grid, kBlockSize, 0, stream>>>(m, args);
+      });
+    }
+  });
+}
+
+}  // namespace ampfuse::fused::cuda

@@ -1,0 +1,254 @@
+// FusedSGD against torch::optim::SGD and ATen's _fused_sgd_, on every CPU
+// instruction set and on CUDA (skipped without a device).
+
+#include <ampfuse/fused_sgd.h>
+#include <ampfuse/grad_scaler.h>
+
+#include <unistd.h>
+
+#include <cstdio>
+#include <filesystem>
+#include <limits>
+
+#include "contract/cpu/kernels.h"
+#include "tests/common.h"
+
+namespace {
+
+using ampfuse_test::bitwise_equal;
+using ::testing::HasSubstr;
+
+struct SgdCase {
+  std::string device;
+  std::string isa;
+};
+
+void PrintTo(const SgdCase& c, std::ostream* os) { *os << c.device << (c.isa.empty() ? "" : "/" + c.isa); }
+
+std::vector<SgdCase> sgd_cases() {
+  return {{"cpu", "avx512"}, {"cpu", "avx2"}, {"cpu", "baseline"}, {"cuda", ""}};
+}
+
+torch::optim::SGDOptions random_options(std::mt19937_64& rng) {
+  std::uniform_real_distribution<double> u(0, 1);
+  torch::optim::SGDOptions o(std::pow(10.0, -3 + 2 * u(rng)));
+  const int kind = static_cast<int>(rng() % 4);  // plain, momentum, momentum + dampening, nesterov
+  if (kind >= 1) o.momentum(0.5 + 0.49 * u(rng));
+  if (kind == 2) o.dampening(0.5 * u(rng));
+  if (kind == 3) o.nesterov(true);
+  if (u(rng) < 0.5) o.weight_decay(0.05 * u(rng));
+  return o;
+}
+
+class FusedSgdTest : public ::testing::TestWithParam<SgdCase> {
+ protected:
+  void SetUp() override {
+    device_ = torch::Device(GetParam().device);
+    AMPFUSE_SKIP_WITHOUT(device_);
+    if (!GetParam().isa.empty()) {
+      const auto isas = ampfuse::cpu::available_isas();
+      if (std::find(isas.begin(), isas.end(), GetParam().isa) == isas.end()) GTEST_SKIP() << "no " << GetParam().isa;
+      ampfuse::cpu::force_isa(GetParam().isa);
+    }
+    seed_ = ampfuse_test::seed_for_test();
+    rng_.seed(seed_);
+  }
+  void TearDown() override { ampfuse::cpu::force_isa(""); }
+
+  std::vector<torch::Tensor> make_params(std::vector<std::vector<std::int64_t>> shapes) {
+    std::vector<torch::Tensor> out;
+    for (const auto& s : shapes) out.push_back(torch::randn(s, torch::TensorOptions().device(device_)).requires_grad_());
+    return out;
+  }
+  static std::vector<torch::Tensor> copies(const std::vector<torch::Tensor>& v) {
+    std::vector<torch::Tensor> out;
+    for (const auto& p : v) out.push_back(p.detach().clone().requires_grad_());
+    return out;
+  }
+  static void expect_close(const std::vector<torch::Tensor>& a, const std::vector<torch::Tensor>& b, double tol,
+                           const std::string& what) {
+    for (std::size_t i = 0; i < a.size(); ++i) {
+      if (a[i].numel() == 0) continue;
+      const auto x = a[i].detach().to(torch::kDouble).cpu(), y = b[i].detach().to(torch::kDouble).cpu();
+      const auto excess = ((x - y).abs() - tol * (1 + y.abs())).max().item<double>();
+      EXPECT_LE(excess, 0.0) << what << ", tensor " << i << ": max |diff| " << (x - y).abs().max().item<double>();
+    }
+  }
+
+  torch::Device device_{torch::kCPU};
+  std::uint64_t seed_ = 0;
+  std::mt19937_64 rng_;
+};
+
+TEST_P(FusedSgdTest, MatchesTorchOptimOverHundredSteps) {
+  const std::vector<std::vector<std::int64_t>> pool = {{0}, {1}, {3}, {17}, {33, 3}, {65537}, {129, 31}};
+  for (int round = 0; round < 4; ++round) {
+    const bool maximize = round == 3;
+    std::vector<std::vector<torch::Tensor>> ours, ref;
+    std::vector<torch::optim::OptimizerParamGroup> og, rg;
+    const int groups = 1 + static_cast<int>(rng_() % 3);
+    for (int g = 0; g < groups; ++g) {
+      std::vector<std::vector<std::int64_t>> shapes;
+      for (int i = 0; i < 3; ++i) shapes.push_back(pool[rng_() % pool.size()]);
+      ours.push_back(make_params(shapes));
+      ref.push_back(copies(ours.back()));
+      const auto o = random_options(rng_);
+      og.emplace_back(ours.back(), std::make_unique<torch::optim::SGDOptions>(o));
+      rg.emplace_back(ref.back(), std::make_unique<torch::optim::SGDOptions>(o));
+    }
+    ampfuse::FusedSGD opt(og, torch::optim::SGDOptions(0.1), ampfuse::FusedSGDOptions().maximize(maximize));
+    torch::optim::SGD ref_opt(rg, torch::optim::SGDOptions(0.1));
+    for (int step = 0; step < 100; ++step) {
+      for (int g = 0; g < groups; ++g)
+        for (std::size_t i = 0; i < ours[g].size(); ++i) {
+          auto grad = torch::randn_like(ours[g][i]);
+          ours[g][i].mutable_grad() = grad.clone();
+          ref[g][i].mutable_grad() = maximize ? -grad : grad.clone();
+        }
+      opt.step();
+      ref_opt.step();
+    }
+    for (int g = 0; g < groups; ++g)
+      expect_close(ours[g], ref[g], 1e-5, "round " + std::to_string(round) + ", group " + std::to_string(g));
+  }
+}
+
+TEST_P(FusedSgdTest, SkippedFirstStepLeavesNoBufferAndNothingWritten) {
+  auto ours = make_params({{100}, {7, 3}});
+  auto ref = copies(ours);
+  ampfuse::FusedSGD opt(ours, torch::optim::SGDOptions(0.05).momentum(0.9).dampening(0.1));
+  torch::optim::SGD ref_opt(ref, torch::optim::SGDOptions(0.05).momentum(0.9).dampening(0.1));
+  ampfuse::GradScaler scaler(ampfuse::GradScalerOptions().init_scale(64.0).growth_interval(1000));
+  for (int step = 0; step < 8; ++step) {
+    const bool poison = step == 0 || step == 4;
+    for (std::size_t i = 0; i < ours.size(); ++i) {
+      auto grad = torch::randn_like(ref[i]);
+      ref[i].mutable_grad() = grad.clone();
+      ours[i].mutable_grad() = grad * static_cast<float>(scaler.get_scale());
+    }
+    if (poison) ours[1].mutable_grad()[0][0] = std::numeric_limits<float>::quiet_NaN();
+    std::vector<torch::Tensor> before, grads;
+    for (const auto& p : ours) {
+      before.push_back(p.detach().clone());
+      grads.push_back(p.grad().clone());
+    }
+    scaler.scale(torch::ones({}, torch::TensorOptions().device(device_)));
+    scaler.step(opt);
+    scaler.update();
+    for (std::size_t i = 0; i < ours.size(); ++i) EXPECT_TRUE(bitwise_equal(ours[i].grad(), grads[i]));
+    if (poison) {
+      for (std::size_t i = 0; i < ours.size(); ++i) EXPECT_TRUE(bitwise_equal(ours[i].detach(), before[i]));
+      if (step == 0) {
+        opt.sync_state();
+        EXPECT_TRUE(opt.state().empty()) << "a skipped first step created a momentum buffer";
+      }
+      continue;
+    }
+    ref_opt.step();
+  }
+  expect_close(ours, ref, 1e-5, "after 8 steps, 2 skipped");
+}
+
+std::string temp_path(const std::string& name) {
+  return (std::filesystem::temp_directory_path() / ("ampfuse_" + std::to_string(::getpid()) + "_" + name)).string();
+}
+
+TEST_P(FusedSgdTest, CheckpointsInteroperateWithTorchOptimBothWays) {
+  const auto o = torch::optim::SGDOptions(0.02).momentum(0.8).nesterov(true).weight_decay(1e-3);
+  for (bool ours_first : {true, false}) {
+    auto a = make_params({{31}, {5, 5}});
+    auto b = copies(a);
+    std::vector<std::vector<torch::Tensor>> grads(20);
+    for (auto& g : grads)
+      for (const auto& p : a) g.push_back(torch::randn_like(p));
+    auto run = [&](torch::optim::Optimizer& opt, std::vector<torch::Tensor>& params, int from, int to) {
+      for (int s = from; s < to; ++s) {
+        for (std::size_t i = 0; i < params.size(); ++i) params[i].mutable_grad() = grads[s][i].clone();
+        opt.step();
+      }
+    };
+    std::unique_ptr<torch::optim::Optimizer> first, second;
+    if (ours_first) first = std::make_unique<ampfuse::FusedSGD>(a, o);
+    else first = std::make_unique<torch::optim::SGD>(a, o);
+    run(*first, a, 0, 10);
+    const std::string file = temp_path("sgd_interop.pt");
+    torch::save(*first, file);
+    for (std::size_t i = 0; i < a.size(); ++i) {
+      torch::NoGradGuard no_grad;
+      b[i].copy_(a[i]);
+    }
+    if (ours_first) second = std::make_unique<torch::optim::SGD>(b, o);
+    else second = std::make_unique<ampfuse::FusedSGD>(b, o);
+    torch::load(*second, file);
+    run(*first, a, 10, 20);
+    run(*second, b, 10, 20);
+    expect_close(b, a, 1e-5, ours_first ? "FusedSGD -> torch::optim::SGD" : "torch::optim::SGD -> FusedSGD");
+    std::remove(file.c_str());
+  }
+}
+
+TEST_P(FusedSgdTest, BadInputNamesGroupAndParamAndChangesNothing) {
+  auto good = make_params({{6}})[0];
+  good.mutable_grad() = torch::randn_like(good);
+  auto bad = make_params({{6}})[0];
+  bad.mutable_grad() = torch::randn({6}, torch::TensorOptions().dtype(torch::kHalf).device(device_));
+  const auto before = good.detach().clone();
+  ampfuse::FusedSGD opt({torch::optim::OptimizerParamGroup({good}), torch::optim::OptimizerParamGroup({bad})},
+                        torch::optim::SGDOptions(0.1).momentum(0.9));
+  try {
+    opt.step();
+    ADD_FAILURE() << "accepted a Half grad for a Float parameter";
+  } catch (const c10::Error& e) {
+    EXPECT_THAT(e.what_without_backtrace(), HasSubstr("FusedSGD: param group 1, param 0: grad dtype Half differs"));
+  }
+  EXPECT_TRUE(bitwise_equal(good.detach(), before));
+  EXPECT_TRUE(opt.state().empty());
+}
+
+INSTANTIATE_TEST_SUITE_P(All, FusedSgdTest, ::testing::ValuesIn(sgd_cases()),
+                         [](const ::testing::TestParamInfo<SgdCase>& info) {
+                           return info.param.device + (info.param.isa.empty() ? "" : "_" + info.param.isa);
+                         });
+
+TEST(FusedSgdAten, MatchesAtenFusedSgdOnCpu) {
+  const auto seed = ampfuse_test::seed_for_test();
+  for (bool scaled : {false, true}) {
+    SCOPED_TRACE(scaled ? "grad_scale" : "unscaled");
+    torch::manual_seed(seed);
+    const double lr = 0.03, momentum = 0.9, dampening = 0.2, wd = 1e-2;
+    std::vector<torch::Tensor> p = {torch::randn({129}).requires_grad_(), torch::randn({17, 3}).requires_grad_()};
+    std::vector<torch::Tensor> q, bufs;
+    for (auto& t : p) {
+      q.push_back(t.detach().clone());
+      bufs.push_back(torch::zeros_like(t));
+    }
+    ampfuse::FusedSGD opt(p, torch::optim::SGDOptions(lr).momentum(momentum).dampening(dampening).weight_decay(wd));
+    const float scale = 256.f;
+    bool aten_first = true;
+    for (int step = 0; step < 30; ++step) {
+      const bool skip = scaled && step % 5 == 2;
+      std::vector<torch::Tensor> grads;
+      for (auto& t : p) grads.push_back(torch::randn_like(t) * (scaled ? scale : 1.f));
+      for (std::size_t i = 0; i < p.size(); ++i) p[i].mutable_grad() = grads[i].clone();
+      auto found = torch::full({}, skip ? 1.f : 0.f);
+      if (scaled) {
+        ampfuse::StepSignals signals;
+        signals.set(torch::kCPU, {torch::full({}, 1.f / scale), found, {}});
+        opt.step_with_signals(signals);
+      } else {
+        opt.step();
+      }
+      c10::optional<at::Tensor> gs, fi;
+      if (scaled) {
+        gs = torch::full({}, scale);
+        fi = found;
+      }
+      at::_fused_sgd_(q, grads, bufs, wd, momentum, lr, dampening, false, false, aten_first, gs, fi);
+      if (!skip) aten_first = false;
+    }
+    for (std::size_t i = 0; i < p.size(); ++i)
+      EXPECT_LE((p[i].detach() - q[i]).abs().max().item<float>(), 1e-5 * (1 + q[i].abs().max().item<float>()));
+  }
+}
+
+}  // namespace
