@@ -20,9 +20,8 @@
 #include "bench/common.h"
 
 namespace ampfuse_bench {
-namespace {
 
-const std::vector<ParamSet>& adam_sets() {
+const std::vector<ParamSet>& optimizer_sets() {
   static const std::vector<ParamSet> sets = [] {
     std::vector<ParamSet> s;
     s.push_back({"8x8M", std::vector<std::int64_t>(8, 8ll << 20)});
@@ -44,17 +43,12 @@ const std::vector<ParamSet>& adam_sets() {
   return sets;
 }
 
-struct AdamData {
-  std::vector<torch::Tensor> params, grads, exp_avg, exp_avg_sq, max_exp_avg_sq, steps;
-};
-
-// Parameters with grads attached, made once per set and device, shared by all contenders.
-AdamData& adam_data(const ParamSet& set, torch::Device device) {
-  static std::map<std::string, AdamData> cache;
+OptimizerData& optimizer_data(const ParamSet& set, torch::Device device) {
+  static std::map<std::string, OptimizerData> cache;
   const std::string key = set.name + device.str();
   auto it = cache.find(key);
   if (it == cache.end()) {
-    AdamData d;
+    OptimizerData d;
     auto opts = torch::TensorOptions().dtype(torch::kFloat).device(device);
     for (std::int64_t n : set.numels) {
       auto p = (torch::rand({n}, opts) - 0.5).requires_grad_(true);
@@ -71,6 +65,8 @@ AdamData& adam_data(const ParamSet& set, torch::Device device) {
   return it->second;
 }
 
+namespace {
+
 std::vector<torch::Tensor> detached(const std::vector<torch::Tensor>& v) {
   std::vector<torch::Tensor> out;
   for (const auto& t : v) out.push_back(t.detach());
@@ -83,11 +79,11 @@ void register_adam(torch::Device device) {
   const std::string dev = device.is_cuda() ? "@cuda" : "";
   auto fopts = torch::TensorOptions().dtype(torch::kFloat).device(device);
   constexpr double kLr = 1e-4, kMaxNorm = 1e30;
-  for (const ParamSet& set : adam_sets()) {
+  for (const ParamSet& set : optimizer_sets()) {
     const std::int64_t n = total_numel(set);
     const std::int64_t bytes = 28 * n;
     const std::string tail = "/" + set.name + dev;
-    auto data = [set, device]() -> AdamData& { return adam_data(set, device); };
+    auto data = [set, device]() -> OptimizerData& { return optimizer_data(set, device); };
 
     for (const char* op : {"Adam", "AdamScaled", "AdamClip"}) {
       const std::string o = op;
@@ -108,7 +104,7 @@ void register_adam(torch::Device device) {
         auto found = torch::zeros({}, fopts);
         auto one = torch::ones({}, fopts);
         return Fn([=]() mutable {
-          AdamData& d = data();
+          OptimizerData& d = data();
           const auto params = detached(d.params);
           at::_foreach_add_(d.steps, 1);
           if (!scaled) {
@@ -137,7 +133,7 @@ void register_adam(torch::Device device) {
     }, bytes);
     if (device.is_cpu()) {
       register_one("Adam/ceiling_twin" + tail, device, [=] {
-        AdamData& d = data();
+        OptimizerData& d = data();
         auto plan = std::make_shared<ampfuse::Plan>(set.numels, ampfuse::cpu_chunk_size());
         std::vector<float*> p, g, m, v;
         for (std::size_t i = 0; i < d.params.size(); ++i) {

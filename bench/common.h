@@ -29,6 +29,8 @@ void register_one(const std::string& name, torch::Device device, std::function<F
 void register_engine(torch::Device device);
 void register_scaler(torch::Device device);
 void register_adam(torch::Device device);
+void register_sgd(torch::Device device);
+
 
 inline int bench_threads() {
   if (const char* env = std::getenv("AMPFUSE_BENCH_THREADS")) return std::atoi(env);
@@ -39,6 +41,16 @@ struct ParamSet {
   std::string name;
   std::vector<std::int64_t> numels;
 };
+
+/// The optimizer parameter sets: 64M in 8 tensors, 10,000 x 4,096, GPT-2 small (148 tensors, 124M).
+const std::vector<ParamSet>& optimizer_sets();
+
+/// fp32 parameters (grads attached) and state-sized buffers, made once per
+/// set and device and shared by every contender.
+struct OptimizerData {
+  std::vector<torch::Tensor> params, grads, exp_avg, exp_avg_sq, steps;
+};
+OptimizerData& optimizer_data(const ParamSet& set, torch::Device device);
 
 /// 64M fp32 in one tensor (the large case) and 10,000 x 4,096 (many small).
 inline const std::vector<ParamSet>& engine_sets() {

@@ -16,6 +16,7 @@ int main(int argc, char** argv) {
     ampfuse_bench::register_engine(device);
     ampfuse_bench::register_scaler(device);
     ampfuse_bench::register_adam(device);
+    ampfuse_bench::register_sgd(device);
   }
   benchmark::Initialize(&argc, argv);
   if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;

@@ -27,6 +27,8 @@ TARGETS = [
     ("Adam", "10000x4096", "aten_fused_adam", 1.5, "the speed of at::_fused_adam_"),
     ("AdamScaled", "8x8M", "aten_fused_adam", 1.25, "the speed of PyTorch's scaled fused step"),
     ("AdamClip", "8x8M", "aten_fused_adam", 1.5, "the speed of PyTorch's unscale + clip + fused step"),
+    ("SGD", "8x8M", "ceiling_twin", 0.90, "of the traffic twin"),
+    ("SGD", "10000x4096", "torch_optim_sgd", 3.0, "the speed of torch::optim::SGD"),
 ]
 
 
@@ -51,7 +53,7 @@ def load(path):
     return data.get("context", {}), rows
 
 
-OP_ORDER = ["Check", "CheckNorm", "Scale", "Scaler", "ScalerClip", "Adam", "AdamScaled", "AdamClip"]
+OP_ORDER = ["Check", "CheckNorm", "Scale", "Scaler", "ScalerClip", "Adam", "AdamScaled", "AdamClip", "SGD"]
 
 
 def sort_key(key):
