@@ -446,3 +446,44 @@ TEST(FusedAdamAten, MatchesAtenFusedAdamOnCpu) {
 }
 
 }  // namespace
+
+namespace {
+
+// A skip right after a checkpoint reload writes nothing either.
+TEST(FusedAdamCheckpoint, SkipAfterReloadIsBitIdentical) {
+  const auto seed = ampfuse_test::seed_for_test();
+  torch::manual_seed(seed);
+  std::vector<torch::Tensor> p = {torch::randn({40}).requires_grad_(), torch::randn({3, 5}).requires_grad_()};
+  ampfuse::FusedAdam first(p, torch::optim::AdamOptions(1e-2).amsgrad(true));
+  for (int step = 0; step < 5; ++step) {
+    for (auto& t : p) t.mutable_grad() = torch::randn_like(t);
+    first.step();
+  }
+  const std::string file = (std::filesystem::temp_directory_path() /
+                            ("ampfuse_" + std::to_string(::getpid()) + "_reload_skip.pt")).string();
+  torch::save(first, file);
+  ampfuse::FusedAdam reloaded(p, torch::optim::AdamOptions(1e-2).amsgrad(true));
+  torch::load(reloaded, file);
+  std::remove(file.c_str());
+
+  std::vector<torch::Tensor> params_before, state_before;
+  for (auto& t : p) {
+    t.mutable_grad() = torch::randn_like(t);
+    params_before.push_back(t.detach().clone());
+    const auto& st = static_cast<const torch::optim::AdamParamState&>(*reloaded.state().at(t.unsafeGetTensorImpl()));
+    state_before.push_back(torch::cat({st.exp_avg().view(-1), st.exp_avg_sq().view(-1), st.max_exp_avg_sq().view(-1)}));
+  }
+  p[1].mutable_grad()[1][2] = std::numeric_limits<float>::infinity();
+  ampfuse::StepSignals signals;
+  signals.set(torch::kCPU, {torch::ones({}), torch::full({}, 1.f), {}});
+  reloaded.step_with_signals(signals);
+  for (std::size_t i = 0; i < p.size(); ++i) {
+    EXPECT_TRUE(bitwise_equal(p[i].detach(), params_before[i]));
+    const auto& st = static_cast<const torch::optim::AdamParamState&>(*reloaded.state().at(p[i].unsafeGetTensorImpl()));
+    EXPECT_TRUE(bitwise_equal(torch::cat({st.exp_avg().view(-1), st.exp_avg_sq().view(-1), st.max_exp_avg_sq().view(-1)}),
+                              state_before[i]));
+    EXPECT_EQ(st.step(), 5);
+  }
+}
+
+}  // namespace
