@@ -48,6 +48,19 @@ const std::int64_t* device_meta(const std::vector<std::int64_t>& words, c10::Dev
   return g_entries.front().on_device.data_ptr<std::int64_t>();
 }
 
+cuda::LaunchMeta make_launch_meta(const TensorListsView& views, const Plan& plan, c10::Device device,
+                                  std::vector<std::int64_t>& words) {
+  words = cuda::pack_meta(views, plan);
+  cuda::LaunchMeta m;
+  m.depth = views.depth();
+  m.num_tensors = static_cast<std::int64_t>(plan.tensors().size());
+  m.chunk_size = plan.chunk_size();
+  m.num_chunks = plan.num_chunks();
+  m.host = words.data();
+  if (m.num_tensors > cuda::inline_capacity(m.depth)) m.device = device_meta(words, device);
+  return m;
+}
+
 std::int64_t device_meta_uploads() {
   std::lock_guard<std::mutex> lock(g_mutex);
   return g_uploads;

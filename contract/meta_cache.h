@@ -10,6 +10,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "contract/cuda/launch.h"
+
 namespace ampfuse::detail {
 
 /// Device pointer to `words` on `device`: cached per (device, current
@@ -20,6 +22,12 @@ namespace ampfuse::detail {
 /// captured a launch keeps the pointer: keep the number of distinct long
 /// lists in use under the cache size while such a graph is replayed.
 const std::int64_t* device_meta(const std::vector<std::int64_t>& words, c10::Device device);
+
+/// Launch metadata of `views` over `plan`: packed into `words` (which must
+/// outlive the launch call) and, when too long for kernel arguments, on the
+/// device through device_meta().
+cuda::LaunchMeta make_launch_meta(const TensorListsView& views, const Plan& plan, c10::Device device,
+                                  std::vector<std::int64_t>& words);
 
 /// Number of uploads so far (for tests and benchmarks).
 std::int64_t device_meta_uploads();

@@ -120,16 +120,16 @@ std::vector<void*> data_pointers(const TensorListsView& view) {
 }
 
 #if defined(AMPFUSE_WITH_CUDA)
-cuda::LaunchMeta launch_meta(const Group& g, std::vector<std::int64_t>& words, c10::Device device) {
-  words = cuda::pack_meta(g.view, g.plan);
-  cuda::LaunchMeta m;
-  m.depth = g.view.depth();
-  m.num_tensors = static_cast<std::int64_t>(g.plan.tensors().size());
-  m.chunk_size = g.plan.chunk_size();
-  m.num_chunks = g.plan.num_chunks();
-  m.host = words.data();
-  if (m.num_tensors > cuda::inline_capacity(m.depth)) m.device = detail::device_meta(words, device);
-  return m;
+// Calls launch(group, meta, stream) for each dtype group of `views` on
+// `device`, with the device guard set and the current stream.
+template <class Launch>
+void for_each_cuda_group(const TensorListsView& views, c10::Device device, Launch&& launch) {
+  const c10::cuda::CUDAGuard guard(device);
+  const auto stream = c10::cuda::getCurrentCUDAStream(device.index()).stream();
+  for (const Group& g : make_groups(views, cuda::kChunkSize)) {
+    std::vector<std::int64_t> words;
+    launch(g, detail::make_launch_meta(g.view, g.plan, device, words), stream);
+  }
 }
 #endif
 
@@ -197,11 +197,7 @@ void check_non_finite(at::TensorList tensors, const at::Tensor& found_inf, const
     return;
   }
 #if defined(AMPFUSE_WITH_CUDA)
-  const c10::cuda::CUDAGuard guard(*device);
-  const auto stream = c10::cuda::getCurrentCUDAStream(device->index()).stream();
-  for (const Group& g : make_groups(views, cuda::kChunkSize)) {
-    std::vector<std::int64_t> words;
-    const cuda::LaunchMeta meta = launch_meta(g, words, *device);
+  for_each_cuda_group(views, *device, [&](const Group& g, const cuda::LaunchMeta& meta, cuda::Stream stream) {
     at::Tensor workspace;
     if (sum_sq)
       workspace = at::empty({static_cast<std::int64_t>(cuda::check_workspace_bytes(meta.num_chunks))},
@@ -211,7 +207,7 @@ void check_non_finite(at::TensorList tensors, const at::Tensor& found_inf, const
     else if (sum_sq) out.f32 = sum_sq->data_ptr<float>();
     cuda::check_non_finite(meta, g.dtype, found_inf.data_ptr<float>(), out, sum_sq ? workspace.data_ptr() : nullptr,
                            stream);
-  }
+  });
 #endif
 }
 
@@ -240,13 +236,9 @@ void scale_impl(const char* op, at::TensorList tensors, const at::Tensor& scale,
     return;
   }
 #if defined(AMPFUSE_WITH_CUDA)
-  const c10::cuda::CUDAGuard guard(*device);
-  const auto stream = c10::cuda::getCurrentCUDAStream(device->index()).stream();
-  for (const Group& g : make_groups(views, cuda::kChunkSize)) {
-    std::vector<std::int64_t> words;
-    const cuda::LaunchMeta meta = launch_meta(g, words, *device);
+  for_each_cuda_group(views, *device, [&](const Group& g, const cuda::LaunchMeta& meta, cuda::Stream stream) {
     cuda::scale(meta, g.dtype, scale.data_ptr<float>(), found_inf ? found_inf->data_ptr<float>() : nullptr, stream);
-  }
+  });
 #endif
 }
 

@@ -22,6 +22,7 @@
 #include <c10/cuda/CUDAStream.h>
 
 #include "contract/cuda/launch.h"
+#include "contract/meta_cache.h"
 #include "fused/adam_cuda.h"
 #endif
 
@@ -137,8 +138,7 @@ void fused_adam_step(torch::optim::Optimizer& opt, detail::FusedAdamState& impl,
     }
     const Plan plan(numels, cuda::kChunkSize);
     std::vector<std::int64_t> words;
-    cuda::LaunchMeta meta;
-    fused::make_cuda_launch(views, plan, device, words, &meta);
+    const cuda::LaunchMeta meta = detail::make_launch_meta(views, plan, device, words);
     at::Tensor& counters = fused::ticket_counters(impl.counters, key, meta.num_tensors);
     const fused::cuda::AdamCudaArgs args{
         hyper, o.lr(), beta1, beta2,

@@ -20,6 +20,7 @@
 #include <c10/cuda/CUDAStream.h>
 
 #include "contract/cuda/launch.h"
+#include "contract/meta_cache.h"
 #include "fused/sgd_cuda.h"
 #endif
 
@@ -139,8 +140,7 @@ void FusedSGD::fused_step(const StepSignals* signals) {
     }
     const Plan plan(numels, cuda::kChunkSize);
     std::vector<std::int64_t> words;
-    cuda::LaunchMeta meta;
-    fused::make_cuda_launch(views, plan, device, words, &meta);
+    const cuda::LaunchMeta meta = detail::make_launch_meta(views, plan, device, words);
     unsigned* counters = nullptr;
     if (momentum)
       counters = reinterpret_cast<unsigned*>(

@@ -9,8 +9,6 @@
 #include <unordered_map>
 
 #if defined(AMPFUSE_WITH_CUDA)
-#include "contract/cuda/launch.h"
-#include "contract/meta_cache.h"
 #endif
 
 namespace ampfuse::fused {
@@ -131,18 +129,6 @@ float cpu_grad_factor(const ScaleSignal* signal) {
 }
 
 #if defined(AMPFUSE_WITH_CUDA)
-void make_cuda_launch(const TensorListsView& views, const Plan& plan, c10::Device device,
-                      std::vector<std::int64_t>& words, void* launch_meta) {
-  auto& meta = *static_cast<cuda::LaunchMeta*>(launch_meta);
-  words = cuda::pack_meta(views, plan);
-  meta.depth = views.depth();
-  meta.num_tensors = static_cast<std::int64_t>(plan.tensors().size());
-  meta.chunk_size = plan.chunk_size();
-  meta.num_chunks = plan.num_chunks();
-  meta.host = words.data();
-  meta.device = meta.num_tensors > cuda::inline_capacity(meta.depth) ? detail::device_meta(words, device) : nullptr;
-}
-
 at::Tensor& ticket_counters(std::map<std::tuple<std::size_t, std::string, int>, at::Tensor>& cache, const ListKey& key,
                             std::int64_t num_tensors) {
   const auto& [group, device, dtype] = key;

@@ -61,11 +61,6 @@ std::vector<Value> per_tensor(const std::vector<Key>& keys, F&& f) {
 }
 
 #if defined(AMPFUSE_WITH_CUDA)
-/// Launch metadata of `views` over `plan`, uploaded to the device when too
-/// long for kernel arguments. `words` must outlive the launch call.
-void make_cuda_launch(const TensorListsView& views, const Plan& plan, c10::Device device,
-                      std::vector<std::int64_t>& words, void* launch_meta /* ampfuse::cuda::LaunchMeta* */);
-
 /// Zeroed int32 counters, one per tensor of a list, kept across steps (the
 /// kernels leave them zeroed). Grown when the list grows.
 at::Tensor& ticket_counters(std::map<std::tuple<std::size_t, std::string, int>, at::Tensor>& cache, const ListKey& key,

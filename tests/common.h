@@ -5,12 +5,15 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdlib>
 #include <iostream>
 #include <random>
 #include <string>
 #include <vector>
+
+#include "contract/cpu/kernels.h"
 
 namespace ampfuse_test {
 
@@ -64,5 +67,31 @@ inline ::testing::AssertionResult bitwise_equal(const torch::Tensor& a, const to
   }
   return ::testing::AssertionSuccess();
 }
+
+/// Fixture for tests parameterized by a device ("cpu", "cuda") and, on CPU,
+/// an instruction set ("avx512", "avx2", "baseline"; "" on CUDA): skips what
+/// this machine lacks, forces the instruction set, and seeds (printed).
+/// Param needs string members `device` and `isa`.
+template <class Param>
+class DeviceIsaTest : public ::testing::TestWithParam<Param> {
+ protected:
+  void SetUp() override {
+    const Param& c = this->GetParam();
+    device_ = torch::Device(c.device);
+    AMPFUSE_SKIP_WITHOUT(device_);
+    if (!c.isa.empty()) {
+      const auto isas = ampfuse::cpu::available_isas();
+      if (std::find(isas.begin(), isas.end(), c.isa) == isas.end()) GTEST_SKIP() << "this CPU lacks " << c.isa;
+      ampfuse::cpu::force_isa(c.isa);
+    }
+    seed_ = seed_for_test();
+    rng_.seed(seed_);
+  }
+  void TearDown() override { ampfuse::cpu::force_isa(""); }
+
+  torch::Device device_{torch::kCPU};
+  std::uint64_t seed_ = 0;
+  std::mt19937_64 rng_;
+};
 
 }  // namespace ampfuse_test

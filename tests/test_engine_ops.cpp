@@ -39,24 +39,9 @@ std::vector<EngineCase> engine_cases() {
   return cases;
 }
 
-class EngineOps : public ::testing::TestWithParam<EngineCase> {
+class EngineOps : public ampfuse_test::DeviceIsaTest<EngineCase> {
  protected:
-  void SetUp() override {
-    const EngineCase& c = GetParam();
-    device_ = torch::Device(c.device);
-    AMPFUSE_SKIP_WITHOUT(device_);
-    if (!c.isa.empty()) {
-      const auto isas = ampfuse::cpu::available_isas();
-      if (std::find(isas.begin(), isas.end(), c.isa) == isas.end())
-        GTEST_SKIP() << "this CPU lacks " << c.isa;
-      ampfuse::cpu::force_isa(c.isa);
-    }
-    seed_ = ampfuse_test::seed_for_test();
-    rng_.seed(seed_);
-  }
-  void TearDown() override { ampfuse::cpu::force_isa(""); }
-
-  torch::TensorOptions opts() const { return torch::TensorOptions().dtype(GetParam().dtype).device(device_); }
+  torch::TensorOptions opts() const { return torch::TensorOptions().dtype(this->GetParam().dtype).device(device_); }
   torch::Tensor scalar(float v) const {
     return torch::full({1}, v, torch::TensorOptions().dtype(torch::kFloat).device(device_));
   }
@@ -87,9 +72,6 @@ class EngineOps : public ::testing::TestWithParam<EngineCase> {
     return static_cast<float>(s);
   }
 
-  torch::Device device_{torch::kCPU};
-  std::uint64_t seed_ = 0;
-  std::mt19937_64 rng_;
 };
 
 TEST_P(EngineOps, FiniteListLeavesFoundInfAndMatchesSumOfSquares) {

@@ -62,21 +62,8 @@ Options to_options(const Hyper& h) {
   return o;
 }
 
-class FusedAdamTest : public ::testing::TestWithParam<AdamCase> {
+class FusedAdamTest : public ampfuse_test::DeviceIsaTest<AdamCase> {
  protected:
-  void SetUp() override {
-    device_ = torch::Device(GetParam().device);
-    AMPFUSE_SKIP_WITHOUT(device_);
-    if (!GetParam().isa.empty()) {
-      const auto isas = ampfuse::cpu::available_isas();
-      if (std::find(isas.begin(), isas.end(), GetParam().isa) == isas.end()) GTEST_SKIP() << "no " << GetParam().isa;
-      ampfuse::cpu::force_isa(GetParam().isa);
-    }
-    seed_ = ampfuse_test::seed_for_test();
-    rng_.seed(seed_);
-  }
-  void TearDown() override { ampfuse::cpu::force_isa(""); }
-
   // Shapes with 0, 1, odd sizes, the vector widths and a chunk boundary.
   std::vector<std::vector<std::int64_t>> random_shapes(int n) {
     const std::vector<std::vector<std::int64_t>> pool = {{0}, {1}, {3}, {7, 5}, {16}, {17}, {33, 3}, {65537},
@@ -139,9 +126,6 @@ class FusedAdamTest : public ::testing::TestWithParam<AdamCase> {
     }
   }
 
-  torch::Device device_{torch::kCPU};
-  std::uint64_t seed_ = 0;
-  std::mt19937_64 rng_;
 };
 
 TEST_P(FusedAdamTest, MatchesTorchOptimOverHundredSteps) {

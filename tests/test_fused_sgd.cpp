@@ -40,21 +40,8 @@ torch::optim::SGDOptions random_options(std::mt19937_64& rng) {
   return o;
 }
 
-class FusedSgdTest : public ::testing::TestWithParam<SgdCase> {
+class FusedSgdTest : public ampfuse_test::DeviceIsaTest<SgdCase> {
  protected:
-  void SetUp() override {
-    device_ = torch::Device(GetParam().device);
-    AMPFUSE_SKIP_WITHOUT(device_);
-    if (!GetParam().isa.empty()) {
-      const auto isas = ampfuse::cpu::available_isas();
-      if (std::find(isas.begin(), isas.end(), GetParam().isa) == isas.end()) GTEST_SKIP() << "no " << GetParam().isa;
-      ampfuse::cpu::force_isa(GetParam().isa);
-    }
-    seed_ = ampfuse_test::seed_for_test();
-    rng_.seed(seed_);
-  }
-  void TearDown() override { ampfuse::cpu::force_isa(""); }
-
   std::vector<torch::Tensor> make_params(std::vector<std::vector<std::int64_t>> shapes) {
     std::vector<torch::Tensor> out;
     for (const auto& s : shapes) out.push_back(torch::randn(s, torch::TensorOptions().device(device_)).requires_grad_());
@@ -75,9 +62,6 @@ class FusedSgdTest : public ::testing::TestWithParam<SgdCase> {
     }
   }
 
-  torch::Device device_{torch::kCPU};
-  std::uint64_t seed_ = 0;
-  std::mt19937_64 rng_;
 };
 
 TEST_P(FusedSgdTest, MatchesTorchOptimOverHundredSteps) {
