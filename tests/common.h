@@ -13,6 +13,11 @@
 #include <string>
 #include <vector>
 
+#include <ampfuse/contract.h>
+#include <unistd.h>
+
+#include <filesystem>
+
 #include "contract/cpu/kernels.h"
 
 namespace ampfuse_test {
@@ -66,6 +71,18 @@ inline ::testing::AssertionResult bitwise_equal(const torch::Tensor& a, const to
                                          << ": " << ac[idx].item<float>() << " vs " << bc[idx].item<float>();
   }
   return ::testing::AssertionSuccess();
+}
+
+/// A file name in the temp folder, unique to this process.
+inline std::string temp_path(const std::string& name) {
+  return (std::filesystem::temp_directory_path() / ("ampfuse_" + std::to_string(::getpid()) + "_" + name)).string();
+}
+
+/// The contract step a GradScaler would take on CPU grads scaled by 1/inv_scale.
+inline void step_with_cpu_signal(ampfuse::ScalerAware& opt, float inv_scale, const torch::Tensor& found_inf) {
+  ampfuse::StepSignals signals;
+  signals.set(torch::kCPU, {torch::full({}, inv_scale), found_inf, {}});
+  opt.step_with_signals(signals);
 }
 
 /// Fixture for tests parameterized by a device ("cpu", "cuda") and, on CPU,

@@ -266,10 +266,6 @@ TEST_P(FusedAdamTest, HostLrChangeTakesEffect) {
   EXPECT_TRUE(bitwise_equal(ours[0].detach(), before));
 }
 
-std::string temp_path(const std::string& name) {
-  return (std::filesystem::temp_directory_path() / ("ampfuse_" + std::to_string(::getpid()) + "_" + name)).string();
-}
-
 TEST_P(FusedAdamTest, CheckpointsInteroperateWithTorchOptimBothWays) {
   const Hyper h{3e-3, 0.8, 0.95, 1e-8, 0.01, true};
   for (bool ours_first : {true, false}) {
@@ -290,7 +286,7 @@ TEST_P(FusedAdamTest, CheckpointsInteroperateWithTorchOptimBothWays) {
       }
     };
     run(*first, a, 0, 10);
-    const std::string file = temp_path("adam_interop.pt");
+    const std::string file = ampfuse_test::temp_path("adam_interop.pt");
     torch::save(*first, file);
     // Copy the parameters at the cut, then finish both runs.
     for (std::size_t i = 0; i < a.size(); ++i) {
@@ -400,9 +396,7 @@ TEST(FusedAdamAten, MatchesAtenFusedAdamOnCpu) {
         for (std::size_t i = 0; i < p.size(); ++i) p[i].mutable_grad() = grads[i].clone();
         auto found = torch::full({}, skip ? 1.f : 0.f);
         if (scaled) {
-          ampfuse::StepSignals signals;
-          signals.set(torch::kCPU, {torch::full({}, 1.f / scale), found, {}});
-          aware->step_with_signals(signals);
+          ampfuse_test::step_with_cpu_signal(*aware, 1.f / scale, found);
         } else {
           opt->step();
         }
@@ -443,8 +437,7 @@ TEST(FusedAdamCheckpoint, SkipAfterReloadIsBitIdentical) {
     for (auto& t : p) t.mutable_grad() = torch::randn_like(t);
     first.step();
   }
-  const std::string file = (std::filesystem::temp_directory_path() /
-                            ("ampfuse_" + std::to_string(::getpid()) + "_reload_skip.pt")).string();
+  const std::string file = ampfuse_test::temp_path("reload_skip.pt");
   torch::save(first, file);
   ampfuse::FusedAdam reloaded(p, torch::optim::AdamOptions(1e-2).amsgrad(true));
   torch::load(reloaded, file);

@@ -133,10 +133,6 @@ TEST_P(FusedSgdTest, SkippedFirstStepLeavesNoBufferAndNothingWritten) {
   expect_close(ours, ref, 1e-5, "after 8 steps, 2 skipped");
 }
 
-std::string temp_path(const std::string& name) {
-  return (std::filesystem::temp_directory_path() / ("ampfuse_" + std::to_string(::getpid()) + "_" + name)).string();
-}
-
 TEST_P(FusedSgdTest, CheckpointsInteroperateWithTorchOptimBothWays) {
   const auto o = torch::optim::SGDOptions(0.02).momentum(0.8).nesterov(true).weight_decay(1e-3);
   for (bool ours_first : {true, false}) {
@@ -155,7 +151,7 @@ TEST_P(FusedSgdTest, CheckpointsInteroperateWithTorchOptimBothWays) {
     if (ours_first) first = std::make_unique<ampfuse::FusedSGD>(a, o);
     else first = std::make_unique<torch::optim::SGD>(a, o);
     run(*first, a, 0, 10);
-    const std::string file = temp_path("sgd_interop.pt");
+    const std::string file = ampfuse_test::temp_path("sgd_interop.pt");
     torch::save(*first, file);
     for (std::size_t i = 0; i < a.size(); ++i) {
       torch::NoGradGuard no_grad;
@@ -216,9 +212,7 @@ TEST(FusedSgdAten, MatchesAtenFusedSgdOnCpu) {
       for (std::size_t i = 0; i < p.size(); ++i) p[i].mutable_grad() = grads[i].clone();
       auto found = torch::full({}, skip ? 1.f : 0.f);
       if (scaled) {
-        ampfuse::StepSignals signals;
-        signals.set(torch::kCPU, {torch::full({}, 1.f / scale), found, {}});
-        opt.step_with_signals(signals);
+        ampfuse_test::step_with_cpu_signal(opt, 1.f / scale, found);
       } else {
         opt.step();
       }

@@ -487,10 +487,6 @@ TEST(GradScalerTraining, MatchesPyTorchsAlgorithmWrittenByHand) {
             << " times, final scale " << scaler.get_scale() << "\n";
 }
 
-std::string temp_path(const std::string& name) {
-  return (std::filesystem::temp_directory_path() / ("ampfuse_" + std::to_string(::getpid()) + "_" + name)).string();
-}
-
 TEST(GradScalerTraining, StateDictRoundTripContinuesBitIdentically) {
   const auto seed = ampfuse_test::seed_for_test();
   const int steps = 60, cut = 30;
@@ -509,7 +505,7 @@ TEST(GradScalerTraining, StateDictRoundTripContinuesBitIdentically) {
   torch::optim::Adam full_opt(full.params, torch::optim::AdamOptions(1e-3));
   ampfuse::GradScaler full_scaler(opts);
   train(full, full_opt, full_scaler, 0, cut);
-  const std::string scaler_file = temp_path("scaler.pt"), opt_file = temp_path("adam.pt");
+  const std::string scaler_file = ampfuse_test::temp_path("scaler.pt"), opt_file = ampfuse_test::temp_path("adam.pt");
   torch::save(full_scaler, scaler_file);
   torch::save(full_opt, opt_file);
   Mlp resumed(full);  // parameters at the cut
@@ -540,7 +536,7 @@ TEST(GradScalerSerialization, StateDictKeysAndBadArchives) {
   ampfuse::GradScaler scaler(ampfuse::GradScalerOptions().init_scale(8.0).growth_interval(3));
   torch::serialize::OutputArchive out;
   out << scaler;
-  const std::string file = temp_path("keys.pt");
+  const std::string file = ampfuse_test::temp_path("keys.pt");
   out.save_to(file);
   torch::serialize::InputArchive in;
   in.load_from(file);
