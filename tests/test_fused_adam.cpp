@@ -464,3 +464,33 @@ TEST(FusedAdamCheckpoint, SkipAfterReloadIsBitIdentical) {
 }
 
 }  // namespace
+
+namespace {
+
+// One group holding fp32, fp16 and bf16 parameters runs one list per dtype;
+// each must match the same parameters stepped alone.
+TEST(FusedAdamMixed, DtypesInOneGroupMatchSeparateRuns) {
+  const auto seed = ampfuse_test::seed_for_test();
+  torch::manual_seed(seed);
+  const auto o = torch::optim::AdamOptions(1e-2).weight_decay(1e-3);
+  std::vector<torch::Tensor> mixed = {torch::randn({33}).requires_grad_(),
+                                      torch::randn({17}).to(torch::kHalf).requires_grad_(),
+                                      torch::randn({65}).to(torch::kBFloat16).requires_grad_()};
+  std::vector<torch::Tensor> alone;
+  for (const auto& p : mixed) alone.push_back(p.detach().clone().requires_grad_());
+  ampfuse::FusedAdam together(mixed, o);
+  std::vector<std::unique_ptr<ampfuse::FusedAdam>> separate;
+  for (auto& p : alone) separate.push_back(std::make_unique<ampfuse::FusedAdam>(std::vector<torch::Tensor>{p}, o));
+  for (int step = 0; step < 10; ++step) {
+    for (std::size_t i = 0; i < mixed.size(); ++i) {
+      auto g = torch::randn_like(mixed[i]);
+      mixed[i].mutable_grad() = g;
+      alone[i].mutable_grad() = g.clone();
+      separate[i]->step();
+    }
+    together.step();
+  }
+  for (std::size_t i = 0; i < mixed.size(); ++i) EXPECT_TRUE(bitwise_equal(mixed[i].detach(), alone[i].detach())) << i;
+}
+
+}  // namespace

@@ -598,3 +598,28 @@ TEST(GradScaler, UpdateWithExplicitScale) {
 }
 
 }  // namespace
+
+namespace {
+
+TEST(GradScaler, UndefinedGradsAreSkipped) {
+  // A parameter without a grad (frozen, or unused this step) is left alone on both paths.
+  for (bool contract : {false, true}) {
+    std::vector<torch::Tensor> params = {torch::randn({5}).requires_grad_(), torch::randn({3}).requires_grad_()};
+    params[0].mutable_grad() = torch::randn({5}) * 8;
+    const auto frozen = params[1].detach().clone();
+    std::unique_ptr<torch::optim::Optimizer> opt;
+    if (contract) opt = std::make_unique<ContractSGD>(params, 0.1);
+    else opt = std::make_unique<torch::optim::SGD>(params, 0.1);
+    ampfuse::GradScaler scaler(ampfuse::GradScalerOptions().init_scale(8.0));
+    scaler.scale(torch::ones({}));
+    const auto before = params[0].detach().clone();
+    scaler.step(*opt);
+    scaler.update();
+    EXPECT_FALSE(scaler.last_step_skipped(*opt));
+    EXPECT_FALSE(torch::equal(before, params[0].detach()));
+    EXPECT_TRUE(torch::equal(frozen, params[1].detach()));
+    EXPECT_FALSE(params[1].grad().defined());
+  }
+}
+
+}  // namespace
