@@ -17,7 +17,9 @@ struct AdamArgs {
   void* const* exp_avg;
   void* const* exp_avg_sq;
   void* const* max_exp_avg_sq;
-  ScalarType dtype;                ///< of param, grad and state alike
+  void* const* master;             ///< fp32 master copies, or null (then param is updated directly)
+  ScalarType dtype;                ///< of param and grad
+  ScalarType state_dtype;          ///< of exp_avg, exp_avg_sq, max_exp_avg_sq
   const AdamStepScalars* scalars;  ///< by tensor index
   AdamHyper hyper;
   float grad_factor;               ///< inv_scale * clip_coef (1 when unscaled and unclipped)

@@ -6,10 +6,14 @@
 
 namespace ampfuse::fused::cuda {
 
-/// Lists of the launch metadata, in this order.
-enum AdamList : int { kParam = 0, kGrad = 1, kExpAvg = 2, kExpAvgSq = 3, kStep = 4, kMaxExpAvgSq = 5 };
+/// Lists of the launch metadata, in this order; kAdamDepth lists always (a
+/// list a configuration does not use holds null pointers).
+enum AdamList : int { kParam = 0, kGrad = 1, kExpAvg = 2, kExpAvgSq = 3, kStep = 4, kMaxExpAvgSq = 5, kMaster = 6 };
+constexpr int kAdamDepth = 7;
 
 struct AdamCudaArgs {
+  ScalarType state_dtype;      ///< of the moments (the param's, fp32 with master weights, or bf16)
+  bool master;                 ///< update an fp32 master copy (list kMaster), write it back rounded
   AdamHyper hyper;
   double lr, beta1, beta2;     ///< for the bias corrections, from each tensor's device step
   const float* found_inf;      ///< skip when != 0; null: never skip
@@ -22,6 +26,7 @@ struct AdamCudaArgs {
 /// nothing), else updates param and state with g * inv_scale * clip_coef and
 /// advances each tensor's fp32 step counter (list kStep) by one, after every
 /// block of that tensor has read it (ticket in `counters`).
+/// dtype: of param and grad.
 void adam(const ampfuse::cuda::LaunchMeta& meta, ScalarType dtype, const AdamCudaArgs& args,
           ampfuse::cuda::Stream stream);
 

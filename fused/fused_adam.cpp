@@ -32,6 +32,8 @@ namespace detail {
 struct FusedAdamState {
   // Device step counters of CUDA parameters (fp32, one element), by TensorImpl.
   std::unordered_map<const c10::TensorImpl*, at::Tensor> device_steps;
+  // fp32 master copies (master_weights), by TensorImpl.
+  std::unordered_map<const c10::TensorImpl*, at::Tensor> master;
   // Zeroed ticket counters per launch list, by (group, device, dtype).
   std::map<std::tuple<std::size_t, std::string, int>, at::Tensor> counters;
 };
@@ -40,21 +42,38 @@ struct FusedAdamState {
 
 namespace {
 
+// The moments' dtype: the param's (as LibTorch), fp32 with master weights, or bf16.
+c10::ScalarType state_dtype(const at::Tensor& p, const FusedAdamOptions& fused) {
+  if (fused.bf16_moments()) return at::kBFloat16;
+  return fused.master_weights() ? at::kFloat : p.scalar_type();
+}
+
 template <class State>
-State& state_for(torch::optim::Optimizer& opt, const at::Tensor& p, bool amsgrad, bool* created) {
+State& state_for(torch::optim::Optimizer& opt, const at::Tensor& p, c10::ScalarType dtype, bool amsgrad,
+                 bool* created) {
   auto& slot = opt.state()[p.unsafeGetTensorImpl()];
   *created = !slot;
+  const auto zeros = [&] { return at::zeros_like(p, p.options().dtype(dtype), at::MemoryFormat::Preserve); };
   if (!slot) {
     auto st = std::make_unique<State>();
     st->step(0);
-    st->exp_avg(at::zeros_like(p, at::MemoryFormat::Preserve));
-    st->exp_avg_sq(at::zeros_like(p, at::MemoryFormat::Preserve));
-    if (amsgrad) st->max_exp_avg_sq(at::zeros_like(p, at::MemoryFormat::Preserve));
+    st->exp_avg(zeros());
+    st->exp_avg_sq(zeros());
+    if (amsgrad) st->max_exp_avg_sq(zeros());
     slot = std::move(st);
   }
   auto& st = static_cast<State&>(*slot);
-  if (amsgrad && !st.max_exp_avg_sq().defined()) st.max_exp_avg_sq(at::zeros_like(p, at::MemoryFormat::Preserve));
+  if (amsgrad && !st.max_exp_avg_sq().defined()) st.max_exp_avg_sq(zeros());
   return st;
+}
+
+// The fp32 master copy of p, made from p on first use (or when the one kept
+// belongs to a freed parameter that had the same address).
+at::Tensor& master_for(detail::FusedAdamState& impl, const at::Tensor& p) {
+  at::Tensor& m = impl.master[p.unsafeGetTensorImpl()];
+  if (!m.defined() || m.sizes() != p.sizes() || m.device() != p.device())
+    m = p.detach().to(at::kFloat, /*non_blocking=*/false, /*copy=*/true, at::MemoryFormat::Preserve);
+  return m;
 }
 
 template <class Options, class State>
@@ -66,10 +85,15 @@ void fused_adam_step(torch::optim::Optimizer& opt, detail::FusedAdamState& impl,
         auto it = opt.state().find(p.unsafeGetTensorImpl());
         if (it == opt.state().end()) return;
         const auto& st = static_cast<const State&>(*it->second);
-        fused::check_state_tensor(st.exp_avg(), p, name, "exp_avg", g, i);
-        fused::check_state_tensor(st.exp_avg_sq(), p, name, "exp_avg_sq", g, i);
-        fused::check_state_tensor(st.max_exp_avg_sq(), p, name, "max_exp_avg_sq", g, i);
+        const c10::ScalarType dtype = state_dtype(p, fused);
+        fused::check_state_tensor(st.exp_avg(), p, dtype, name, "exp_avg", g, i);
+        fused::check_state_tensor(st.exp_avg_sq(), p, dtype, name, "exp_avg_sq", g, i);
+        fused::check_state_tensor(st.max_exp_avg_sq(), p, dtype, name, "max_exp_avg_sq", g, i);
       });
+  if (fused.master_weights())
+    for (const fused::Entry& e : entries)
+      TORCH_CHECK(e.param.scalar_type() != at::kFloat, name, ": param group ", e.group, ", param ", e.index,
+                  ": master_weights asked for on a Float parameter; it is for Half and BFloat16 parameters");
 
   for (const auto& [key, list] : fused::group_lists(entries, fused::cpu_step_skipped(signals))) {
     const auto& [g, device, dtype] = key;
@@ -79,20 +103,22 @@ void fused_adam_step(torch::optim::Optimizer& opt, detail::FusedAdamState& impl,
         fused::make_adam_hyper(o.lr(), beta1, beta2, o.eps(), o.weight_decay(), o.amsgrad(), fused.maximize(), decoupled);
     const ScaleSignal* signal = signals ? &signals->at(device) : nullptr;
     const ScalarType st = to_scalar_type(dtype);
+    const ScalarType state_st = to_scalar_type(state_dtype(list.front()->param, fused));
+    const bool master = fused.master_weights();
 
     std::vector<State*> states;
     std::vector<std::int64_t> numels;
     std::vector<bool> created;
     for (const fused::Entry* e : list) {
       bool fresh = false;
-      states.push_back(&state_for<State>(opt, e->param, o.amsgrad(), &fresh));
+      states.push_back(&state_for<State>(opt, e->param, state_dtype(e->param, fused), o.amsgrad(), &fresh));
       created.push_back(fresh);
       numels.push_back(e->param.numel());
     }
 
     if (device.is_cpu()) {
       const std::size_t n = list.size();
-      std::vector<void*> param(n), grad(n), m(n), v(n), vmax(n, nullptr);
+      std::vector<void*> param(n), grad(n), m(n), v(n), vmax(n, nullptr), masters(n, nullptr);
       std::vector<std::int64_t> steps(n);
       for (std::size_t i = 0; i < n; ++i) {
         param[i] = list[i]->param.data_ptr();
@@ -100,6 +126,7 @@ void fused_adam_step(torch::optim::Optimizer& opt, detail::FusedAdamState& impl,
         m[i] = states[i]->exp_avg().data_ptr();
         v[i] = states[i]->exp_avg_sq().data_ptr();
         if (o.amsgrad()) vmax[i] = states[i]->max_exp_avg_sq().data_ptr();
+        if (master) masters[i] = master_for(impl, list[i]->param).data_ptr();
         steps[i] = states[i]->step() + 1;
       }
       // Two pow() per distinct step, not per tensor.
@@ -108,7 +135,8 @@ void fused_adam_step(torch::optim::Optimizer& opt, detail::FusedAdamState& impl,
       });
       const Plan plan(numels, cpu::kChunkSize);
       const fused::cpu::AdamArgs args{cpu::plan_ref(plan), param.data(), grad.data(), m.data(), v.data(),
-                                      vmax.data(), st, scalars.data(), hyper, fused::cpu_grad_factor(signal)};
+                                      vmax.data(), master ? masters.data() : nullptr, st, state_st,
+                                      scalars.data(), hyper, fused::cpu_grad_factor(signal)};
       const fused::cpu::AdamFn kernel = fused::cpu::adam_kernel();
       at::parallel_for(0, plan.num_chunks(), 1, [&](std::int64_t b, std::int64_t e) { kernel(args, b, e); });
       for (State* s : states) s->step(s->step() + 1);
@@ -118,7 +146,7 @@ void fused_adam_step(torch::optim::Optimizer& opt, detail::FusedAdamState& impl,
     const c10::cuda::CUDAGuard guard(device);
     const auto stream = c10::cuda::getCurrentCUDAStream(device.index()).stream();
     TensorListsView views;
-    views.lists.resize(o.amsgrad() ? 6 : 5);
+    views.lists.resize(fused::cuda::kAdamDepth);
     std::vector<at::Tensor> empty_steps;
     for (std::size_t i = 0; i < list.size(); ++i) {
       const at::Tensor& p = list[i]->param;
@@ -130,18 +158,20 @@ void fused_adam_step(torch::optim::Optimizer& opt, detail::FusedAdamState& impl,
       if (p.numel() == 0) empty_steps.push_back(step);
       views.lists[fused::cuda::kParam].push_back({p.data_ptr(), p.numel(), st});
       views.lists[fused::cuda::kGrad].push_back({list[i]->grad.data_ptr(), p.numel(), st});
-      views.lists[fused::cuda::kExpAvg].push_back({states[i]->exp_avg().data_ptr(), p.numel(), st});
-      views.lists[fused::cuda::kExpAvgSq].push_back({states[i]->exp_avg_sq().data_ptr(), p.numel(), st});
+      views.lists[fused::cuda::kExpAvg].push_back({states[i]->exp_avg().data_ptr(), p.numel(), state_st});
+      views.lists[fused::cuda::kExpAvgSq].push_back({states[i]->exp_avg_sq().data_ptr(), p.numel(), state_st});
       views.lists[fused::cuda::kStep].push_back({step.data_ptr(), 1, ScalarType::Float32});
-      if (o.amsgrad())
-        views.lists[fused::cuda::kMaxExpAvgSq].push_back({states[i]->max_exp_avg_sq().data_ptr(), p.numel(), st});
+      views.lists[fused::cuda::kMaxExpAvgSq].push_back(
+          {o.amsgrad() ? states[i]->max_exp_avg_sq().data_ptr() : nullptr, p.numel(), state_st});
+      views.lists[fused::cuda::kMaster].push_back(
+          {master ? master_for(impl, p).data_ptr() : nullptr, p.numel(), ScalarType::Float32});
     }
     const Plan plan(numels, cuda::kChunkSize);
     std::vector<std::int64_t> words;
     const cuda::LaunchMeta meta = detail::make_launch_meta(views, plan, device, words);
     at::Tensor& counters = fused::ticket_counters(impl.counters, key, meta.num_tensors);
     const fused::cuda::AdamCudaArgs args{
-        hyper, o.lr(), beta1, beta2,
+        state_st, master, hyper, o.lr(), beta1, beta2,
         signal ? signal->found_inf.data_ptr<float>() : nullptr,
         signal && signal->inv_scale.defined() ? signal->inv_scale.data_ptr<float>() : nullptr,
         signal && signal->clip_coef.defined() ? signal->clip_coef.data_ptr<float>() : nullptr,
@@ -200,16 +230,43 @@ void FusedAdamImpl<Base, Options, State, kDecoupled>::sync_state() {
   }
 }
 
+namespace {
+
+// Archive key of a parameter's fp32 master copy (ignored by torch::optim::Adam).
+std::string master_key(std::size_t group, std::size_t index) {
+  return "ampfuse_master_weights_" + std::to_string(group) + "_" + std::to_string(index);
+}
+
+}  // namespace
+
 template <class Base, class Options, class State, bool kDecoupled>
 void FusedAdamImpl<Base, Options, State, kDecoupled>::save(torch::serialize::OutputArchive& archive) const {
   const_cast<FusedAdamImpl*>(this)->sync_state();
   Base::save(archive);
+  const auto& groups = this->param_groups();
+  for (std::size_t g = 0; g < groups.size(); ++g)
+    for (std::size_t i = 0; i < groups[g].params().size(); ++i) {
+      const auto it = impl_->master.find(groups[g].params()[i].unsafeGetTensorImpl());
+      if (it != impl_->master.end()) archive.write(master_key(g, i), it->second);
+    }
 }
 
 template <class Base, class Options, class State, bool kDecoupled>
 void FusedAdamImpl<Base, Options, State, kDecoupled>::load(torch::serialize::InputArchive& archive) {
   Base::load(archive);
   impl_->device_steps.clear();  // restart from the loaded state's step
+  impl_->master.clear();        // restart from the loaded masters, or from the parameters
+  const auto& groups = this->param_groups();
+  for (std::size_t g = 0; g < groups.size(); ++g)
+    for (std::size_t i = 0; i < groups[g].params().size(); ++i) {
+      const at::Tensor& p = groups[g].params()[i];
+      at::Tensor saved;
+      if (!archive.try_read(master_key(g, i), saved)) continue;
+      TORCH_CHECK(saved.sizes() == p.sizes() && saved.scalar_type() == at::kFloat, optimizer_name(kDecoupled),
+                  ": param group ", g, ", param ", i, ": the checkpoint's master copy has shape ", saved.sizes(),
+                  " and dtype ", saved.scalar_type(), "; expected ", p.sizes(), " and Float");
+      impl_->master[p.unsafeGetTensorImpl()] = saved.to(p.device());
+    }
 }
 
 template class FusedAdamImpl<torch::optim::Adam, torch::optim::AdamOptions, torch::optim::AdamParamState, false>;

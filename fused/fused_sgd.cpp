@@ -76,7 +76,7 @@ void FusedSGD::fused_step(const StepSignals* signals) {
   at::NoGradGuard no_grad;
   const std::vector<fused::Entry> entries =
       fused::validate_params(*this, kName, signals, [&](const at::Tensor& p, std::size_t g, std::size_t i) {
-        if (const auto* st = sgd_state(*this, p)) fused::check_state_tensor(st->momentum_buffer(), p, kName, "momentum_buffer", g, i);
+        if (const auto* st = sgd_state(*this, p)) fused::check_state_tensor(st->momentum_buffer(), p, p.scalar_type(), kName, "momentum_buffer", g, i);
       });
 
   for (const auto& [key, list] : fused::group_lists(entries, fused::cpu_step_skipped(signals))) {

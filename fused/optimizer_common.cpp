@@ -21,14 +21,14 @@ bool supported_dtype(c10::ScalarType t) {
 
 }  // namespace
 
-void check_state_tensor(const at::Tensor& s, const at::Tensor& p, const char* name, const char* what, std::size_t g,
-                        std::size_t i) {
+void check_state_tensor(const at::Tensor& s, const at::Tensor& p, c10::ScalarType dtype, const char* name,
+                        const char* what, std::size_t g, std::size_t i) {
   if (!s.defined()) return;
-  TORCH_CHECK(s.sizes() == p.sizes() && s.scalar_type() == p.scalar_type() && s.device() == p.device() &&
+  TORCH_CHECK(s.sizes() == p.sizes() && s.scalar_type() == dtype && s.device() == p.device() &&
                   s.strides() == p.strides(),
               name, ": param group ", g, ", param ", i, ": state ", what, " has shape ", s.sizes(), ", dtype ",
-              s.scalar_type(), " on ", s.device(), " but the parameter has shape ", p.sizes(), ", dtype ",
-              p.scalar_type(), " on ", p.device(), " (a checkpoint of another model?)");
+              s.scalar_type(), " on ", s.device(), " but ", name, " keeps it with shape ", p.sizes(), ", dtype ", dtype,
+              " on ", p.device(), " (a checkpoint of another model, or of other options?)");
 }
 
 namespace {

@@ -33,9 +33,10 @@ std::vector<Entry> validate_params(
     torch::optim::Optimizer& opt, const char* name, const StepSignals* signals,
     const std::function<void(const at::Tensor& param, std::size_t group, std::size_t index)>& check_state);
 
-/// Throws unless state tensor `s` (when defined) fits parameter p.
-void check_state_tensor(const at::Tensor& s, const at::Tensor& p, const char* name, const char* what,
-                        std::size_t group, std::size_t index);
+/// Throws unless state tensor `s` (when defined) fits parameter p: its
+/// shape, layout and device, and the dtype the optimizer keeps it in.
+void check_state_tensor(const at::Tensor& s, const at::Tensor& p, c10::ScalarType dtype, const char* name,
+                        const char* what, std::size_t group, std::size_t index);
 
 /// True when a CPU signal's found_inf is set (reading a CPU tensor is no
 /// device sync): the CPU part of the step is then skipped on the host, so a

@@ -494,3 +494,116 @@ TEST(FusedAdamMixed, DtypesInOneGroupMatchSeparateRuns) {
 }
 
 }  // namespace
+
+namespace {
+
+// master_weights: fp16/bf16 parameters updated through an fp32 master copy
+// with fp32 moments: the master tracks an all-fp32 torch::optim::Adam run (the
+// grads being the same low-precision values), and the parameter is the
+// master rounded.
+TEST(FusedAdamMaster, MasterWeightsTrackAnFp32Run) {
+  const auto seed = ampfuse_test::seed_for_test();
+  for (auto dtype : {torch::kHalf, torch::kBFloat16}) {
+    SCOPED_TRACE(ampfuse_test::dtype_name(dtype));
+    torch::manual_seed(seed);
+    auto ref = std::vector<torch::Tensor>{torch::randn({257}).requires_grad_(), torch::randn({9, 7}).requires_grad_()};
+    std::vector<torch::Tensor> low;
+    for (auto& r : ref) {
+      {
+        torch::NoGradGuard no_grad;
+        r.copy_(r.to(dtype).to(torch::kFloat));  // start from representable values
+      }
+      low.push_back(r.detach().to(dtype).requires_grad_());
+    }
+    const auto o = torch::optim::AdamOptions(1e-3).weight_decay(1e-2);
+    ampfuse::FusedAdam opt(low, o, ampfuse::FusedAdamOptions().master_weights(true));
+    torch::optim::Adam ref_opt(ref, o);
+    for (int step = 0; step < 30; ++step) {
+      for (std::size_t i = 0; i < low.size(); ++i) {
+        auto g = torch::randn_like(ref[i]).to(dtype);
+        low[i].mutable_grad() = g;
+        ref[i].mutable_grad() = g.to(torch::kFloat);
+      }
+      opt.step();
+      ref_opt.step();
+    }
+    for (std::size_t i = 0; i < low.size(); ++i) {
+      // The parameter is the fp32 result rounded once (small updates are not lost to rounding).
+      const auto expected = ref[i].detach().to(dtype);
+      const auto diff = (low[i].detach().to(torch::kFloat) - expected.to(torch::kFloat)).abs().max().item<float>();
+      const float ulp = dtype == torch::kHalf ? std::ldexp(1.f, -10) : std::ldexp(1.f, -7);
+      EXPECT_LE(diff, 2 * ulp * ref[i].abs().max().item<float>()) << "param " << i;
+      const auto& st = static_cast<const torch::optim::AdamParamState&>(*opt.state().at(low[i].unsafeGetTensorImpl()));
+      EXPECT_EQ(st.exp_avg().scalar_type(), torch::kFloat);
+    }
+  }
+}
+
+TEST(FusedAdamMaster, CheckpointKeepsTheMasterAndRefusesFp32) {
+  const auto seed = ampfuse_test::seed_for_test();
+  torch::manual_seed(seed);
+  std::vector<torch::Tensor> a = {torch::randn({100}).to(torch::kBFloat16).requires_grad_()};
+  std::vector<torch::Tensor> b = {a[0].detach().clone().requires_grad_()};
+  const auto fused = ampfuse::FusedAdamOptions().master_weights(true);
+  ampfuse::FusedAdam first(a, torch::optim::AdamOptions(1e-3), fused);
+  std::vector<torch::Tensor> grads;
+  for (int s = 0; s < 10; ++s) grads.push_back(torch::randn({100}).to(torch::kBFloat16));
+  for (int s = 0; s < 5; ++s) {
+    a[0].mutable_grad() = grads[s];
+    first.step();
+  }
+  const std::string file = ampfuse_test::temp_path("master.pt");
+  torch::save(first, file);
+  {
+    torch::NoGradGuard no_grad;
+    b[0].copy_(a[0]);
+  }
+  ampfuse::FusedAdam second(b, torch::optim::AdamOptions(1e-3), fused);
+  torch::load(second, file);
+  std::remove(file.c_str());
+  for (int s = 5; s < 10; ++s) {
+    a[0].mutable_grad() = grads[s];
+    b[0].mutable_grad() = grads[s].clone();
+    first.step();
+    second.step();
+  }
+  EXPECT_TRUE(bitwise_equal(a[0].detach(), b[0].detach())) << "the master copy did not survive the checkpoint";
+
+  std::vector<torch::Tensor> f32 = {torch::randn({4}).requires_grad_()};
+  f32[0].mutable_grad() = torch::randn({4});
+  ampfuse::FusedAdam bad(f32, torch::optim::AdamOptions(1e-3), fused);
+  try {
+    bad.step();
+    ADD_FAILURE() << "master_weights accepted on a Float parameter";
+  } catch (const c10::Error& e) {
+    EXPECT_THAT(e.what_without_backtrace(), HasSubstr("param group 0, param 0: master_weights asked for on a Float parameter"));
+  }
+  EXPECT_TRUE(bad.state().empty());
+}
+
+TEST(FusedAdamMaster, Bf16MomentsStayCloseToFp32) {
+  const auto seed = ampfuse_test::seed_for_test();
+  torch::manual_seed(seed);
+  std::vector<torch::Tensor> a = {torch::randn({513}).requires_grad_()};
+  std::vector<torch::Tensor> r = {a[0].detach().clone().requires_grad_()};
+  const auto o = torch::optim::AdamOptions(1e-3);
+  ampfuse::FusedAdam opt(a, o, ampfuse::FusedAdamOptions().bf16_moments(true));
+  torch::optim::Adam ref(r, o);
+  for (int s = 0; s < 50; ++s) {
+    auto g = torch::randn({513});
+    a[0].mutable_grad() = g;
+    r[0].mutable_grad() = g.clone();
+    opt.step();
+    ref.step();
+  }
+  const auto& st = static_cast<const torch::optim::AdamParamState&>(*opt.state().at(a[0].unsafeGetTensorImpl()));
+  EXPECT_EQ(st.exp_avg().scalar_type(), torch::kBFloat16);
+  EXPECT_EQ(st.exp_avg_sq().scalar_type(), torch::kBFloat16);
+  // Each step moves a parameter by about lr; bf16 moments (8 bits of
+  // mantissa) change a step by a few percent: after 50 steps, well under 0.1 lr * steps.
+  const auto diff = (a[0].detach() - r[0].detach()).abs().max().item<float>();
+  EXPECT_LE(diff, 0.1f * 1e-3f * 50);
+  EXPECT_GT((a[0].detach() - r[0].detach()).abs().max().item<float>(), 0.f) << "bf16 moments not in use";
+}
+
+}  // namespace

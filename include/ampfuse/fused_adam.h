@@ -36,6 +36,13 @@ struct FusedAdamOptions {
   FusedAdamOptions() = default;
   /// Maximize the objective (ascend the gradient), as PyTorch's maximize=True.
   TORCH_ARG(bool, maximize) = false;
+  /// fp16/bf16 parameters only: keep an fp32 master copy and fp32 moments,
+  /// update the master in fp32 and write it back, rounded, to the parameter.
+  /// The master copies are saved by save() under extra keys, which
+  /// torch::optim::Adam ignores when it loads the checkpoint.
+  TORCH_ARG(bool, master_weights) = false;
+  /// Keep the moments in bf16 (half the state memory; ~3 significant digits).
+  TORCH_ARG(bool, bf16_moments) = false;
 };
 
 namespace detail {
