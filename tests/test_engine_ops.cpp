@@ -279,3 +279,31 @@ TEST(EngineDeterminism, SumOfSquaresDoesNotDependOnThreads) {
 }
 
 }  // namespace
+
+#if defined(AMPFUSE_WITH_CUDA)
+#include "contract/meta_cache.h"
+
+namespace {
+
+// A list too long for kernel arguments has its metadata uploaded once and
+// reused while the list is unchanged; a changed list is uploaded again.
+TEST(EngineCudaMetadata, UploadedOnceWhileTheListIsUnchanged) {
+  if (!ampfuse_test::cuda_available()) GTEST_SKIP() << "no CUDA device here; this test runs on a GPU machine";
+  ampfuse_test::seed_for_test();
+  std::vector<torch::Tensor> list;
+  for (int i = 0; i < 3000; ++i) list.push_back(torch::randn({1 + i % 7}, torch::kCUDA));
+  auto found = torch::zeros({1}, torch::kCUDA);
+  const auto before = ampfuse::detail::device_meta_uploads();
+  for (int call = 0; call < 5; ++call) ampfuse::check_non_finite(list, found);
+  EXPECT_EQ(ampfuse::detail::device_meta_uploads() - before, 1);
+  list[17] = torch::randn({3}, torch::kCUDA);
+  ampfuse::check_non_finite(list, found);
+  EXPECT_EQ(ampfuse::detail::device_meta_uploads() - before, 2);
+  EXPECT_EQ(found.item<float>(), 0.f);
+  list[2999].view(-1)[0] = std::numeric_limits<float>::infinity();
+  ampfuse::check_non_finite(list, found);
+  EXPECT_EQ(found.item<float>(), 1.f);
+}
+
+}  // namespace
+#endif
