@@ -9,7 +9,8 @@
 // sync on CUDA.
 //
 // Parameters: fp32, fp16 or bf16 (state in the parameter's dtype, as in
-// LibTorch), dense, with grads of the same dtype, device, shape and layout.
+// LibTorch, unless FusedAdamOptions asks for master weights or bf16
+// moments), dense, with grads of the same dtype, device, shape and layout.
 // Anything else is refused, naming the group and the parameter, before
 // anything is written.
 //
