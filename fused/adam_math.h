@@ -18,9 +18,11 @@
 #include <cstdint>
 
 #include "ampfuse/config.h"
-#include "fused/math_ops.h"
+#include "ampfuse/sdk/math.h"
 
 namespace ampfuse::fused {
+
+using sdk::ScalarOps;
 
 /// Hyperparameters of one parameter group, by name (swapping two does not compile silently).
 struct AdamHyper {

@@ -15,14 +15,12 @@
 #include "ampfuse/tensor_ops.h"
 #include "contract/cpu/kernels.h"
 #include "fused/adam_cpu.h"
-#include "fused/optimizer_common.h"
 
 #if defined(AMPFUSE_WITH_CUDA)
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
 #include "contract/cuda/launch.h"
-#include "contract/meta_cache.h"
 #include "fused/adam_cuda.h"
 #endif
 
@@ -34,8 +32,9 @@ struct FusedAdamState {
   std::unordered_map<const c10::TensorImpl*, at::Tensor> device_steps;
   // fp32 master copies (master_weights), by TensorImpl.
   std::unordered_map<const c10::TensorImpl*, at::Tensor> master;
-  // Zeroed ticket counters per launch list, by (group, device, dtype).
-  std::map<std::tuple<std::size_t, std::string, int>, at::Tensor> counters;
+#if defined(AMPFUSE_WITH_CUDA)
+  sdk::TicketCounters counters;
+#endif
 };
 
 }  // namespace detail
@@ -48,25 +47,6 @@ c10::ScalarType state_dtype(const at::Tensor& p, const FusedAdamOptions& fused) 
   return fused.master_weights() ? at::kFloat : p.scalar_type();
 }
 
-template <class State>
-State& state_for(torch::optim::Optimizer& opt, const at::Tensor& p, c10::ScalarType dtype, bool amsgrad,
-                 bool* created) {
-  auto& slot = opt.state()[p.unsafeGetTensorImpl()];
-  *created = !slot;
-  const auto zeros = [&] { return at::zeros_like(p, p.options().dtype(dtype), at::MemoryFormat::Preserve); };
-  if (!slot) {
-    auto st = std::make_unique<State>();
-    st->step(0);
-    st->exp_avg(zeros());
-    st->exp_avg_sq(zeros());
-    if (amsgrad) st->max_exp_avg_sq(zeros());
-    slot = std::move(st);
-  }
-  auto& st = static_cast<State&>(*slot);
-  if (amsgrad && !st.max_exp_avg_sq().defined()) st.max_exp_avg_sq(zeros());
-  return st;
-}
-
 // The fp32 master copy of p, made from p on first use (or when the one kept
 // belongs to a freed parameter that had the same address).
 at::Tensor& master_for(detail::FusedAdamState& impl, const at::Tensor& p) {
@@ -76,44 +56,68 @@ at::Tensor& master_for(detail::FusedAdamState& impl, const at::Tensor& p) {
   return m;
 }
 
-template <class Options, class State>
-void fused_adam_step(torch::optim::Optimizer& opt, detail::FusedAdamState& impl, const FusedAdamOptions& fused,
-                     bool decoupled, const char* name, const StepSignals* signals) {
-  at::NoGradGuard no_grad;
-  const std::vector<fused::Entry> entries =
-      fused::validate_params(opt, name, signals, [&](const at::Tensor& p, std::size_t g, std::size_t i) {
-        auto it = opt.state().find(p.unsafeGetTensorImpl());
-        if (it == opt.state().end()) return;
-        const auto& st = static_cast<const State&>(*it->second);
-        const c10::ScalarType dtype = state_dtype(p, fused);
-        fused::check_state_tensor(st.exp_avg(), p, dtype, name, "exp_avg", g, i);
-        fused::check_state_tensor(st.exp_avg_sq(), p, dtype, name, "exp_avg_sq", g, i);
-        fused::check_state_tensor(st.max_exp_avg_sq(), p, dtype, name, "max_exp_avg_sq", g, i);
-      });
-  if (fused.master_weights())
-    for (const fused::Entry& e : entries)
-      TORCH_CHECK(e.param.scalar_type() != at::kFloat, name, ": param group ", e.group, ", param ", e.index,
-                  ": master_weights asked for on a Float parameter; it is for Half and BFloat16 parameters");
+constexpr const char* optimizer_name(bool decoupled) { return decoupled ? "FusedAdamW" : "FusedAdam"; }
 
-  for (const auto& [key, list] : fused::group_lists(entries, fused::cpu_step_skipped(signals))) {
-    const auto& [g, device, dtype] = key;
-    const auto& o = static_cast<const Options&>(opt.param_groups()[g].options());
+}  // namespace
+
+namespace detail {
+
+template <class Base, class Options, class State, bool kDecoupled>
+const char* FusedAdamImpl<Base, Options, State, kDecoupled>::name() const {
+  return optimizer_name(kDecoupled);
+}
+
+template <class Base, class Options, class State, bool kDecoupled>
+void FusedAdamImpl<Base, Options, State, kDecoupled>::check_state(const at::Tensor& p, const State& st,
+                                                                  std::size_t g, std::size_t i) const {
+  const c10::ScalarType dtype = state_dtype(p, fused_);
+  sdk::check_state_tensor(st.exp_avg(), p, dtype, name(), "exp_avg", g, i);
+  sdk::check_state_tensor(st.exp_avg_sq(), p, dtype, name(), "exp_avg_sq", g, i);
+  sdk::check_state_tensor(st.max_exp_avg_sq(), p, dtype, name(), "max_exp_avg_sq", g, i);
+}
+
+template <class Base, class Options, class State, bool kDecoupled>
+void FusedAdamImpl<Base, Options, State, kDecoupled>::check_entries(const std::vector<sdk::Entry>& entries) const {
+  if (!fused_.master_weights()) return;
+  for (const sdk::Entry& e : entries)
+    TORCH_CHECK(e.param.scalar_type() != at::kFloat, name(), ": param group ", e.group, ", param ", e.index,
+                ": master_weights asked for on a Float parameter; it is for Half and BFloat16 parameters");
+}
+
+template <class Base, class Options, class State, bool kDecoupled>
+void FusedAdamImpl<Base, Options, State, kDecoupled>::step_list(const sdk::ParamList& pl) {
+    const FusedAdamOptions& fused = fused_;
+    detail::FusedAdamState& impl = *impl_;
+    const auto& list = pl.entries;
+    const c10::Device device = pl.device;
+    const c10::ScalarType dtype = pl.dtype;
+    const Options& o = this->options_of(pl.group);
+    const bool decoupled = kDecoupled;
     const double beta1 = std::get<0>(o.betas()), beta2 = std::get<1>(o.betas());
     const fused::AdamHyper hyper =
         fused::make_adam_hyper(o.lr(), beta1, beta2, o.eps(), o.weight_decay(), o.amsgrad(), fused.maximize(), decoupled);
-    const ScaleSignal* signal = signals ? &signals->at(device) : nullptr;
+    const ScaleSignal* signal = pl.signal;
     const ScalarType st = to_scalar_type(dtype);
-    const ScalarType state_st = to_scalar_type(state_dtype(list.front()->param, fused));
+    const c10::ScalarType state_st_torch = state_dtype(list.front()->param, fused);
+    const ScalarType state_st = to_scalar_type(state_st_torch);
     const bool master = fused.master_weights();
 
     std::vector<State*> states;
     std::vector<std::int64_t> numels;
     std::vector<bool> created;
-    for (const fused::Entry* e : list) {
+    for (const sdk::Entry* e : list) {
+      const at::Tensor& p = e->param;
+      const auto zeros = [&] { return at::zeros_like(p, p.options().dtype(state_st_torch), at::MemoryFormat::Preserve); };
       bool fresh = false;
-      states.push_back(&state_for<State>(opt, e->param, state_dtype(e->param, fused), o.amsgrad(), &fresh));
+      State& state = this->state_for(p, [&](State& s) {
+        s.step(0);
+        s.exp_avg(zeros());
+        s.exp_avg_sq(zeros());
+      }, &fresh);
+      if (o.amsgrad() && !state.max_exp_avg_sq().defined()) state.max_exp_avg_sq(zeros());
+      states.push_back(&state);
       created.push_back(fresh);
-      numels.push_back(e->param.numel());
+      numels.push_back(p.numel());
     }
 
     if (device.is_cpu()) {
@@ -130,21 +134,21 @@ void fused_adam_step(torch::optim::Optimizer& opt, detail::FusedAdamState& impl,
         steps[i] = states[i]->step() + 1;
       }
       // Two pow() per distinct step, not per tensor.
-      const auto scalars = fused::per_tensor<std::int64_t, fused::AdamStepScalars>(steps, [&](std::int64_t step) {
+      const auto scalars = sdk::per_tensor<std::int64_t, fused::AdamStepScalars>(steps, [&](std::int64_t step) {
         return fused::adam_step_scalars(o.lr(), beta1, beta2, static_cast<double>(step));
       });
       const Plan plan(numels, cpu::kChunkSize);
       const fused::cpu::AdamArgs args{cpu::plan_ref(plan), param.data(), grad.data(), m.data(), v.data(),
                                       vmax.data(), master ? masters.data() : nullptr, st, state_st,
-                                      scalars.data(), hyper, fused::cpu_grad_factor(signal)};
+                                      scalars.data(), hyper, sdk::cpu_grad_factor(signal)};
       const fused::cpu::AdamFn kernel = fused::cpu::adam_kernel();
-      at::parallel_for(0, plan.num_chunks(), 1, [&](std::int64_t b, std::int64_t e) { kernel(args, b, e); });
+      sdk::parallel_chunks(plan, [&](std::int64_t b, std::int64_t e) { kernel(args, b, e); });
       for (State* s : states) s->step(s->step() + 1);
-      continue;
+      return;
     }
 #if defined(AMPFUSE_WITH_CUDA)
     const c10::cuda::CUDAGuard guard(device);
-    const auto stream = c10::cuda::getCurrentCUDAStream(device.index()).stream();
+    const auto stream = sdk::current_stream(device);
     TensorListsView views;
     views.lists.resize(fused::cuda::kAdamDepth);
     std::vector<at::Tensor> empty_steps;
@@ -168,14 +172,11 @@ void fused_adam_step(torch::optim::Optimizer& opt, detail::FusedAdamState& impl,
     }
     const Plan plan(numels, cuda::kChunkSize);
     std::vector<std::int64_t> words;
-    const cuda::LaunchMeta meta = detail::make_launch_meta(views, plan, device, words);
-    at::Tensor& counters = fused::ticket_counters(impl.counters, key, meta.num_tensors);
-    const fused::cuda::AdamCudaArgs args{
-        state_st, master, hyper, o.lr(), beta1, beta2,
-        signal ? signal->found_inf.data_ptr<float>() : nullptr,
-        signal && signal->inv_scale.defined() ? signal->inv_scale.data_ptr<float>() : nullptr,
-        signal && signal->clip_coef.defined() ? signal->clip_coef.data_ptr<float>() : nullptr,
-        reinterpret_cast<unsigned*>(counters.data_ptr<std::int32_t>())};
+    const cuda::LaunchMeta meta = sdk::make_launch_meta(views, plan, device, words);
+    const sdk::SignalPointers sig = sdk::signal_pointers(signal);
+    const fused::cuda::AdamCudaArgs args{state_st, master, hyper, o.lr(), beta1, beta2,
+                                         sig.found_inf, sig.inv_scale, sig.clip_coef,
+                                         impl.counters.get({pl.group, device, dtype}, meta.num_tensors)};
     fused::cuda::adam(meta, st, args, stream);
     // Zero-element parameters have no chunk: advance their counters here.
     for (at::Tensor& step : empty_steps) {
@@ -183,19 +184,12 @@ void fused_adam_step(torch::optim::Optimizer& opt, detail::FusedAdamState& impl,
       else step.add_(1);
     }
 #endif
-  }
 }
-
-constexpr const char* optimizer_name(bool decoupled) { return decoupled ? "FusedAdamW" : "FusedAdam"; }
-
-}  // namespace
-
-namespace detail {
 
 template <class Base, class Options, class State, bool kDecoupled>
 FusedAdamImpl<Base, Options, State, kDecoupled>::FusedAdamImpl(
     const std::vector<torch::optim::OptimizerParamGroup>& param_groups, Options defaults, FusedAdamOptions fused)
-    : Base(param_groups, std::move(defaults)), fused_(fused), impl_(std::make_unique<FusedAdamState>()) {}
+    : sdk::FusedOptimizer<Base, Options, State>(param_groups, std::move(defaults)), fused_(fused), impl_(std::make_unique<FusedAdamState>()) {}
 
 template <class Base, class Options, class State, bool kDecoupled>
 FusedAdamImpl<Base, Options, State, kDecoupled>::FusedAdamImpl(std::vector<at::Tensor> params, Options defaults,
@@ -204,22 +198,6 @@ FusedAdamImpl<Base, Options, State, kDecoupled>::FusedAdamImpl(std::vector<at::T
 
 template <class Base, class Options, class State, bool kDecoupled>
 FusedAdamImpl<Base, Options, State, kDecoupled>::~FusedAdamImpl() = default;
-
-template <class Base, class Options, class State, bool kDecoupled>
-at::Tensor FusedAdamImpl<Base, Options, State, kDecoupled>::step(typename Base::LossClosure closure) {
-  at::Tensor loss;
-  if (closure) {
-    at::AutoGradMode enable_grad(true);
-    loss = closure();
-  }
-  fused_adam_step<Options, State>(*this, *impl_, fused_, kDecoupled, optimizer_name(kDecoupled), nullptr);
-  return loss;
-}
-
-template <class Base, class Options, class State, bool kDecoupled>
-void FusedAdamImpl<Base, Options, State, kDecoupled>::step_with_signals(const StepSignals& signals) {
-  fused_adam_step<Options, State>(*this, *impl_, fused_, kDecoupled, optimizer_name(kDecoupled), &signals);
-}
 
 template <class Base, class Options, class State, bool kDecoupled>
 void FusedAdamImpl<Base, Options, State, kDecoupled>::sync_state() {

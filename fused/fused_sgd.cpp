@@ -12,7 +12,6 @@
 #include <unordered_map>
 
 #include "ampfuse/tensor_ops.h"
-#include "fused/optimizer_common.h"
 #include "fused/sgd_cpu.h"
 
 #if defined(AMPFUSE_WITH_CUDA)
@@ -20,7 +19,6 @@
 #include <c10/cuda/CUDAStream.h>
 
 #include "contract/cuda/launch.h"
-#include "contract/meta_cache.h"
 #include "fused/sgd_cuda.h"
 #endif
 
@@ -35,60 +33,38 @@ struct FusedSgdState {
     at::Tensor initialized;
   };
   std::unordered_map<const c10::TensorImpl*, DeviceBuffer> device_buffers;
-  std::map<std::tuple<std::size_t, std::string, int>, at::Tensor> counters;
+#if defined(AMPFUSE_WITH_CUDA)
+  sdk::TicketCounters counters;
+#endif
 };
 
 }  // namespace detail
 
-namespace {
-
-constexpr const char* kName = "FusedSGD";
-
-torch::optim::SGDParamState* sgd_state(torch::optim::Optimizer& opt, const at::Tensor& p) {
-  auto it = opt.state().find(p.unsafeGetTensorImpl());
-  return it == opt.state().end() ? nullptr : static_cast<torch::optim::SGDParamState*>(it->second.get());
-}
-
-}  // namespace
-
 FusedSGD::FusedSGD(const std::vector<torch::optim::OptimizerParamGroup>& param_groups,
                    torch::optim::SGDOptions defaults, FusedSGDOptions fused)
-    : SGD(param_groups, std::move(defaults)), fused_(fused), impl_(std::make_unique<detail::FusedSgdState>()) {}
+    : FusedOptimizer(param_groups, std::move(defaults)), fused_(fused), impl_(std::make_unique<detail::FusedSgdState>()) {}
 
 FusedSGD::FusedSGD(std::vector<at::Tensor> params, torch::optim::SGDOptions defaults, FusedSGDOptions fused)
     : FusedSGD({torch::optim::OptimizerParamGroup(std::move(params))}, std::move(defaults), fused) {}
 
 FusedSGD::~FusedSGD() = default;
 
-at::Tensor FusedSGD::step(LossClosure closure) {
-  at::Tensor loss;
-  if (closure) {
-    at::AutoGradMode enable_grad(true);
-    loss = closure();
-  }
-  fused_step(nullptr);
-  return loss;
+void FusedSGD::check_state(const at::Tensor& p, const torch::optim::SGDParamState& st, std::size_t g,
+                           std::size_t i) const {
+  sdk::check_state_tensor(st.momentum_buffer(), p, p.scalar_type(), name(), "momentum_buffer", g, i);
 }
 
-void FusedSGD::step_with_signals(const StepSignals& signals) { fused_step(&signals); }
-
-void FusedSGD::fused_step(const StepSignals* signals) {
-  at::NoGradGuard no_grad;
-  const std::vector<fused::Entry> entries =
-      fused::validate_params(*this, kName, signals, [&](const at::Tensor& p, std::size_t g, std::size_t i) {
-        if (const auto* st = sgd_state(*this, p)) fused::check_state_tensor(st->momentum_buffer(), p, p.scalar_type(), kName, "momentum_buffer", g, i);
-      });
-
-  for (const auto& [key, list] : fused::group_lists(entries, fused::cpu_step_skipped(signals))) {
-    const auto& [g, device, dtype] = key;
-    const auto& o = static_cast<const torch::optim::SGDOptions&>(param_groups()[g].options());
+void FusedSGD::step_list(const sdk::ParamList& pl) {
+    const auto& list = pl.entries;
+    const c10::Device device = pl.device;
+    const auto& o = options_of(pl.group);
     const fused::SgdHyper hyper =
         fused::make_sgd_hyper(o.lr(), o.momentum(), o.dampening(), o.weight_decay(), o.nesterov(), fused_.maximize());
     const bool momentum = o.momentum() != 0;
-    const ScaleSignal* signal = signals ? &signals->at(device) : nullptr;
-    const ScalarType st = to_scalar_type(dtype);
+    const ScaleSignal* signal = pl.signal;
+    const ScalarType st = to_scalar_type(pl.dtype);
     std::vector<std::int64_t> numels;
-    for (const fused::Entry* e : list) numels.push_back(e->param.numel());
+    for (const sdk::Entry* e : list) numels.push_back(e->param.numel());
 
     if (device.is_cpu()) {
       // On CPU the skip was decided on the host: this step is applied, so
@@ -101,7 +77,7 @@ void FusedSGD::fused_step(const StepSignals* signals) {
         param[i] = p.data_ptr();
         grad[i] = list[i]->grad.data_ptr();
         if (!momentum) continue;
-        auto* state = sgd_state(*this, p);
+        auto* state = find_state(p);
         if (state == nullptr) {
           auto fresh = std::make_unique<torch::optim::SGDParamState>();
           fresh->momentum_buffer(at::empty_like(p, at::MemoryFormat::Preserve));
@@ -113,24 +89,24 @@ void FusedSGD::fused_step(const StepSignals* signals) {
       }
       const Plan plan(numels, cpu::kChunkSize);
       const fused::cpu::SgdArgs args{cpu::plan_ref(plan), param.data(), grad.data(), buf.data(), first.data(), st,
-                                     hyper, fused::cpu_grad_factor(signal)};
+                                     hyper, sdk::cpu_grad_factor(signal)};
       const fused::cpu::SgdFn kernel = fused::cpu::sgd_kernel();
-      at::parallel_for(0, plan.num_chunks(), 1, [&](std::int64_t b, std::int64_t e) { kernel(args, b, e); });
-      continue;
+      sdk::parallel_chunks(plan, [&](std::int64_t b, std::int64_t e) { kernel(args, b, e); });
+      return;
     }
 #if defined(AMPFUSE_WITH_CUDA)
     const c10::cuda::CUDAGuard guard(device);
-    const auto stream = c10::cuda::getCurrentCUDAStream(device.index()).stream();
+    const auto stream = sdk::current_stream(device);
     TensorListsView views;
     views.lists.resize(momentum ? 4 : 2);
-    for (const fused::Entry* e : list) {
+    for (const sdk::Entry* e : list) {
       const at::Tensor& p = e->param;
       views.lists[fused::cuda::kSgdParam].push_back({p.data_ptr(), p.numel(), st});
       views.lists[fused::cuda::kSgdGrad].push_back({e->grad.data_ptr(), p.numel(), st});
       if (!momentum) continue;
       auto& record = impl_->device_buffers[p.unsafeGetTensorImpl()];
       if (!record.buffer.defined()) {
-        const auto* state = sgd_state(*this, p);
+        const auto* state = find_state(p);
         const bool loaded = state != nullptr && state->momentum_buffer().defined();
         record.buffer = loaded ? state->momentum_buffer() : at::empty_like(p, at::MemoryFormat::Preserve);
         record.initialized = at::full({1}, loaded ? 1.0 : 0.0, p.options().dtype(at::kFloat));
@@ -140,25 +116,19 @@ void FusedSGD::fused_step(const StepSignals* signals) {
     }
     const Plan plan(numels, cuda::kChunkSize);
     std::vector<std::int64_t> words;
-    const cuda::LaunchMeta meta = detail::make_launch_meta(views, plan, device, words);
-    unsigned* counters = nullptr;
-    if (momentum)
-      counters = reinterpret_cast<unsigned*>(
-          fused::ticket_counters(impl_->counters, key, meta.num_tensors).data_ptr<std::int32_t>());
-    const fused::cuda::SgdCudaArgs args{
-        hyper, signal ? signal->found_inf.data_ptr<float>() : nullptr,
-        signal && signal->inv_scale.defined() ? signal->inv_scale.data_ptr<float>() : nullptr,
-        signal && signal->clip_coef.defined() ? signal->clip_coef.data_ptr<float>() : nullptr, counters};
+    const cuda::LaunchMeta meta = sdk::make_launch_meta(views, plan, device, words);
+    unsigned* counters = momentum ? impl_->counters.get({pl.group, device, pl.dtype}, meta.num_tensors) : nullptr;
+    const sdk::SignalPointers sig = sdk::signal_pointers(signal);
+    const fused::cuda::SgdCudaArgs args{hyper, sig.found_inf, sig.inv_scale, sig.clip_coef, counters};
     fused::cuda::sgd(meta, st, args, stream);
 #endif
-  }
 }
 
 void FusedSGD::sync_state() {
   for (auto& group : param_groups()) {
     for (auto& p : group.params()) {
       auto it = impl_->device_buffers.find(p.unsafeGetTensorImpl());
-      if (it == impl_->device_buffers.end() || sgd_state(*this, p) != nullptr) continue;
+      if (it == impl_->device_buffers.end() || find_state(p) != nullptr) continue;
       if (it->second.initialized.item<float>() == 0.f) continue;  // no step filled it yet
       auto st = std::make_unique<torch::optim::SGDParamState>();
       st->momentum_buffer(it->second.buffer);

@@ -10,9 +10,11 @@
 //   p = p + (-lr) * g
 
 #include "ampfuse/config.h"
-#include "fused/math_ops.h"
+#include "ampfuse/sdk/math.h"
 
 namespace ampfuse::fused {
+
+using sdk::ScalarOps;
 
 struct SgdHyper {
   float neg_lr = -1e-2f;

@@ -60,11 +60,6 @@ std::atomic<const Kernels*> g_forced{nullptr};
 
 }  // namespace
 
-PlanRef plan_ref(const Plan& plan) {
-  return {plan.tensors().data(), plan.numels().data(), plan.chunk_offsets().data(),
-          static_cast<std::int64_t>(plan.tensors().size()), plan.chunk_size()};
-}
-
 const Kernels& kernels() {
   static const Kernels* const automatic = best();
   const Kernels* forced = g_forced.load(std::memory_order_acquire);
@@ -94,3 +89,14 @@ void force_isa(const std::string& name) {
 }
 
 }  // namespace ampfuse::cpu
+
+namespace ampfuse::sdk::cpu {
+
+PlanRef plan_ref(const Plan& plan) {
+  return {plan.tensors().data(), plan.numels().data(), plan.chunk_offsets().data(),
+          static_cast<std::int64_t>(plan.tensors().size()), plan.chunk_size()};
+}
+
+const char* isa() { return ::ampfuse::cpu::kernels().isa; }
+
+}  // namespace ampfuse::sdk::cpu

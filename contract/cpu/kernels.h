@@ -10,19 +10,12 @@
 #include <vector>
 
 #include "ampfuse/multi_tensor.h"
+#include "ampfuse/sdk/cpu.h"
 
 namespace ampfuse::cpu {
 
-/// A plan flattened to raw arrays (see ampfuse::Plan).
-struct PlanRef {
-  const std::int64_t* slot_tensor;    ///< original tensor index of each non-empty tensor
-  const std::int64_t* slot_numel;     ///< its numel
-  const std::int64_t* chunk_offsets;  ///< first chunk of each slot, num_slots + 1 entries
-  std::int64_t num_slots;
-  std::int64_t chunk_size;
-};
-
-PlanRef plan_ref(const Plan& plan);
+using sdk::cpu::PlanRef;
+using sdk::cpu::plan_ref;
 
 struct CheckArgs {
   PlanRef plan;
@@ -59,9 +52,7 @@ std::vector<std::string> available_isas();
 /// or "" for automatic. Throws if the name is not available.
 void force_isa(const std::string& name);
 
-/// Elements per CPU chunk: big enough to amortize the per-chunk walk, small
-/// enough that a 10,000-tensor list still spreads over the threads.
-constexpr std::int64_t kChunkSize = 64 * 1024;
+using sdk::cpu::kChunkSize;
 
 namespace avx512 { extern const Kernels kKernels; }
 namespace avx2 { extern const Kernels kKernels; }

@@ -115,11 +115,6 @@ int device_count() {
   return n;
 }
 
-std::int64_t inline_capacity(int depth) {
-  // InlineMeta<Depth>::kCapacity for any depth.
-  return static_cast<std::int64_t>((detail::kMaxKernelArgBytes - 24) / (8 * static_cast<std::size_t>(depth) + 16));
-}
-
 std::size_t check_workspace_bytes(std::int64_t num_chunks) {
   return static_cast<std::size_t>(num_chunks) * sizeof(double) + sizeof(unsigned);
 }

@@ -9,38 +9,18 @@
 #include <vector>
 
 #include "ampfuse/multi_tensor.h"
-
-struct CUstream_st;
+#include "ampfuse/sdk/cuda.h"
 
 namespace ampfuse::cuda {
 
-using Stream = CUstream_st*;  // == cudaStream_t
+using sdk::cuda::Stream;
+using sdk::cuda::kChunkSize;
+using sdk::cuda::LaunchMeta;
+using sdk::cuda::pack_meta;
+using sdk::cuda::inline_capacity;
 
 /// Number of CUDA devices; 0 when the runtime reports any error (no driver here).
 int device_count();
-
-/// Elements per CUDA block (one chunk per block).
-constexpr std::int64_t kChunkSize = 64 * 1024;
-
-/// Metadata of a list for one launch, packed as int64 words:
-///   [data pointers: depth x num_tensors][numel: num_tensors][chunk offsets: num_tensors + 1]
-/// over the non-empty tensors of the plan. `device` is the same words on the
-/// device, or null when the list fits in kernel arguments (see inline_capacity).
-struct LaunchMeta {
-  int depth = 1;
-  std::int64_t num_tensors = 0;
-  std::int64_t chunk_size = kChunkSize;
-  std::int64_t num_chunks = 0;
-  const std::int64_t* host = nullptr;
-  const std::int64_t* device = nullptr;
-};
-
-/// Packs `lists` (already grouped: one dtype per list) per `plan`.
-std::vector<std::int64_t> pack_meta(const TensorListsView& lists, const Plan& plan);
-
-/// Most tensors a list of this depth may hold and still travel in kernel
-/// arguments (32 KB since CUDA 12.1 on Volta and newer).
-std::int64_t inline_capacity(int depth);
 
 /// Workspace for check_non_finite with sum_sq: one fp64 partial per chunk and a counter.
 std::size_t check_workspace_bytes(std::int64_t num_chunks);

@@ -2,7 +2,7 @@
 
 #include "contract/cuda/launch.h"
 
-namespace ampfuse::cuda {
+namespace ampfuse::sdk::cuda {
 
 std::vector<std::int64_t> pack_meta(const TensorListsView& lists, const Plan& plan) {
   const int depth = lists.depth();
@@ -17,4 +17,4 @@ std::vector<std::int64_t> pack_meta(const TensorListsView& lists, const Plan& pl
   return words;
 }
 
-}  // namespace ampfuse::cuda
+}  // namespace ampfuse::sdk::cuda

@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "ampfuse/contract.h"
+#include "ampfuse/sdk/optimizer.h"
 
 namespace ampfuse {
 
@@ -51,24 +52,27 @@ namespace detail {
 struct FusedAdamState;
 
 /// What FusedAdam and FusedAdamW share; Base is torch::optim::Adam or AdamW.
+/// Built on the SDK's optimizer base, as any third-party optimizer is.
 template <class Base, class Options, class State, bool kDecoupledWeightDecay>
-class FusedAdamImpl : public Base, public ScalerAware {
+class FusedAdamImpl : public sdk::FusedOptimizer<Base, Options, State> {
  public:
   explicit FusedAdamImpl(const std::vector<torch::optim::OptimizerParamGroup>& param_groups, Options defaults = {},
                          FusedAdamOptions fused = {});
   explicit FusedAdamImpl(std::vector<at::Tensor> params, Options defaults = {}, FusedAdamOptions fused = {});
   ~FusedAdamImpl() override;
 
-  /// One fused step on unscaled grads (what torch::optim::Adam::step does).
-  at::Tensor step(typename Base::LossClosure closure = nullptr) override;
-  /// The contract step (GradScaler::step calls it).
-  void step_with_signals(const StepSignals& signals) override;
   /// Copies device step counters into the state's step (syncs on CUDA).
   void sync_state();
   void save(torch::serialize::OutputArchive& archive) const override;
   void load(torch::serialize::InputArchive& archive) override;
 
   const FusedAdamOptions& fused_options() const { return fused_; }
+
+ protected:
+  const char* name() const override;
+  void check_state(const at::Tensor& param, const State& state, std::size_t group, std::size_t index) const override;
+  void check_entries(const std::vector<sdk::Entry>& entries) const override;
+  void step_list(const sdk::ParamList& list) override;
 
  private:
   FusedAdamOptions fused_;

@@ -15,6 +15,7 @@
 #include <memory>
 
 #include "ampfuse/contract.h"
+#include "ampfuse/sdk/optimizer.h"
 
 namespace ampfuse {
 
@@ -29,15 +30,13 @@ namespace detail {
 struct FusedSgdState;
 }
 
-class FusedSGD : public torch::optim::SGD, public ScalerAware {
+class FusedSGD : public sdk::FusedOptimizer<torch::optim::SGD, torch::optim::SGDOptions, torch::optim::SGDParamState> {
  public:
   explicit FusedSGD(const std::vector<torch::optim::OptimizerParamGroup>& param_groups,
                     torch::optim::SGDOptions defaults, FusedSGDOptions fused = {});
   explicit FusedSGD(std::vector<at::Tensor> params, torch::optim::SGDOptions defaults, FusedSGDOptions fused = {});
   ~FusedSGD() override;
 
-  at::Tensor step(LossClosure closure = nullptr) override;
-  void step_with_signals(const StepSignals& signals) override;
   /// Publishes momentum buffers filled on the device into the state (syncs on CUDA).
   void sync_state();
   void save(torch::serialize::OutputArchive& archive) const override;
@@ -45,9 +44,13 @@ class FusedSGD : public torch::optim::SGD, public ScalerAware {
 
   const FusedSGDOptions& fused_options() const { return fused_; }
 
- private:
-  void fused_step(const StepSignals* signals);
+ protected:
+  const char* name() const override { return "FusedSGD"; }
+  void check_state(const at::Tensor& param, const torch::optim::SGDParamState& state, std::size_t group,
+                   std::size_t index) const override;
+  void step_list(const sdk::ParamList& list) override;
 
+ private:
   FusedSGDOptions fused_;
   std::unique_ptr<detail::FusedSgdState> impl_;
 };

@@ -1,13 +1,44 @@
-// SIMD building blocks of the CPU kernels, for one instruction set.
-// Included inside `namespace ampfuse::cpu::<isa> { namespace { ... } }` by
-// contract/cpu/kernels_impl.inc and by the fused optimizers' CPU kernels, after
-// <cstdint>, <cstring>, <immintrin.h> (x86 with AVX2/AVX-512) and
-// "ampfuse/multi_tensor.h" / "contract/cpu/kernels.h".
+#pragma once
+// CPU kernel building blocks for one instruction set: what ampfuse's own CPU
+// kernels are made of, and what a third-party optimizer's kernel uses.
+//
+// Include it in a kernel file compiled once per instruction set, after
+// defining AMPFUSE_CPU_ISA to avx512, avx2 or baseline (CMake's
+// ampfuse_add_cpu_kernel does both: see docs/guide.md). Everything lives in
+// namespace ampfuse::sdk::cpu::<isa> with internal linkage, so no inline
+// function built for AVX-512 can be merged into code that runs on a machine
+// without it. Use no LibTorch and no std containers in such a file, for the
+// same reason.
 //
 // Memory access is kept apart from the math: load_block / store_block move
-// kWidth elements between storage (fp32, fp16, bf16) and an fp32 vector; the
-// kernels work on those vectors. A tensor's tail is copied into a zero-padded
+// kWidth elements between storage (fp32, fp16, bf16) and a VecF of fp32
+// lanes; the update works on VecF through VecOps (the CPU twin of
+// ampfuse::sdk::ScalarOps). A tensor's tail is copied into a zero-padded
 // block and run through the same code, so body and tail round identically.
+// for_each_chunk_block is the executor: it walks chunks of a plan and hands
+// the per-block functor the blocks of every list side by side.
+
+#ifndef AMPFUSE_CPU_ISA
+#error "define AMPFUSE_CPU_ISA (avx512, avx2 or baseline) before including ampfuse/sdk/cpu_kernel.h"
+#endif
+
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <utility>
+
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#include "ampfuse/multi_tensor.h"
+#include "ampfuse/sdk/cpu.h"
+
+namespace ampfuse::sdk::cpu::AMPFUSE_CPU_ISA {
+namespace {
+
+using ::ampfuse::ScalarType;
+using ::ampfuse::sdk::cpu::PlanRef;
 
 #if defined(__AVX512F__)
 constexpr int kWidth = 16;
@@ -307,3 +338,59 @@ inline void for_each_block_lists(char* const (&base)[Depth], const std::size_t (
         std::memcpy(base[l] + i * elem_size[l], tail[l], static_cast<std::size_t>(n - i) * elem_size[l]);
   }
 }
+
+struct VecOps {
+  static VecF splat(float x) { return VecF{} + x; }
+  static VecF max(VecF a, VecF b) { return vmax(a, b); }
+  static VecF min(VecF a, VecF b) { return a < b ? a : b; }
+  static VecF sqrt(VecF x) { return vsqrt(x); }
+  /// -1, 0 or 1 per lane (0 for +-0 and NaN), as torch.sign.
+  static VecF sign(VecF x) {
+    const VecF one = splat(1.f), zero = {};
+    return (x > zero ? one : zero) - (x < zero ? one : zero);
+  }
+};
+
+/// Sum of the lanes, in a fixed order (deterministic).
+inline float horizontal_sum(VecF v) {
+  float s = 0.f;
+  for (int j = 0; j < kWidth; ++j) s += v[j];
+  return s;
+}
+
+/// The executor: for every chunk in [chunk_begin, chunk_end) of `plan`, runs
+/// block_fn(tensor, chunk, blocks) over the chunk's elements kWidth at a
+/// time, blocks[l] pointing at the storage of list l (lists[l][tensor],
+/// offset to the block; elem_size[l] bytes per element). kUsed has bit l set
+/// for each list the kernel touches (others may be null); kWritten for each
+/// list the kernel stores to: only those are copied back from the
+/// zero-padded tail block (grads are never written, not even with their own
+/// bytes). chunk_fn(tensor, chunk) runs after each chunk's last block, for
+/// per-chunk results such as partial sums.
+template <int Depth, unsigned kUsed, unsigned kWritten, class BlockFn, class ChunkFn>
+inline void for_each_chunk_block(const PlanRef& plan, std::int64_t chunk_begin, std::int64_t chunk_end,
+                                 void* const* const (&lists)[Depth], const std::size_t (&elem_size)[Depth],
+                                 BlockFn&& block_fn, ChunkFn&& chunk_fn) {
+  bool written[Depth];
+  for (int l = 0; l < Depth; ++l) written[l] = ((kWritten >> l) & 1u) != 0;
+  for_each_chunk(plan, chunk_begin, chunk_end, [&](std::int64_t c, std::int64_t t, std::int64_t begin, std::int64_t n) {
+    char* base[Depth];
+    for (int l = 0; l < Depth; ++l)
+      base[l] = ((kUsed >> l) & 1u) != 0 ? static_cast<char*>(lists[l][t]) + begin * elem_size[l] : nullptr;
+    for_each_block_lists<Depth, kUsed>(base, elem_size, written, n,
+                                       [&](void* const (&blocks)[Depth]) { block_fn(t, blocks); });
+    chunk_fn(t, c);
+  });
+}
+
+/// The same without a per-chunk function.
+template <int Depth, unsigned kUsed, unsigned kWritten, class BlockFn>
+inline void for_each_chunk_block(const PlanRef& plan, std::int64_t chunk_begin, std::int64_t chunk_end,
+                                 void* const* const (&lists)[Depth], const std::size_t (&elem_size)[Depth],
+                                 BlockFn&& block_fn) {
+  for_each_chunk_block<Depth, kUsed, kWritten>(plan, chunk_begin, chunk_end, lists, elem_size,
+                                               std::forward<BlockFn>(block_fn), [](std::int64_t, std::int64_t) {});
+}
+
+}  // namespace
+}  // namespace ampfuse::sdk::cpu::AMPFUSE_CPU_ISA

@@ -1,6 +1,7 @@
-// Shared by the fused optimizers' torch adapters (see optimizer_common.h).
+// The SDK's optimizer base (ampfuse/sdk/optimizer.h): validation, grouping
+// and signal plumbing shared by every fused optimizer, ampfuse's and others'.
 
-#include "fused/optimizer_common.h"
+#include "ampfuse/sdk/optimizer.h"
 
 #include <ATen/ops/zeros.h>
 #include <c10/util/Exception.h>
@@ -9,9 +10,12 @@
 #include <unordered_map>
 
 #if defined(AMPFUSE_WITH_CUDA)
+#include <c10/cuda/CUDAStream.h>
+
+#include "contract/meta_cache.h"
 #endif
 
-namespace ampfuse::fused {
+namespace ampfuse::sdk {
 
 namespace {
 
@@ -128,15 +132,30 @@ float cpu_grad_factor(const ScaleSignal* signal) {
   return value(signal->inv_scale) * value(signal->clip_coef);
 }
 
+SignalPointers signal_pointers(const ScaleSignal* signal) {
+  SignalPointers ptrs;
+  if (!signal) return ptrs;
+  ptrs.found_inf = signal->found_inf.data_ptr<float>();
+  if (signal->inv_scale.defined()) ptrs.inv_scale = signal->inv_scale.data_ptr<float>();
+  if (signal->clip_coef.defined()) ptrs.clip_coef = signal->clip_coef.data_ptr<float>();
+  return ptrs;
+}
+
 #if defined(AMPFUSE_WITH_CUDA)
-at::Tensor& ticket_counters(std::map<std::tuple<std::size_t, std::string, int>, at::Tensor>& cache, const ListKey& key,
-                            std::int64_t num_tensors) {
+cuda::LaunchMeta make_launch_meta(const TensorListsView& views, const Plan& plan, c10::Device device,
+                                  std::vector<std::int64_t>& words) {
+  return detail::make_launch_meta(views, plan, device, words);
+}
+
+cuda::Stream current_stream(c10::Device device) { return c10::cuda::getCurrentCUDAStream(device.index()).stream(); }
+
+unsigned* TicketCounters::get(const ListKey& key, std::int64_t num_tensors) {
   const auto& [group, device, dtype] = key;
-  at::Tensor& counters = cache[std::make_tuple(group, device.str(), static_cast<int>(dtype))];
+  at::Tensor& counters = counters_[std::make_tuple(group, device.str(), static_cast<int>(dtype))];
   if (!counters.defined() || counters.numel() < num_tensors)
     counters = at::zeros({std::max<std::int64_t>(num_tensors, 1)}, at::TensorOptions().dtype(at::kInt).device(device));
-  return counters;
+  return reinterpret_cast<unsigned*>(counters.data_ptr<std::int32_t>());
 }
 #endif
 
-}  // namespace ampfuse::fused
+}  // namespace ampfuse::sdk

@@ -1,3 +1,0 @@
-// Compiled with the instruction-set flags of "avx2" (see CMakeLists.txt).
-#define AMPFUSE_CPU_ISA avx2
-#include "fused/adam_cpu_impl.inc"

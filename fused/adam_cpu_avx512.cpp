@@ -1,3 +1,0 @@
-// Compiled with the instruction-set flags of "avx512" (see CMakeLists.txt).
-#define AMPFUSE_CPU_ISA avx512
-#include "fused/adam_cpu_impl.inc"

@@ -1,0 +1,229 @@
+#pragma once
+// Torch side of the SDK: the optimizer base that FusedAdam, FusedAdamW,
+// FusedSGD and FusedLAMB are built on, and that a third-party optimizer
+// derives from in the same way (docs/guide.md walks through Lion).
+//
+// FusedOptimizer<Base, Options, State> is a torch::optim::Optimizer (Base is
+// torch::optim::Optimizer itself, or an existing LibTorch optimizer whose
+// options, state and checkpoints should be shared, as FusedAdam shares
+// torch::optim::Adam's). It implements step() and the scaler contract's
+// step_with_signals() once for all:
+//   1. validates every group, parameter, grad, existing state and scale
+//      signal, throwing an error that names the optimizer, the group and the
+//      parameter, before anything is written;
+//   2. on CPU, decides a skipped step on the host (reading a CPU found_inf is
+//      no device sync), so a skipped step creates no state either;
+//   3. groups the parameters with grads by (group, device, dtype), in
+//      parameter order, and calls step_list() once per list with the list's
+//      ScaleSignal (null without a scaler).
+// step_list() gets or creates per-parameter state (state_for), builds the
+// kernel's pointer lists and runs one CPU parallel region (parallel_chunks)
+// or one CUDA launch (make_launch_meta + the author's launcher). On CUDA
+// the kernel itself must return early when *found_inf != 0 (contract rule
+// 1), multiply grads by inv_scale and clip_coef (rule 2) and advance step
+// counters only when it applies (rule 4), without reading anything on the
+// host (rule 3); on CPU, step_list() is not called for a skipped step, and
+// cpu_grad_factor() gives inv_scale * clip_coef.
+//
+// Checkpoints: with Base = torch::optim::Optimizer, save()/load() write and
+// read Options and State with LibTorch's optimizer serialization (State and
+// Options implement serialize(), as LibTorch's own do).
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/Exception.h>
+#include <torch/optim/optimizer.h>
+#include <torch/optim/serialize.h>
+#include <torch/serialize/archive.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <tuple>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "ampfuse/contract.h"
+#include "ampfuse/multi_tensor.h"
+#include "ampfuse/sdk/cuda.h"
+
+namespace ampfuse::sdk {
+
+/// A parameter with a grad, by its place in the optimizer.
+struct Entry {
+  std::size_t group;
+  std::size_t index;
+  at::Tensor param;
+  at::Tensor grad;
+};
+
+/// Validates every parameter of every group of `opt` (and the signals) and
+/// returns those with grads. Accepted: fp32, fp16 and bf16 dense parameters
+/// on CPU or CUDA, in one group only, with a dense grad of the same dtype,
+/// device, shape and strides. check_state is called for each parameter with
+/// a grad, to validate its existing state. Throws c10::Error naming `name`,
+/// the group and the parameter.
+std::vector<Entry> validate_params(
+    torch::optim::Optimizer& opt, const char* name, const StepSignals* signals,
+    const std::function<void(const at::Tensor& param, std::size_t group, std::size_t index)>& check_state);
+
+/// Throws unless state tensor `s` (when defined) fits parameter p: its
+/// shape, strides and device, and the dtype the optimizer keeps it in.
+void check_state_tensor(const at::Tensor& s, const at::Tensor& p, c10::ScalarType dtype, const char* name,
+                        const char* what, std::size_t group, std::size_t index);
+
+/// True when a CPU signal's found_inf is set (reading a CPU tensor is no
+/// device sync): the CPU part of the step is then skipped on the host.
+bool cpu_step_skipped(const StepSignals* signals);
+
+/// inv_scale * clip_coef read on the host (CPU signals only); 1 without a signal.
+float cpu_grad_factor(const ScaleSignal* signal);
+
+/// A signal's fields as device pointers for a CUDA kernel (null when absent).
+struct SignalPointers {
+  const float* found_inf = nullptr;  ///< skip the step when *found_inf != 0
+  const float* inv_scale = nullptr;  ///< multiply grads by it; null means 1
+  const float* clip_coef = nullptr;  ///< and by it; null means 1
+};
+SignalPointers signal_pointers(const ScaleSignal* signal);
+
+using ListKey = std::tuple<std::size_t, c10::Device, c10::ScalarType>;
+using Lists = std::vector<std::pair<ListKey, std::vector<const Entry*>>>;
+
+/// Entries by (group, device, dtype), in parameter order; CPU ones left out when skip_cpu.
+Lists group_lists(const std::vector<Entry>& entries, bool skip_cpu);
+
+/// Per-tensor scalars of a list are often all equal: compute f(key) once per run of equal keys.
+template <class Key, class Value, class F>
+std::vector<Value> per_tensor(const std::vector<Key>& keys, F&& f) {
+  std::vector<Value> out;
+  out.reserve(keys.size());
+  for (std::size_t i = 0; i < keys.size(); ++i) out.push_back(i > 0 && keys[i] == keys[i - 1] ? out.back() : f(keys[i]));
+  return out;
+}
+
+/// Runs a CPU kernel fn(chunk_begin, chunk_end) over every chunk of `plan`
+/// in one parallel region (ATen's thread pool, at::get_num_threads()).
+template <class F>
+void parallel_chunks(const Plan& plan, F&& fn) {
+  at::parallel_for(0, plan.num_chunks(), 1, [&](std::int64_t b, std::int64_t e) { fn(b, e); });
+}
+
+#if defined(AMPFUSE_WITH_CUDA)
+/// Launch metadata of `views` over `plan` for a kernel on `device`: packed
+/// into `words` (which must outlive the launch call) and, when too long for
+/// kernel arguments, uploaded once and cached while the list is unchanged.
+cuda::LaunchMeta make_launch_meta(const TensorListsView& views, const Plan& plan, c10::Device device,
+                                  std::vector<std::int64_t>& words);
+
+/// The current CUDA stream of `device`, for a launcher.
+cuda::Stream current_stream(c10::Device device);
+
+/// Zeroed int32 counters, one per tensor of a list, for
+/// once_per_tensor_after_reads; kept across steps (kernels leave them zeroed).
+class TicketCounters {
+ public:
+  /// The counters of list `key`, at least num_tensors of them.
+  unsigned* get(const ListKey& key, std::int64_t num_tensors);
+
+ private:
+  std::map<std::tuple<std::size_t, std::string, int>, at::Tensor> counters_;
+};
+#endif
+
+/// One list of a step: the parameters with grads of one group on one
+/// device with one dtype, and that device's scale signal.
+struct ParamList {
+  std::size_t group;
+  c10::Device device;
+  c10::ScalarType dtype;
+  std::vector<const Entry*> entries;
+  const ScaleSignal* signal;  ///< null when stepped without a scaler
+};
+
+/// The optimizer base (see the top of this file).
+template <class Base, class Options, class State>
+class FusedOptimizer : public Base, public ScalerAware {
+ public:
+  using Base::Base;
+  using LossClosure = typename Base::LossClosure;
+
+  /// One step on unscaled grads.
+  at::Tensor step(LossClosure closure = nullptr) override {
+    at::Tensor loss;
+    if (closure) {
+      at::AutoGradMode enable_grad(true);
+      loss = closure();
+    }
+    run_step(nullptr);
+    return loss;
+  }
+
+  /// The contract step (GradScaler::step calls it).
+  void step_with_signals(const StepSignals& signals) override { run_step(&signals); }
+
+  void save(torch::serialize::OutputArchive& archive) const override {
+    if constexpr (std::is_same_v<Base, torch::optim::Optimizer>)
+      torch::optim::serialize<State, Options>(archive, *this);
+    else
+      Base::save(archive);
+  }
+  void load(torch::serialize::InputArchive& archive) override {
+    if constexpr (std::is_same_v<Base, torch::optim::Optimizer>)
+      torch::optim::serialize<State, Options>(archive, *this);
+    else
+      Base::load(archive);
+  }
+
+ protected:
+  /// The optimizer's name in error messages.
+  virtual const char* name() const = 0;
+  /// Validates a parameter's existing state (use check_state_tensor); throw to refuse.
+  virtual void check_state(const at::Tensor& /*param*/, const State& /*state*/, std::size_t /*group*/,
+                           std::size_t /*index*/) const {}
+  /// Validates anything else about the step's parameters; throw to refuse.
+  virtual void check_entries(const std::vector<Entry>& /*entries*/) const {}
+  /// Updates one list (see the top of this file). Called after validation.
+  virtual void step_list(const ParamList& list) = 0;
+
+  const Options& options_of(std::size_t group) const {
+    return static_cast<const Options&>(this->param_groups()[group].options());
+  }
+  /// The state of p, or null.
+  State* find_state(const at::Tensor& p) {
+    auto it = this->state().find(p.unsafeGetTensorImpl());
+    return it == this->state().end() ? nullptr : static_cast<State*>(it->second.get());
+  }
+  /// The state of p, made by init(State&) when p has none (then *created is true).
+  template <class Init>
+  State& state_for(const at::Tensor& p, Init&& init, bool* created = nullptr) {
+    auto& slot = this->state()[p.unsafeGetTensorImpl()];
+    if (created) *created = !slot;
+    if (!slot) {
+      auto st = std::make_unique<State>();
+      init(*st);
+      slot = std::move(st);
+    }
+    return static_cast<State&>(*slot);
+  }
+
+ private:
+  void run_step(const StepSignals* signals) {
+    at::NoGradGuard no_grad;
+    const std::vector<Entry> entries =
+        validate_params(*this, name(), signals, [&](const at::Tensor& p, std::size_t g, std::size_t i) {
+          if (const State* st = find_state(p)) check_state(p, *st, g, i);
+        });
+    check_entries(entries);
+    for (auto& [key, list] : group_lists(entries, cpu_step_skipped(signals))) {
+      const auto& [group, device, dtype] = key;
+      step_list(ParamList{group, device, dtype, std::move(list), signals ? &signals->at(device) : nullptr});
+    }
+  }
+};
+
+}  // namespace ampfuse::sdk
