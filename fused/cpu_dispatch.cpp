@@ -4,12 +4,15 @@
 
 #include "ampfuse/sdk/cpu.h"
 #include "fused/adam_cpu.h"
+#include "fused/lamb_cpu.h"
 #include "fused/sgd_cpu.h"
 
 namespace ampfuse::fused::cpu {
 using sdk::cpu::pick_isa;
 
 AdamFn adam_kernel() { return pick_isa(avx512::kAdam, avx2::kAdam, baseline::kAdam); }
+LambFn lamb_moments_kernel() { return pick_isa(avx512::kLambMoments, avx2::kLambMoments, baseline::kLambMoments); }
+LambFn lamb_apply_kernel() { return pick_isa(avx512::kLambApply, avx2::kLambApply, baseline::kLambApply); }
 SgdFn sgd_kernel() { return pick_isa(avx512::kSgd, avx2::kSgd, baseline::kSgd); }
 
 }  // namespace ampfuse::fused::cpu

@@ -187,6 +187,11 @@ class FusedOptimizer : public Base, public ScalerAware {
                            std::size_t /*index*/) const {}
   /// Validates anything else about the step's parameters; throw to refuse.
   virtual void check_entries(const std::vector<Entry>& /*entries*/) const {}
+  /// Called once per step after validation, before the first step_list():
+  /// for optimizer-wide work such as a global gradient norm. `signals` is
+  /// null without a scaler; CPU entries are left out when the CPU step is
+  /// skipped.
+  virtual void begin_step(const std::vector<const Entry*>& /*entries*/, const StepSignals* /*signals*/) {}
   /// Updates one list (see the top of this file). Called after validation.
   virtual void step_list(const ParamList& list) = 0;
 
@@ -219,7 +224,12 @@ class FusedOptimizer : public Base, public ScalerAware {
           if (const State* st = find_state(p)) check_state(p, *st, g, i);
         });
     check_entries(entries);
-    for (auto& [key, list] : group_lists(entries, cpu_step_skipped(signals))) {
+    const bool skip_cpu = cpu_step_skipped(signals);
+    std::vector<const Entry*> stepped;
+    for (const Entry& e : entries)
+      if (!(skip_cpu && e.param.device().is_cpu())) stepped.push_back(&e);
+    begin_step(stepped, signals);
+    for (auto& [key, list] : group_lists(entries, skip_cpu)) {
       const auto& [group, device, dtype] = key;
       step_list(ParamList{group, device, dtype, std::move(list), signals ? &signals->at(device) : nullptr});
     }

@@ -1,0 +1,294 @@
+// Torch adapter of FusedLAMB, on the SDK's optimizer base: options and state
+// serialization, the global grad norm for max_grad_norm, and per list the
+// two CPU passes (trust ratios on the host in between: no device there) or
+// the two CUDA launches.
+
+#include "ampfuse/fused_lamb.h"
+
+#include <ATen/ops/empty.h>
+#include <ATen/ops/full.h>
+#include <ATen/ops/zeros.h>
+#include <ATen/ops/zeros_like.h>
+#include <c10/util/Exception.h>
+#include <torch/optim/serialize.h>
+
+#include <algorithm>
+#include <cmath>
+
+#include "ampfuse/tensor_ops.h"
+#include "fused/lamb_cpu.h"
+
+#if defined(AMPFUSE_WITH_CUDA)
+#include <c10/cuda/CUDAGuard.h>
+
+#include "fused/lamb_cuda.h"
+#endif
+
+namespace ampfuse {
+
+FusedLAMBOptions::FusedLAMBOptions(double lr) : lr_(lr) {}
+
+void FusedLAMBOptions::serialize(torch::serialize::OutputArchive& archive) const {
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(lr);
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(betas);
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(eps);
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(weight_decay);
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(bias_correction);
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(grad_averaging);
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(max_grad_norm);
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(use_nvlamb);
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(trust_ratio_min);
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(trust_ratio_max);
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(master_weights);
+}
+
+void FusedLAMBOptions::serialize(torch::serialize::InputArchive& archive) {
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(double, lr);
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(betas_t, betas);
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(double, eps);
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(double, weight_decay);
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(bool, bias_correction);
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(bool, grad_averaging);
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(double, max_grad_norm);
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(bool, use_nvlamb);
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(double, trust_ratio_min);
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(double, trust_ratio_max);
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(bool, master_weights);
+}
+
+void FusedLAMBParamState::serialize(torch::serialize::OutputArchive& archive) const {
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(step);
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(exp_avg);
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(exp_avg_sq);
+  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(master);
+}
+
+void FusedLAMBParamState::serialize(torch::serialize::InputArchive& archive) {
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(torch::Tensor, step);
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(torch::Tensor, exp_avg);
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(torch::Tensor, exp_avg_sq);
+  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(torch::Tensor, master);
+}
+
+namespace detail {
+
+struct FusedLambWorkspace {
+  // Sum of squares of all grads of the step, per device (max_grad_norm).
+  std::vector<std::pair<c10::Device, at::Tensor>> grad_sum_sq;
+#if defined(AMPFUSE_WITH_CUDA)
+  sdk::TicketCounters counters;
+#endif
+};
+
+}  // namespace detail
+
+namespace {
+
+fused::LambHyper make_hyper(const FusedLAMBOptions& o) {
+  fused::LambHyper h;
+  h.lr = static_cast<float>(o.lr());
+  h.beta1 = static_cast<float>(std::get<0>(o.betas()));
+  h.beta2 = static_cast<float>(std::get<1>(o.betas()));
+  h.beta3 = o.grad_averaging() ? static_cast<float>(1.0 - std::get<0>(o.betas())) : 1.f;
+  h.one_minus_beta2 = static_cast<float>(1.0 - std::get<1>(o.betas()));
+  h.eps = static_cast<float>(o.eps());
+  h.weight_decay = static_cast<float>(o.weight_decay());
+  h.bias_correction = o.bias_correction();
+  h.use_trust_ratio = o.weight_decay() != 0.0 || o.use_nvlamb();
+  h.trust_ratio_min = static_cast<float>(o.trust_ratio_min());
+  h.trust_ratio_max = static_cast<float>(o.trust_ratio_max());
+  h.max_grad_norm = static_cast<float>(o.max_grad_norm());
+  return h;
+}
+
+void check_options(const FusedLAMBOptions& o, std::size_t g) {
+  const double b1 = std::get<0>(o.betas()), b2 = std::get<1>(o.betas());
+  TORCH_CHECK(o.lr() >= 0, "FusedLAMB: param group ", g, ": invalid lr ", o.lr());
+  TORCH_CHECK(b1 >= 0 && b1 < 1 && b2 >= 0 && b2 < 1, "FusedLAMB: param group ", g, ": betas must be in [0, 1), got (",
+              b1, ", ", b2, ")");
+  TORCH_CHECK(o.eps() >= 0, "FusedLAMB: param group ", g, ": invalid eps ", o.eps());
+  TORCH_CHECK(o.weight_decay() >= 0, "FusedLAMB: param group ", g, ": invalid weight_decay ", o.weight_decay());
+  TORCH_CHECK(o.max_grad_norm() >= 0, "FusedLAMB: param group ", g, ": invalid max_grad_norm ", o.max_grad_norm());
+  TORCH_CHECK(o.trust_ratio_min() >= 0 && o.trust_ratio_min() <= o.trust_ratio_max(), "FusedLAMB: param group ", g,
+              ": trust ratio clamp [", o.trust_ratio_min(), ", ", o.trust_ratio_max(), "] is empty or negative");
+}
+
+}  // namespace
+
+FusedLAMB::FusedLAMB(const std::vector<torch::optim::OptimizerParamGroup>& param_groups, FusedLAMBOptions defaults)
+    : FusedOptimizer(param_groups, std::make_unique<FusedLAMBOptions>(defaults)),
+      workspace_(std::make_unique<detail::FusedLambWorkspace>()) {}
+
+FusedLAMB::FusedLAMB(std::vector<at::Tensor> params, FusedLAMBOptions defaults)
+    : FusedLAMB({torch::optim::OptimizerParamGroup(std::move(params))}, std::move(defaults)) {}
+
+FusedLAMB::~FusedLAMB() = default;
+
+void FusedLAMB::check_state(const at::Tensor& p, const FusedLAMBParamState& st, std::size_t g, std::size_t i) const {
+  sdk::check_state_tensor(st.exp_avg(), p, at::kFloat, name(), "exp_avg", g, i);
+  sdk::check_state_tensor(st.exp_avg_sq(), p, at::kFloat, name(), "exp_avg_sq", g, i);
+  sdk::check_state_tensor(st.master(), p, at::kFloat, name(), "master", g, i);
+  TORCH_CHECK(st.step().defined() && st.step().numel() == 1 && st.step().scalar_type() == at::kDouble &&
+                  st.step().device() == p.device(),
+              name(), ": param group ", g, ", param ", i,
+              ": state step must be a Double tensor of one element on the parameter's device");
+}
+
+void FusedLAMB::check_entries(const std::vector<sdk::Entry>& entries) const {
+  for (std::size_t g = 0; g < param_groups().size(); ++g) check_options(options_of(g), g);
+  for (const sdk::Entry& e : entries)
+    TORCH_CHECK(!options_of(e.group).master_weights() || e.param.scalar_type() != at::kFloat, name(), ": param group ",
+                e.group, ", param ", e.index,
+                ": master_weights asked for on a Float parameter; it is for Half and BFloat16 parameters");
+}
+
+void FusedLAMB::begin_step(const std::vector<const sdk::Entry*>& entries, const StepSignals*) {
+  auto& sums = workspace_->grad_sum_sq;
+  sums.clear();
+  bool clip = false;
+  for (std::size_t g = 0; g < param_groups().size(); ++g) clip |= options_of(g).max_grad_norm() > 0;
+  if (!clip) return;
+  // One read-only pass per device (and dtype) over every grad of the step:
+  // the global norm, summed in fp64 on each device.
+  std::vector<std::pair<c10::Device, std::vector<at::Tensor>>> by_device;
+  for (const sdk::Entry* e : entries) {
+    auto it = std::find_if(by_device.begin(), by_device.end(), [&](const auto& d) { return d.first == e->param.device(); });
+    if (it == by_device.end()) {
+      by_device.emplace_back(e->param.device(), std::vector<at::Tensor>{});
+      it = std::prev(by_device.end());
+    }
+    it->second.push_back(e->grad);
+  }
+  for (const auto& [device, grads] : by_device) {
+    const auto opts = at::TensorOptions().device(device);
+    at::Tensor sum = at::zeros({1}, opts.dtype(at::kDouble));
+    at::Tensor unused_found_inf = at::zeros({1}, opts.dtype(at::kFloat));
+    check_non_finite(grads, unused_found_inf, sum);
+    sums.emplace_back(device, sum);
+  }
+  if (sums.size() > 1) {
+    // Grads on several devices: every device gets the total (device copies;
+    // a CPU total read from a CUDA sum waits for it).
+    std::vector<at::Tensor> totals;
+    for (const auto& [device, sum] : sums) {
+      at::Tensor total = sum.clone();
+      for (const auto& other : sums)
+        if (other.first != device) total.add_(other.second.to(device));
+      totals.push_back(total);
+    }
+    for (std::size_t i = 0; i < sums.size(); ++i) sums[i].second = totals[i];
+  }
+}
+
+void FusedLAMB::step_list(const sdk::ParamList& pl) {
+  const FusedLAMBOptions& o = options_of(pl.group);
+  const fused::LambHyper hyper = make_hyper(o);
+  const c10::Device device = pl.device;
+  const ScalarType st = to_scalar_type(pl.dtype);
+  const bool master = o.master_weights();
+  const auto& list = pl.entries;
+  const std::size_t n = list.size();
+
+  std::vector<FusedLAMBParamState*> states;
+  std::vector<std::int64_t> numels;
+  for (const sdk::Entry* e : list) {
+    const at::Tensor& p = e->param;
+    auto& state = state_for(p, [&](FusedLAMBParamState& s) {
+      const auto fp32 = p.options().dtype(at::kFloat);
+      s.step(at::zeros({1}, p.options().dtype(at::kDouble)));
+      s.exp_avg(at::zeros_like(p, fp32, at::MemoryFormat::Preserve));
+      s.exp_avg_sq(at::zeros_like(p, fp32, at::MemoryFormat::Preserve));
+    });
+    if (master && !state.master().defined())
+      state.master(p.detach().to(at::kFloat, /*non_blocking=*/false, /*copy=*/true, at::MemoryFormat::Preserve));
+    states.push_back(&state);
+    numels.push_back(p.numel());
+  }
+  at::Tensor grad_sum_sq;
+  for (const auto& [d, sum] : workspace_->grad_sum_sq)
+    if (d == device) grad_sum_sq = sum;
+
+  if (device.is_cpu()) {
+    std::vector<void*> param(n), grad(n), m(n), v(n), masters(n, nullptr);
+    std::vector<double> steps(n);
+    for (std::size_t i = 0; i < n; ++i) {
+      param[i] = list[i]->param.data_ptr();
+      grad[i] = list[i]->grad.data_ptr();
+      m[i] = states[i]->exp_avg().data_ptr();
+      v[i] = states[i]->exp_avg_sq().data_ptr();
+      if (master) masters[i] = states[i]->master().data_ptr();
+      steps[i] = *states[i]->step().data_ptr<double>() + 1.0;
+    }
+    const auto scalars = sdk::per_tensor<double, fused::LambStepScalars>(
+        steps, [&](double step) { return fused::lamb_step_scalars(hyper, step); });
+    float factor = sdk::cpu_grad_factor(pl.signal);
+    if (grad_sum_sq.defined())
+      factor *= fused::lamb_clip_factor(hyper, static_cast<float>(std::sqrt(*grad_sum_sq.data_ptr<double>())) * factor);
+    const Plan plan(numels, sdk::cpu::kChunkSize);
+    std::vector<double> chunk_param_sq(static_cast<std::size_t>(plan.num_chunks()));
+    std::vector<double> chunk_update_sq(chunk_param_sq.size());
+    std::vector<float> neg_step(n, 0.f);
+    fused::cpu::LambArgs args{sdk::cpu::plan_ref(plan), param.data(), grad.data(), m.data(), v.data(),
+                              master ? masters.data() : nullptr, st, scalars.data(), hyper, factor,
+                              chunk_param_sq.data(), chunk_update_sq.data(), neg_step.data()};
+    const fused::cpu::LambFn moments = fused::cpu::lamb_moments_kernel();
+    sdk::parallel_chunks(plan, [&](std::int64_t b, std::int64_t e) { moments(args, b, e); });
+    // Per-tensor norms from the chunks' sums, in chunk order (deterministic).
+    for (std::size_t k = 0; k < plan.tensors().size(); ++k) {
+      double ps = 0.0, us = 0.0;
+      for (std::int64_t c = plan.chunk_offsets()[k]; c < plan.chunk_offsets()[k + 1]; ++c) {
+        ps += chunk_param_sq[c];
+        us += chunk_update_sq[c];
+      }
+      neg_step[plan.tensors()[k]] =
+          fused::lamb_neg_step(hyper, static_cast<float>(std::sqrt(ps)), static_cast<float>(std::sqrt(us)));
+    }
+    const fused::cpu::LambFn apply = fused::cpu::lamb_apply_kernel();
+    sdk::parallel_chunks(plan, [&](std::int64_t b, std::int64_t e) { apply(args, b, e); });
+    for (FusedLAMBParamState* s : states) *s->step().data_ptr<double>() += 1.0;
+    return;
+  }
+#if defined(AMPFUSE_WITH_CUDA)
+  const c10::cuda::CUDAGuard guard(device);
+  TensorListsView views;
+  views.lists.resize(fused::cuda::kLambDepth);
+  std::vector<at::Tensor> empty_steps;
+  for (std::size_t i = 0; i < n; ++i) {
+    const at::Tensor& p = list[i]->param;
+    FusedLAMBParamState& s = *states[i];
+    if (p.numel() == 0) empty_steps.push_back(s.step());
+    views.lists[fused::cuda::kLambParam].push_back({p.data_ptr(), p.numel(), st});
+    views.lists[fused::cuda::kLambGrad].push_back({list[i]->grad.data_ptr(), p.numel(), st});
+    views.lists[fused::cuda::kLambExpAvg].push_back({s.exp_avg().data_ptr(), p.numel(), ScalarType::Float32});
+    views.lists[fused::cuda::kLambExpAvgSq].push_back({s.exp_avg_sq().data_ptr(), p.numel(), ScalarType::Float32});
+    // The fp64 step travels as a pointer; its dtype tag is not read.
+    views.lists[fused::cuda::kLambStep].push_back({s.step().data_ptr(), 1, ScalarType::Float32});
+    views.lists[fused::cuda::kLambMaster].push_back(
+        {master ? s.master().data_ptr() : nullptr, p.numel(), ScalarType::Float32});
+  }
+  const Plan plan(numels, sdk::cuda::kChunkSize);
+  std::vector<std::int64_t> words;
+  const sdk::cuda::LaunchMeta meta = sdk::make_launch_meta(views, plan, device, words);
+  const auto opts = at::TensorOptions().device(device);
+  at::Tensor chunk_sums = at::empty({std::max<std::int64_t>(2 * plan.num_chunks(), 1)}, opts.dtype(at::kDouble));
+  at::Tensor norms = at::empty({std::max<std::int64_t>(2 * meta.num_tensors, 1)}, opts.dtype(at::kFloat));
+  const sdk::SignalPointers sig = sdk::signal_pointers(pl.signal);
+  const fused::cuda::LambCudaArgs args{master,
+                                      hyper,
+                                      sig.found_inf,
+                                      sig.inv_scale,
+                                      sig.clip_coef,
+                                      grad_sum_sq.defined() ? grad_sum_sq.data_ptr<double>() : nullptr,
+                                      chunk_sums.data_ptr<double>(),
+                                      norms.data_ptr<float>(),
+                                      workspace_->counters.get({pl.group, device, pl.dtype}, meta.num_tensors)};
+  fused::cuda::lamb(meta, st, args, sdk::current_stream(device));
+  // Zero-element parameters have no chunk: advance their counters here.
+  for (at::Tensor& step : empty_steps) {
+    if (pl.signal) step.add_((pl.signal->found_inf == 0).to(at::kDouble));
+    else step.add_(1);
+  }
+#endif
+}
+
+}  // namespace ampfuse

@@ -1,0 +1,117 @@
+// FusedLAMB on CUDA: two launches per parameter group and dtype, on the
+// SDK's device building blocks.
+
+#include <cmath>
+
+#include "ampfuse/sdk/cuda_kernel.cuh"
+#include "fused/lamb_cuda.h"
+
+namespace ampfuse::fused::cuda {
+namespace {
+
+using namespace ampfuse::sdk::cuda;
+using sdk::ScalarOps;
+
+// inv_scale * clip_coef * the max_grad_norm factor, read on the device.
+__device__ __forceinline__ float grad_factor(const LambCudaArgs& args) {
+  float f = 1.f;
+  if (args.inv_scale != nullptr) f *= *args.inv_scale;
+  if (args.clip_coef != nullptr) f *= *args.clip_coef;
+  if (args.grad_sum_sq != nullptr) {
+    // The global norm of the unscaled grads: sqrt of the scaled sum, times f.
+    const float global_norm = static_cast<float>(sqrt(*args.grad_sum_sq)) * f;
+    f *= lamb_clip_factor(args.hyper, global_norm);
+  }
+  return f;
+}
+
+template <class Meta>
+__device__ __forceinline__ LambStepScalars step_scalars(const Meta& meta, std::int64_t slot, const LambHyper& h) {
+  const double step = *static_cast<const double*>(meta.data(kLambStep, slot)) + 1.0;
+  return lamb_step_scalars(h, step);
+}
+
+template <class P, bool kMaster, class Meta>
+__global__ void __launch_bounds__(kBlockSize) lamb_moments_kernel(Meta meta, LambCudaArgs args) {
+  // Contract rule 1: found_inf is final before this launch; skip before any write.
+  if (args.found_inf != nullptr && *args.found_inf != 0.f) return;
+  const BlockChunk c = locate_chunk(meta, blockIdx.x);
+  const LambStepScalars s = step_scalars(meta, c.slot, args.hyper);
+  const float factor = grad_factor(args);
+  const P* p = static_cast<const P*>(meta.data(kLambParam, c.slot)) + c.begin;
+  const P* g = static_cast<const P*>(meta.data(kLambGrad, c.slot)) + c.begin;
+  float* m = static_cast<float*>(meta.data(kLambExpAvg, c.slot)) + c.begin;
+  float* v = static_cast<float*>(meta.data(kLambExpAvgSq, c.slot)) + c.begin;
+  const float* master = kMaster ? static_cast<const float*>(meta.data(kLambMaster, c.slot)) + c.begin : nullptr;
+  float p_sq = 0.f, u_sq = 0.f;
+  for_each_element(c, [&](std::int64_t i) {
+    const float pf = kMaster ? master[i] : to_float(p[i]);
+    float mf = m[i], vf = v[i];
+    lamb_moments<float, ScalarOps>(to_float(g[i]) * factor, mf, vf, args.hyper);
+    const float u = lamb_direction<float, ScalarOps>(pf, mf, vf, args.hyper, s);
+    m[i] = mf;
+    v[i] = vf;
+    p_sq += pf * pf;
+    u_sq += u * u;
+  });
+  const float block_p = block_sum(p_sq), block_u = block_sum(u_sq);
+  if (threadIdx.x == 0) {
+    args.chunk_sums[2 * blockIdx.x] = block_p;
+    args.chunk_sums[2 * blockIdx.x + 1] = block_u;
+  }
+  // The tensor's last block adds its chunks' sums in chunk order.
+  once_per_tensor_after_reads(meta, c.slot, args.counters, [&] {
+    __threadfence();
+    double ps = 0.0, us = 0.0;
+    for (std::int64_t k = meta.chunk_offset(c.slot); k < meta.chunk_offset(c.slot + 1); ++k) {
+      ps += static_cast<volatile double*>(args.chunk_sums)[2 * k];
+      us += static_cast<volatile double*>(args.chunk_sums)[2 * k + 1];
+    }
+    args.norms[2 * c.slot] = static_cast<float>(sqrt(ps));
+    args.norms[2 * c.slot + 1] = static_cast<float>(sqrt(us));
+  });
+}
+
+template <class P, bool kMaster, class Meta>
+__global__ void __launch_bounds__(kBlockSize) lamb_apply_kernel(Meta meta, LambCudaArgs args) {
+  if (args.found_inf != nullptr && *args.found_inf != 0.f) return;
+  const BlockChunk c = locate_chunk(meta, blockIdx.x);
+  double* step_ptr = static_cast<double*>(meta.data(kLambStep, c.slot));
+  __shared__ double old_step;
+  if (threadIdx.x == 0) old_step = *step_ptr;
+  __syncthreads();
+  const LambStepScalars s = lamb_step_scalars(args.hyper, old_step + 1.0);
+  const float neg_step = lamb_neg_step(args.hyper, args.norms[2 * c.slot], args.norms[2 * c.slot + 1]);
+  P* p = static_cast<P*>(meta.data(kLambParam, c.slot)) + c.begin;
+  const float* m = static_cast<const float*>(meta.data(kLambExpAvg, c.slot)) + c.begin;
+  const float* v = static_cast<const float*>(meta.data(kLambExpAvgSq, c.slot)) + c.begin;
+  float* master = kMaster ? static_cast<float*>(meta.data(kLambMaster, c.slot)) + c.begin : nullptr;
+  for_each_element(c, [&](std::int64_t i) {
+    float pf = kMaster ? master[i] : to_float(p[i]);
+    const float u = lamb_direction<float, ScalarOps>(pf, m[i], v[i], args.hyper, s);
+    lamb_apply<float, ScalarOps>(pf, u, neg_step);
+    if (kMaster) master[i] = pf;
+    p[i] = from_float<P>(pf);
+  });
+  // Contract rule 4: the step advances once per tensor, after all its blocks read it.
+  once_per_tensor_after_reads(meta, c.slot, args.counters, [&] { *step_ptr = old_step + 1.0; });
+}
+
+}  // namespace
+
+void lamb(const sdk::cuda::LaunchMeta& meta, ScalarType dtype, const LambCudaArgs& args, sdk::cuda::Stream stream) {
+  dispatch_dtype(dtype, [&](auto param_tag) {
+    using P = decltype(param_tag);
+    launch_with_meta<kLambDepth>(meta, [&](auto m, dim3 grid) {
+      if (args.master) {
+        lamb_moments_kernel<P, true><<<grid, kBlockSize, 0, stream>>>(m, args);
+        lamb_apply_kernel<P, true><<<grid, kBlockSize, 0, stream>>>(m, args);
+      } else {
+        lamb_moments_kernel<P, false><<<grid, kBlockSize, 0, stream>>>(m, args);
+        lamb_apply_kernel<P, false><<<grid, kBlockSize, 0, stream>>>(m, args);
+      }
+    });
+  });
+}
+
+}  // namespace ampfuse::fused::cuda
