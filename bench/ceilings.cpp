@@ -50,4 +50,24 @@ void adam_twin(const std::vector<float*>& p, const std::vector<float*>& g, const
   });
 }
 
+void lamb_twin(const std::vector<float*>& p, const std::vector<float*>& g, const std::vector<float*>& m,
+               const std::vector<float*>& v, const ampfuse::Plan& plan) {
+  for_chunks(plan, [&](const ampfuse::Chunk& ch) {
+    const float* pp = p[ch.tensor] + ch.begin;
+    const float* gg = g[ch.tensor] + ch.begin;
+    float* mm = m[ch.tensor] + ch.begin;
+    float* vv = v[ch.tensor] + ch.begin;
+    for (std::int64_t i = 0; i < ch.size; ++i) {
+      mm[i] = mm[i] + gg[i];
+      vv[i] = vv[i] + pp[i];
+    }
+  });
+  for_chunks(plan, [&](const ampfuse::Chunk& ch) {
+    float* pp = p[ch.tensor] + ch.begin;
+    const float* mm = m[ch.tensor] + ch.begin;
+    const float* vv = v[ch.tensor] + ch.begin;
+    for (std::int64_t i = 0; i < ch.size; ++i) pp[i] = pp[i] - mm[i] * vv[i];
+  });
+}
+
 }  // namespace ampfuse_bench

@@ -30,6 +30,7 @@ void register_engine(torch::Device device);
 void register_scaler(torch::Device device);
 void register_adam(torch::Device device);
 void register_sgd(torch::Device device);
+void register_lamb(torch::Device device);
 
 
 inline int bench_threads() {

@@ -29,6 +29,7 @@ TARGETS = [
     ("AdamClip", "8x8M", "aten_fused_adam", 1.5, "the speed of PyTorch's unscale + clip + fused step"),
     ("SGD", "8x8M", "ceiling_twin", 0.90, "of the traffic twin"),
     ("SGD", "10000x4096", "torch_optim_sgd", 3.0, "the speed of torch::optim::SGD"),
+    ("LAMB", "8x8M", "ceiling_twin", 0.75, "of LAMB's minimum traffic (two-pass twin)"),
 ]
 
 
@@ -53,7 +54,7 @@ def load(path):
     return data.get("context", {}), rows
 
 
-OP_ORDER = ["Check", "CheckNorm", "Scale", "Scaler", "ScalerClip", "Adam", "AdamScaled", "AdamClip", "SGD"]
+OP_ORDER = ["Check", "CheckNorm", "Scale", "Scaler", "ScalerClip", "Adam", "AdamScaled", "AdamClip", "SGD", "LAMB"]
 
 
 def sort_key(key):
