@@ -23,7 +23,15 @@ __global__ void __launch_bounds__(kBlockSize) adam_kernel(Meta meta, AdamCudaArg
   if (threadIdx.x == 0) old_step = *step_ptr;
   __syncthreads();
   const float step = old_step + 1.f;
-  const AdamStepScalars s = adam_step_scalars(args.lr, args.beta1, args.beta2, step);
+  // capturable: lr, and what depends on it, from the device.
+  double lr = args.lr;
+  AdamHyper hyper = args.hyper;
+  if (args.lr_device != nullptr) {
+    lr = *args.lr_device;
+    hyper.lr = static_cast<float>(lr);
+    hyper.decay_factor = static_cast<float>(1.0 - lr * args.weight_decay);
+  }
+  const AdamStepScalars s = adam_step_scalars(lr, args.beta1, args.beta2, step);
   float grad_factor = 1.f;
   if (args.inv_scale != nullptr) grad_factor *= *args.inv_scale;
   if (args.clip_coef != nullptr) grad_factor *= *args.clip_coef;
@@ -39,7 +47,7 @@ __global__ void __launch_bounds__(kBlockSize) adam_kernel(Meta meta, AdamCudaArg
     float pf = kMaster ? master[i] : to_float(pe);
     float mf = to_float(me), vf = to_float(ve);
     float vmaxf = kAmsgrad ? to_float(*vmaxe) : 0.f;
-    adam_update<float, ScalarOps>(pf, to_float(ge) * grad_factor, mf, vf, &vmaxf, args.hyper, s);
+    adam_update<float, ScalarOps>(pf, to_float(ge) * grad_factor, mf, vf, &vmaxf, hyper, s);
     if (kMaster) master[i] = pf;
     pe = from_float<P>(pf);
     me = from_float<S>(mf);

@@ -35,6 +35,8 @@ struct FusedAdamState {
 #if defined(AMPFUSE_WITH_CUDA)
   sdk::TicketCounters counters;
 #endif
+  // capturable: per group, the device lr and the host lr last copied into it.
+  std::map<std::size_t, std::pair<at::Tensor, double>> lr_device;
 };
 
 }  // namespace detail
@@ -173,8 +175,20 @@ void FusedAdamImpl<Base, Options, State, kDecoupled>::step_list(const sdk::Param
     const Plan plan(numels, cuda::kChunkSize);
     std::vector<std::int64_t> words;
     const cuda::LaunchMeta meta = sdk::make_launch_meta(views, plan, device, words);
+    const float* lr_device = nullptr;
+    if (fused.capturable()) {
+      auto& [lr_tensor, copied] = impl.lr_device[pl.group];
+      if (!lr_tensor.defined() || lr_tensor.device() != device) {
+        lr_tensor = at::full({1}, o.lr(), at::TensorOptions().dtype(at::kFloat).device(device));
+        copied = o.lr();
+      } else if (copied != o.lr()) {  // a scheduler changed the host lr: a fill kernel, no sync
+        lr_tensor.fill_(o.lr());
+        copied = o.lr();
+      }
+      lr_device = lr_tensor.data_ptr<float>();
+    }
     const sdk::SignalPointers sig = sdk::signal_pointers(signal);
-    const fused::cuda::AdamCudaArgs args{state_st, master, hyper, o.lr(), beta1, beta2,
+    const fused::cuda::AdamCudaArgs args{state_st, master, hyper, o.lr(), beta1, beta2, o.weight_decay(), lr_device,
                                          sig.found_inf, sig.inv_scale, sig.clip_coef,
                                          impl.counters.get({pl.group, device, dtype}, meta.num_tensors)};
     fused::cuda::adam(meta, st, args, stream);
@@ -198,6 +212,12 @@ FusedAdamImpl<Base, Options, State, kDecoupled>::FusedAdamImpl(std::vector<at::T
 
 template <class Base, class Options, class State, bool kDecoupled>
 FusedAdamImpl<Base, Options, State, kDecoupled>::~FusedAdamImpl() = default;
+
+template <class Base, class Options, class State, bool kDecoupled>
+at::Tensor FusedAdamImpl<Base, Options, State, kDecoupled>::lr_tensor(std::size_t group) const {
+  const auto it = impl_->lr_device.find(group);
+  return it == impl_->lr_device.end() ? at::Tensor() : it->second.first;
+}
 
 template <class Base, class Options, class State, bool kDecoupled>
 void FusedAdamImpl<Base, Options, State, kDecoupled>::sync_state() {

@@ -14,12 +14,15 @@
 
 #include <algorithm>
 #include <cmath>
+#include <map>
+#include <string>
 
 #include "ampfuse/tensor_ops.h"
 #include "fused/lamb_cpu.h"
 
 #if defined(AMPFUSE_WITH_CUDA)
 #include <c10/cuda/CUDAGuard.h>
+#include <cuda_runtime_api.h>
 
 #include "fused/lamb_cuda.h"
 #endif
@@ -75,6 +78,10 @@ namespace detail {
 struct FusedLambWorkspace {
   // Sum of squares of all grads of the step, per device (max_grad_norm).
   std::vector<std::pair<c10::Device, at::Tensor>> grad_sum_sq;
+  // Per device, kept across steps: the fp64 sum and the check's (unused)
+  // found_inf, zeroed by memset on CUDA (no fill kernel, so the norm pass is
+  // the step's only extra launch).
+  std::map<std::string, std::pair<at::Tensor, at::Tensor>> norm_buffers;
 #if defined(AMPFUSE_WITH_CUDA)
   sdk::TicketCounters counters;
 #endif
@@ -160,9 +167,25 @@ void FusedLAMB::begin_step(const std::vector<const sdk::Entry*>& entries, const 
     it->second.push_back(e->grad);
   }
   for (const auto& [device, grads] : by_device) {
-    const auto opts = at::TensorOptions().device(device);
-    at::Tensor sum = at::zeros({1}, opts.dtype(at::kDouble));
-    at::Tensor unused_found_inf = at::zeros({1}, opts.dtype(at::kFloat));
+    auto& [sum, unused_found_inf] = workspace_->norm_buffers[device.str()];
+    if (!sum.defined()) {
+      const auto opts = at::TensorOptions().device(device);
+      sum = at::empty({1}, opts.dtype(at::kDouble));
+      unused_found_inf = at::empty({1}, opts.dtype(at::kFloat));
+    }
+#if defined(AMPFUSE_WITH_CUDA)
+    if (device.is_cuda()) {
+      const c10::cuda::CUDAGuard guard(device);
+      const cudaStream_t stream = sdk::current_stream(device);
+      TORCH_CHECK(cudaMemsetAsync(sum.data_ptr(), 0, sizeof(double), stream) == cudaSuccess &&
+                      cudaMemsetAsync(unused_found_inf.data_ptr(), 0, sizeof(float), stream) == cudaSuccess,
+                  "FusedLAMB: cudaMemsetAsync failed");
+    } else
+#endif
+    {
+      sum.zero_();
+      unused_found_inf.zero_();
+    }
     check_non_finite(grads, unused_found_inf, sum);
     sums.emplace_back(device, sum);
   }

@@ -17,8 +17,18 @@
 #include <unistd.h>
 
 #include <filesystem>
+#include <functional>
+#include <memory>
+#include <utility>
 
 #include "contract/cpu/kernels.h"
+
+#if defined(AMPFUSE_WITH_CUDA)
+#include <ATen/cuda/CUDAGraph.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime_api.h>
+#endif
 
 namespace ampfuse_test {
 
@@ -110,5 +120,33 @@ class DeviceIsaTest : public ::testing::TestWithParam<Param> {
   std::uint64_t seed_ = 0;
   std::mt19937_64 rng_;
 };
+
+#if defined(AMPFUSE_WITH_CUDA)
+/// Captures fn() in a CUDA graph on a side stream (kept, so it can be
+/// inspected) and returns it with the number of its kernel nodes: the
+/// launches a step costs.
+inline std::pair<std::unique_ptr<at::cuda::CUDAGraph>, std::size_t> capture(const std::function<void()>& fn) {
+  auto graph = std::make_unique<at::cuda::CUDAGraph>(/*keep_graph=*/true);
+  torch::cuda::synchronize();
+  {
+    const c10::cuda::CUDAStreamGuard guard(c10::cuda::getStreamFromPool());
+    graph->capture_begin();
+    fn();
+    graph->capture_end();
+  }
+  torch::cuda::synchronize();
+  cudaGraph_t g = graph->raw_cuda_graph();
+  std::size_t num_nodes = 0;
+  if (cudaGraphGetNodes(g, nullptr, &num_nodes) != cudaSuccess) return {std::move(graph), 0};
+  std::vector<cudaGraphNode_t> nodes(num_nodes);
+  cudaGraphGetNodes(g, nodes.data(), &num_nodes);
+  std::size_t kernels = 0;
+  for (cudaGraphNode_t n : nodes) {
+    cudaGraphNodeType type;
+    if (cudaGraphNodeGetType(n, &type) == cudaSuccess && type == cudaGraphNodeTypeKernel) ++kernels;
+  }
+  return {std::move(graph), kernels};
+}
+#endif
 
 }  // namespace ampfuse_test

@@ -235,6 +235,27 @@ TEST_P(FusedLambTest, BadInputNamesGroupAndParamAndChangesNothing) {
   EXPECT_TRUE(ampfuse_test::bitwise_equal(p1, before1));
 }
 
+// Launches per step, counted in a CUDA graph: two per group and dtype, one
+// more per device and dtype with max_grad_norm (the global norm pass).
+TEST(FusedLambCuda, LaunchesPerStep) {
+#if !defined(AMPFUSE_WITH_CUDA)
+  GTEST_SKIP() << "built without CUDA";
+#else
+  if (!ampfuse_test::cuda_available()) GTEST_SKIP() << "no CUDA device here; this test runs on a GPU machine";
+  ampfuse_test::seed_for_test();
+  for (const double max_grad_norm : {0.0, 1.0}) {
+    std::vector<torch::Tensor> ps = {torch::randn({1000}, torch::kCUDA), torch::randn({70000}, torch::kCUDA)};
+    for (auto& p : ps) p.mutable_grad() = torch::randn_like(p);
+    FusedLAMB opt(ps, FusedLAMBOptions(1e-3).max_grad_norm(max_grad_norm));
+    opt.step();  // warm-up: state exists before capture
+    auto [graph, kernels] = ampfuse_test::capture([&] { opt.step(); });
+    EXPECT_EQ(kernels, max_grad_norm > 0 ? 3u : 2u) << "max_grad_norm " << max_grad_norm;
+    std::cout << "[ launches ] FusedLAMB, one group, max_grad_norm " << max_grad_norm << ": " << kernels
+              << " kernel nodes per step\n";
+  }
+#endif
+}
+
 INSTANTIATE_TEST_SUITE_P(All, FusedLambTest,
                          ::testing::Values(LambCase{"cpu", "avx512"}, LambCase{"cpu", "avx2"},
                                            LambCase{"cpu", "baseline"}, LambCase{"cuda", ""}),

@@ -45,6 +45,12 @@ struct FusedAdamOptions {
   TORCH_ARG(bool, master_weights) = false;
   /// Keep the moments in bf16 (half the state memory; ~3 significant digits).
   TORCH_ARG(bool, bf16_moments) = false;
+  /// CUDA: the kernels read lr from a device tensor per group (lr_tensor()),
+  /// as they read the step counters, so that a step can be captured in a
+  /// CUDA graph and replayed with a new lr. The group's host lr is copied to
+  /// that tensor at a step only when it changed (a kernel, not a sync); under
+  /// graph replay set the lr with lr_tensor(group).fill_(x) outside the graph.
+  TORCH_ARG(bool, capturable) = false;
 };
 
 namespace detail {
@@ -67,6 +73,10 @@ class FusedAdamImpl : public sdk::FusedOptimizer<Base, Options, State> {
   void load(torch::serialize::InputArchive& archive) override;
 
   const FusedAdamOptions& fused_options() const { return fused_; }
+
+  /// capturable on CUDA: the fp32 one-element device tensor the kernels read
+  /// group `group`'s lr from (undefined before the group's first CUDA step).
+  at::Tensor lr_tensor(std::size_t group) const;
 
  protected:
   const char* name() const override;
