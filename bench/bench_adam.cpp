@@ -65,6 +65,32 @@ OptimizerData& optimizer_data(const ParamSet& set, torch::Device device) {
   return it->second;
 }
 
+void register_ceiling(const std::string& op, const ParamSet& set, torch::Device device, std::int64_t bytes_per_param,
+                      TwinFn twin) {
+  const std::int64_t n = total_numel(set);
+  if (device.is_cpu()) {
+    register_one(op + "/ceiling_twin/" + set.name, device, [=] {
+      OptimizerData& d = optimizer_data(set, device);
+      auto plan = std::make_shared<ampfuse::Plan>(set.numels, ampfuse::cpu_chunk_size());
+      TwinPointers t;
+      for (std::size_t i = 0; i < d.params.size(); ++i) {
+        t.p.push_back(d.params[i].data_ptr<float>());
+        t.g.push_back(d.grads[i].data_ptr<float>());
+        t.m.push_back(d.exp_avg[i].data_ptr<float>());
+        t.v.push_back(d.exp_avg_sq[i].data_ptr<float>());
+      }
+      return Fn([=] { twin(t, *plan); });
+    }, bytes_per_param * n);
+  } else {
+    register_one(op + "/ceiling_d2d_copy/" + set.name + "@cuda", device, [=] {
+      const auto fopts = torch::TensorOptions().dtype(torch::kFloat).device(device);
+      auto src = torch::empty({n * bytes_per_param / 8}, fopts);  // half the bytes read, half written
+      auto dst = torch::empty({n * bytes_per_param / 8}, fopts);
+      return Fn([=]() mutable { dst.copy_(src); });
+    }, bytes_per_param * n);
+  }
+}
+
 namespace {
 
 std::vector<torch::Tensor> detached(const std::vector<torch::Tensor>& v) {
@@ -131,26 +157,9 @@ void register_adam(torch::Device device) {
       auto opt = std::make_shared<torch::optim::Adam>(data().params, torch::optim::AdamOptions(kLr));
       return Fn([=] { opt->step(); });
     }, bytes);
-    if (device.is_cpu()) {
-      register_one("Adam/ceiling_twin" + tail, device, [=] {
-        OptimizerData& d = data();
-        auto plan = std::make_shared<ampfuse::Plan>(set.numels, ampfuse::cpu_chunk_size());
-        std::vector<float*> p, g, m, v;
-        for (std::size_t i = 0; i < d.params.size(); ++i) {
-          p.push_back(d.params[i].data_ptr<float>());
-          g.push_back(d.grads[i].data_ptr<float>());
-          m.push_back(d.exp_avg[i].data_ptr<float>());
-          v.push_back(d.exp_avg_sq[i].data_ptr<float>());
-        }
-        return Fn([=] { adam_twin(p, g, m, v, *plan); });
-      }, bytes);
-    } else {
-      register_one("Adam/ceiling_d2d_copy" + tail, device, [=] {
-        auto src = torch::empty({n * 7 / 2}, fopts);  // 28 bytes per parameter: 14 read + 14 written
-        auto dst = torch::empty({n * 7 / 2}, fopts);
-        return Fn([=]() mutable { dst.copy_(src); });
-      }, bytes);
-    }
+    register_ceiling("Adam", set, device, 28, [](const TwinPointers& t, const ampfuse::Plan& plan) {
+      adam_twin(t.p, t.g, t.m, t.v, plan);
+    });
   }
 }
 

@@ -70,27 +70,9 @@ void register_lamb(torch::Device device) {
       }
       return Fn([=] { (*lamb)(); });
     }, bytes);
-    if (device.is_cpu()) {
-      register_one("LAMB/ceiling_twin" + tail, device, [=] {
-        OptimizerData& d = data();
-        auto plan = std::make_shared<ampfuse::Plan>(set.numels, ampfuse::cpu_chunk_size());
-        std::vector<float*> p, g, m, v;
-        for (std::size_t i = 0; i < d.params.size(); ++i) {
-          p.push_back(d.params[i].data_ptr<float>());
-          g.push_back(d.grads[i].data_ptr<float>());
-          m.push_back(d.exp_avg[i].data_ptr<float>());
-          v.push_back(d.exp_avg_sq[i].data_ptr<float>());
-        }
-        return Fn([=] { lamb_twin(p, g, m, v, *plan); });
-      }, bytes);
-    } else {
-      register_one("LAMB/ceiling_d2d_copy" + tail, device, [=] {
-        auto fopts = torch::TensorOptions().dtype(torch::kFloat).device(device);
-        auto src = torch::empty({n * 5}, fopts);  // 40 bytes per parameter: 20 read + 20 written
-        auto dst = torch::empty({n * 5}, fopts);
-        return Fn([=]() mutable { dst.copy_(src); });
-      }, bytes);
-    }
+    register_ceiling("LAMB", set, device, 40, [](const TwinPointers& t, const ampfuse::Plan& plan) {
+      lamb_twin(t.p, t.g, t.m, t.v, plan);
+    });
   }
 }
 

@@ -54,26 +54,9 @@ void register_sgd(torch::Device device) {
         at::_fused_sgd_(params, d.grads, d.exp_avg, 0.0, kMomentum, kLr, 0.0, false, false, false);
       });
     }, bytes);
-    if (device.is_cpu()) {
-      register_one("SGD/ceiling_twin" + tail, device, [=] {
-        OptimizerData& d = data();
-        auto plan = std::make_shared<ampfuse::Plan>(set.numels, ampfuse::cpu_chunk_size());
-        std::vector<float*> p, g, b;
-        for (std::size_t i = 0; i < d.params.size(); ++i) {
-          p.push_back(d.params[i].data_ptr<float>());
-          g.push_back(d.grads[i].data_ptr<float>());
-          b.push_back(d.exp_avg_sq[i].data_ptr<float>());
-        }
-        return Fn([=] { sgd_twin(p, g, b, *plan); });
-      }, bytes);
-    } else {
-      register_one("SGD/ceiling_d2d_copy" + tail, device, [=] {
-        auto fopts = torch::TensorOptions().dtype(torch::kFloat).device(device);
-        auto src = torch::empty({n * 5 / 2}, fopts);  // 20 bytes per parameter: 10 read + 10 written
-        auto dst = torch::empty({n * 5 / 2}, fopts);
-        return Fn([=]() mutable { dst.copy_(src); });
-      }, bytes);
-    }
+    register_ceiling("SGD", set, device, 20, [](const TwinPointers& t, const ampfuse::Plan& plan) {
+      sgd_twin(t.p, t.g, t.v, plan);
+    });
   }
 }
 

@@ -7,6 +7,7 @@
 // them into ratio tables. "ours" is ampfuse; "ceiling_*" are traffic twins.
 
 #include <benchmark/benchmark.h>
+#include <ampfuse/multi_tensor.h>
 #include <torch/torch.h>
 
 #include <cstdlib>
@@ -52,6 +53,19 @@ struct OptimizerData {
   std::vector<torch::Tensor> params, grads, exp_avg, exp_avg_sq, steps;
 };
 OptimizerData& optimizer_data(const ParamSet& set, torch::Device device);
+
+/// The float pointers of a set's data, for a traffic twin: params, grads and
+/// the two state-sized buffers.
+struct TwinPointers {
+  std::vector<float*> p, g, m, v;
+};
+using TwinFn = std::function<void(const TwinPointers&, const ampfuse::Plan&)>;
+
+/// Registers <op>/ceiling_twin/<set> on CPU (twin over the engine's chunks)
+/// or <op>/ceiling_d2d_copy/<set>@cuda on CUDA (a copy moving the same
+/// bytes), for an operation that moves bytes_per_param per fp32 parameter.
+void register_ceiling(const std::string& op, const ParamSet& set, torch::Device device, std::int64_t bytes_per_param,
+                      TwinFn twin);
 
 /// 64M fp32 in one tensor (the large case) and 10,000 x 4,096 (many small).
 inline const std::vector<ParamSet>& engine_sets() {
