@@ -41,6 +41,15 @@ log "tests: $(grep -E '^\[  (PASSED|FAILED|SKIPPED) *\] [0-9]+ tests?' "$out/tes
 "$python" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' ||
   log "WARNING: PyTorch sees no CUDA device here: the CUDA tests were skipped"
 grep -E '^\[  FAILED  \]' "$out/tests.log" | head -20 | tee -a "$out/summary.txt"
+grep -E '^\[ launches \]' "$out/tests.log" | tee -a "$out/summary.txt"
+
+# The third-party example (examples/lion) against the installed ampfuse, CUDA part included.
+cmake --install "$build" --prefix "$build/install" >/dev/null 2>&1 &&
+  cmake -S "$root/examples/lion" -B "$build/lion" "${generator[@]}" -DCMAKE_BUILD_TYPE=Release \
+    -DCMAKE_PREFIX_PATH="$build/install;$prefix" -DTORCH_CUDA_ARCH_LIST=9.0 >"$out/lion.log" 2>&1 &&
+  cmake --build "$build/lion" --parallel "$(nproc)" >>"$out/lion.log" 2>&1 &&
+  ctest --test-dir "$build/lion" --output-on-failure >>"$out/lion.log" 2>&1
+log "examples/lion: rc $? ($(grep -E 'tests passed|tests failed' "$out/lion.log" | tail -1))"
 
 "$build/bench/ampfuse_bench" --benchmark_filter='@cuda' --benchmark_out="$out/bench_cuda.json" \
   --benchmark_out_format=json --benchmark_context=torch_version="$("$python" -c 'import torch; print(torch.__version__)')" \
