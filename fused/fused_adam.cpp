@@ -99,7 +99,7 @@ void FusedAdamImpl<Base, Options, State, kDecoupled>::step_list(const sdk::Param
     const fused::AdamHyper hyper =
         fused::make_adam_hyper(o.lr(), beta1, beta2, o.eps(), o.weight_decay(), o.amsgrad(), fused.maximize(), decoupled);
     const ScaleSignal* signal = pl.signal;
-    const ScalarType st = to_scalar_type(dtype);
+    const ScalarType st = pl.kernel_dtype();
     const c10::ScalarType state_st_torch = state_dtype(list.front()->param, fused);
     const ScalarType state_st = to_scalar_type(state_st_torch);
     const bool master = fused.master_weights();

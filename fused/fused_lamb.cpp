@@ -207,7 +207,7 @@ void FusedLAMB::step_list(const sdk::ParamList& pl) {
   const FusedLAMBOptions& o = options_of(pl.group);
   const fused::LambHyper hyper = make_hyper(o);
   const c10::Device device = pl.device;
-  const ScalarType st = to_scalar_type(pl.dtype);
+  const ScalarType st = pl.kernel_dtype();
   const bool master = o.master_weights();
   const auto& list = pl.entries;
   const std::size_t n = list.size();

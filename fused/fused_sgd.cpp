@@ -62,7 +62,7 @@ void FusedSGD::step_list(const sdk::ParamList& pl) {
         fused::make_sgd_hyper(o.lr(), o.momentum(), o.dampening(), o.weight_decay(), o.nesterov(), fused_.maximize());
     const bool momentum = o.momentum() != 0;
     const ScaleSignal* signal = pl.signal;
-    const ScalarType st = to_scalar_type(pl.dtype);
+    const ScalarType st = pl.kernel_dtype();
     std::vector<std::int64_t> numels;
     for (const sdk::Entry* e : list) numels.push_back(e->param.numel());
 

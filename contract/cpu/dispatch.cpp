@@ -99,4 +99,6 @@ PlanRef plan_ref(const Plan& plan) {
 
 const char* isa() { return ::ampfuse::cpu::kernels().isa; }
 
+void force_isa(const char* name) { ::ampfuse::cpu::force_isa(name); }
+
 }  // namespace ampfuse::sdk::cpu

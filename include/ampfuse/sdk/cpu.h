@@ -35,6 +35,12 @@ constexpr std::int64_t kChunkSize = 64 * 1024;
 /// "avx2" or "baseline" (AMPFUSE_CPU_ISA in the environment forces one).
 const char* isa();
 
+/// Forces the instruction set isa() returns ("avx512", "avx2", "baseline"),
+/// so that tests run every build of a kernel; "" restores the automatic
+/// choice. Throws std::invalid_argument when the set is not compiled in or
+/// this CPU lacks it.
+void force_isa(const char* name);
+
 /// Of three builds of one kernel, the one for isa(). On x86-64
 /// ampfuse_add_cpu_kernel compiles all three; elsewhere only the baseline,
 /// and the other two arguments are not used (pass the baseline thrice).

@@ -8,8 +8,9 @@
 // the kernel's arguments up to 32 KB, else from device memory) and calls
 // your launch lambda with it; in the kernel, locate_chunk gives the block's
 // tensor and range, meta.data(list, slot) each list's pointer, and
-// for_each_element runs a per-element functor over the range (16-byte
-// vectors when every list is aligned). to_float / from_float convert storage
+// for_each_element runs a per-element functor over the range (one element
+// per thread and iteration; Vec16 and is_aligned16 are there for a kernel
+// that wants 16-byte loads, as FusedAdam's does). to_float / from_float convert storage
 // to opmath and back; block_sum reduces across a block (CUB);
 // once_per_tensor_after_reads updates per-tensor values (step counters)
 // after every block of the tensor has read them.

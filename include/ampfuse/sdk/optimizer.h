@@ -50,6 +50,7 @@
 #include "ampfuse/contract.h"
 #include "ampfuse/multi_tensor.h"
 #include "ampfuse/sdk/cuda.h"
+#include "ampfuse/tensor_ops.h"
 
 namespace ampfuse::sdk {
 
@@ -140,9 +141,12 @@ class TicketCounters {
 struct ParamList {
   std::size_t group;
   c10::Device device;
-  c10::ScalarType dtype;
+  c10::ScalarType dtype;  ///< the torch dtype; kernel_dtype() is the kernels' ScalarType
   std::vector<const Entry*> entries;
   const ScaleSignal* signal;  ///< null when stepped without a scaler
+
+  /// The storage type the kernels take (Float32, Float16 or BFloat16).
+  ScalarType kernel_dtype() const { return to_scalar_type(dtype); }
 };
 
 /// The optimizer base (see the top of this file).
