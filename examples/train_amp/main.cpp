@@ -1,12 +1,15 @@
 // Mixed-precision (fp16) training with ampfuse, as a program to start from.
 //
-// An MLP learns a fixed random "teacher" network from generated data. The
-// model is fp16; FusedAdam keeps fp32 master weights and moments; GradScaler
+// An MLP learns a fixed random "teacher" network from generated data. On
+// CUDA the model stays fp32 and runs its forward under LibTorch's autocast
+// (fp16 matmuls); on CPU, where LibTorch has no fp16 autocast, the model
+// itself is fp16 and FusedAdam keeps fp32 master weights and moments. GradScaler
 // scales the loss so that small fp16 grads do not underflow, clips the grad
 // norm, and skips steps whose grads overflowed. Halfway through, everything
 // is checkpointed, rebuilt from scratch, loaded and resumed.
 //
 //   train_amp [--steps N] [--check MAX_FINAL_LOSS]
+#include <ATen/autocast_mode.h>
 #include <ampfuse/ampfuse.h>
 #include <torch/torch.h>
 
@@ -27,12 +30,29 @@ constexpr int64_t kWarmup = 50;  // updates of linear lr warmup, then cosine dec
 constexpr double kPeakLr = 2e-3, kMaxGradNorm = 1.0;
 const std::string kCheckpoint = "train_amp_checkpoint.pt";
 
+// fp16 autocast where LibTorch has it (CUDA); elsewhere a half model with fp32 master weights.
+bool use_autocast(torch::Device device) { return device.is_cuda(); }
+
+// The forward pass in fp16: autocast casts matmul inputs to fp16 on CUDA, for this scope.
+struct Fp16Forward {
+  explicit Fp16Forward(torch::Device device) : on(use_autocast(device)) {
+    if (!on) return;
+    at::autocast::set_autocast_dtype(at::kCUDA, at::kHalf);
+    at::autocast::set_autocast_enabled(at::kCUDA, true);
+  }
+  ~Fp16Forward() {
+    if (!on) return;
+    at::autocast::set_autocast_enabled(at::kCUDA, false);
+    at::autocast::clear_cache();  // the fp16 copies of the weights made in this forward
+  }
+  bool on;
+};
+
 torch::nn::Sequential make_model(torch::Device device) {
   torch::nn::Sequential model(torch::nn::Linear(kIn, kHidden), torch::nn::GELU(),
                               torch::nn::Linear(kHidden, kHidden), torch::nn::GELU(),
                               torch::nn::Linear(kHidden, kOut));
-  // LibTorch has no fp16 autocast on CPU, so the whole model is fp16 (on CUDA too: one code path).
-  model->to(device, torch::kHalf);
+  model->to(device, use_autocast(device) ? torch::kFloat : torch::kHalf);
   return model;
 }
 
@@ -40,9 +60,10 @@ torch::nn::Sequential make_model(torch::Device device) {
 struct Trainer {
   explicit Trainer(torch::Device device)
       : model(make_model(device)),
-        // fp32 master weights and moments: in fp16, updates smaller than half an ulp would be rounded away.
+        // fp16 params get fp32 master weights and moments: in fp16, updates smaller than half an
+        // ulp would be rounded away. (Under autocast the params are fp32 already.)
         optimizer(model->parameters(), torch::optim::AdamOptions(kPeakLr),
-                  ampfuse::FusedAdamOptions().master_weights(true)),
+                  ampfuse::FusedAdamOptions().master_weights(!use_autocast(device))),
         // Short growth interval so that the scale probes upward and an overflow now and then shows.
         scaler(ampfuse::GradScalerOptions().growth_interval(100)) {}
   torch::nn::Sequential model;
@@ -100,13 +121,19 @@ Data make_data(torch::Device device) {
   auto x = torch::randn({kTrainSize + kTestSize, kIn});
   auto y = teacher->forward(x);
   y = (y - y.mean(0)) / y.std(0);
-  x = x.to(device, torch::kHalf), y = y.to(device);  // targets stay fp32: the loss is fp32
+  // Inputs in the model's dtype (autocast casts them itself); targets stay fp32: the loss is fp32.
+  x = x.to(device, use_autocast(device) ? torch::kFloat : torch::kHalf), y = y.to(device);
   return {x.slice(0, 0, kTrainSize), y.slice(0, 0, kTrainSize), x.slice(0, kTrainSize), y.slice(0, kTrainSize)};
 }
 
 double evaluate(Trainer& t, const Data& d) {
   torch::NoGradGuard no_grad;
-  return torch::mse_loss(t.model->forward(d.x_test).to(torch::kFloat), d.y_test).item<double>();
+  torch::Tensor out;
+  {
+    const Fp16Forward fp16(d.x_test.device());
+    out = t.model->forward(d.x_test);
+  }
+  return torch::mse_loss(out.to(torch::kFloat), d.y_test).item<double>();
 }
 
 // Trains until t.step == until, drawing a one-line progress bar.
@@ -120,7 +147,11 @@ void train(Trainer& t, const Data& d, int64_t until, int64_t total) {
 
     for (auto& group : t.optimizer.param_groups()) group.options().set_lr(lr_at(t.updates, total));
     t.optimizer.zero_grad();
-    auto out = t.model->forward(d.x_train.index_select(0, idx));
+    torch::Tensor out;
+    {
+      const Fp16Forward fp16(d.x_train.device());
+      out = t.model->forward(d.x_train.index_select(0, idx));
+    }
     auto loss = torch::mse_loss(out.to(torch::kFloat), d.y_train.index_select(0, idx));  // fp32 loss
     t.scaler.scale(loss).backward();  // scaled, so that small fp16 grads do not flush to zero
     t.scaler.clip_grad_norm_(t.optimizer, kMaxGradNorm);  // on the unscaled norm; applied inside step
