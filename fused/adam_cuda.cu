@@ -19,10 +19,7 @@ __global__ void __launch_bounds__(kBlockSize) adam_kernel(Meta meta, AdamCudaArg
   if (args.found_inf != nullptr && *args.found_inf != 0.f) return;
   const BlockChunk c = locate_chunk(meta, blockIdx.x);
   float* step_ptr = static_cast<float*>(meta.data(kStep, c.slot));
-  __shared__ float old_step;
-  if (threadIdx.x == 0) old_step = *step_ptr;
-  __syncthreads();
-  const float step = old_step + 1.f;
+  const float step = block_broadcast(step_ptr) + 1.f;
   // capturable: lr, and what depends on it, from the device.
   double lr = args.lr;
   AdamHyper hyper = args.hyper;

@@ -27,8 +27,7 @@ __device__ __forceinline__ float grad_factor(const LambCudaArgs& args) {
 
 template <class Meta>
 __device__ __forceinline__ LambStepScalars step_scalars(const Meta& meta, std::int64_t slot, const LambHyper& h) {
-  const double step = *static_cast<const double*>(meta.data(kLambStep, slot)) + 1.0;
-  return lamb_step_scalars(h, step);
+  return lamb_step_scalars(h, block_broadcast(static_cast<const double*>(meta.data(kLambStep, slot))) + 1.0);
 }
 
 template <class P, bool kMaster, class Meta>
@@ -77,9 +76,7 @@ __global__ void __launch_bounds__(kBlockSize) lamb_apply_kernel(Meta meta, LambC
   if (args.found_inf != nullptr && *args.found_inf != 0.f) return;
   const BlockChunk c = locate_chunk(meta, blockIdx.x);
   double* step_ptr = static_cast<double*>(meta.data(kLambStep, c.slot));
-  __shared__ double old_step;
-  if (threadIdx.x == 0) old_step = *step_ptr;
-  __syncthreads();
+  const double old_step = block_broadcast(step_ptr);
   const LambStepScalars s = lamb_step_scalars(args.hyper, old_step + 1.0);
   const float neg_step = lamb_neg_step(args.hyper, args.norms[2 * c.slot], args.norms[2 * c.slot + 1]);
   P* p = static_cast<P*>(meta.data(kLambParam, c.slot)) + c.begin;

@@ -186,6 +186,19 @@ __device__ __forceinline__ float block_sum(float v) {
   return s;
 }
 
+/// *p read once by the block (thread 0) and handed to every thread: a
+/// per-tensor value such as a step counter, which
+/// once_per_tensor_after_reads may then update. Call from every thread.
+template <class T>
+__device__ __forceinline__ T block_broadcast(const T* p) {
+  __shared__ T value;
+  if (threadIdx.x == 0) value = *p;
+  __syncthreads();
+  const T v = value;
+  __syncthreads();  // value may be reused by a following call
+  return v;
+}
+
 /// Calls f(i) for every element i of the block's chunk [0, c.size), each
 /// thread taking i = threadIdx.x, threadIdx.x + blockDim.x, ... The
 /// per-element functor reads and writes its lists at i itself.
