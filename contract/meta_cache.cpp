@@ -3,7 +3,10 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 
+#include <c10/cuda/CUDAEvent.h>
+#include <c10/cuda/CUDAGraphsC10Utils.h>
 #include <c10/cuda/CUDAStream.h>
+#include <c10/util/Exception.h>
 
 #include <list>
 #include <mutex>
@@ -13,9 +16,10 @@ namespace {
 
 struct Entry {
   c10::Device device;
-  c10::StreamId stream;  // entries are per stream: an upload is ordered on its own stream only
+  c10::StreamId stream;  // the stream the upload was ordered on
   std::vector<std::int64_t> words;
   at::Tensor on_device;
+  c10::cuda::CUDAEvent uploaded;  // recorded on `stream` after the upload
 };
 
 // Small LRU: a training loop has a few lists (grads of each optimizer, each
@@ -28,21 +32,40 @@ std::int64_t g_uploads = 0;
 }  // namespace
 
 const std::int64_t* device_meta(const std::vector<std::int64_t>& words, c10::Device device) {
-  const c10::StreamId stream = c10::cuda::getCurrentCUDAStream(device.index()).id();
+  const c10::cuda::CUDAStream current = c10::cuda::getCurrentCUDAStream(device.index());
+  const bool capturing = c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None;
   std::lock_guard<std::mutex> lock(g_mutex);
   for (auto it = g_entries.begin(); it != g_entries.end(); ++it) {
-    if (it->device == device && it->stream == stream && it->words == words) {
-      g_entries.splice(g_entries.begin(), g_entries, it);
-      return g_entries.front().on_device.data_ptr<std::int64_t>();
+    if (it->device != device || it->words != words) continue;
+    if (it->stream != current.id()) {
+      // Uploaded on another stream (a graph is captured on a side stream):
+      // usable once the upload is done. Eagerly, this stream waits for it on
+      // the device; under capture it must be done already (no wait on an
+      // event from outside the graph), which a synchronize after the
+      // warm-up step guarantees.
+      if (capturing) {
+        TORCH_CHECK(it->uploaded.query(), "ampfuse: launch metadata uploaded on another stream is still in flight; "
+                                          "synchronize after the warm-up step, before capturing a CUDA graph");
+      } else {
+        it->uploaded.block(current);
+        it->on_device.record_stream(current.unwrap());  // not reused while this stream may read it
+      }
     }
+    g_entries.splice(g_entries.begin(), g_entries, it);
+    return g_entries.front().on_device.data_ptr<std::int64_t>();
   }
+  // An upload inside a capture would cache graph-pool memory that only a
+  // replay fills: refuse it, and ask for the warm-up step that uploads eagerly.
+  TORCH_CHECK(!capturing, "ampfuse: a list of ", words.size(), " metadata words is too long for kernel arguments and "
+              "is not on the device yet; run one step outside the CUDA graph capture (a warm-up step) first");
   const auto n = static_cast<std::int64_t>(words.size());
   at::Tensor host = at::empty({n}, at::TensorOptions().dtype(at::kLong).pinned_memory(true));
   std::copy(words.begin(), words.end(), host.data_ptr<std::int64_t>());
   // Pinned source and non_blocking: the copy is ordered on the current
   // stream and the host buffer is kept until it completes.
   at::Tensor on_device = host.to(device, /*non_blocking=*/true);
-  g_entries.push_front({device, stream, words, on_device});
+  g_entries.push_front(Entry{device, current.id(), words, on_device, c10::cuda::CUDAEvent()});
+  g_entries.front().uploaded.record(current);
   if (g_entries.size() > kCapacity) g_entries.pop_back();
   ++g_uploads;
   return g_entries.front().on_device.data_ptr<std::int64_t>();

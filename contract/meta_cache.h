@@ -14,13 +14,16 @@
 
 namespace ampfuse::detail {
 
-/// Device pointer to `words` on `device`: cached per (device, current
-/// stream), or uploaded (without a host sync) on the current stream. Valid as
-/// long as the entry stays in the cache, which holds the 32 most recently
-/// used lists; an evicted entry's memory returns to its stream's pool, so
-/// kernels already queued on that stream are safe. A CUDA graph that
-/// captured a launch keeps the pointer: keep the number of distinct long
-/// lists in use under the cache size while such a graph is replayed.
+/// Device pointer to `words` on `device`: cached per device, or uploaded
+/// (without a host sync) on the current stream. Another stream that uses an
+/// entry waits for the upload on the device (an event) and is recorded on
+/// the memory, so an evicted entry is not reused while it may still read it.
+/// Under CUDA graph capture nothing is uploaded: an entry must exist (made
+/// by an eager warm-up step, finished before the capture), else this throws.
+/// Valid as long as the entry stays in the cache, which holds the 32 most
+/// recently used lists. A CUDA graph that captured a launch keeps the
+/// pointer: keep the number of distinct long lists in use under the cache
+/// size while such a graph is replayed.
 const std::int64_t* device_meta(const std::vector<std::int64_t>& words, c10::Device device);
 
 /// Launch metadata of `views` over `plan`: packed into `words` (which must

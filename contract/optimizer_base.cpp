@@ -11,6 +11,7 @@
 
 #if defined(AMPFUSE_WITH_CUDA)
 #include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime_api.h>
 
 #include "contract/meta_cache.h"
 #endif
@@ -130,6 +131,19 @@ float cpu_grad_factor(const ScaleSignal* signal) {
   if (!signal) return 1.f;
   auto value = [](const at::Tensor& t) { return t.defined() ? *t.to(at::kFloat).data_ptr<float>() : 1.f; };
   return value(signal->inv_scale) * value(signal->clip_coef);
+}
+
+bool stream_capturing(c10::Device device) {
+#if defined(AMPFUSE_WITH_CUDA)
+  if (!device.is_cuda()) return false;
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  TORCH_CHECK(cudaStreamIsCapturing(current_stream(device), &status) == cudaSuccess,
+              "ampfuse: cudaStreamIsCapturing failed");
+  return status != cudaStreamCaptureStatusNone;
+#else
+  (void)device;
+  return false;
+#endif
 }
 
 SignalPointers signal_pointers(const ScaleSignal* signal) {

@@ -17,7 +17,7 @@ struct AdamCudaArgs {
   AdamHyper hyper;
   double lr, beta1, beta2;     ///< for the bias corrections, from each tensor's device step
   double weight_decay;         ///< for AdamW's decay factor when lr comes from the device
-  const float* lr_device;      ///< capturable: lr read here (overrides lr and hyper.lr); null: lr
+  const double* lr_device;     ///< capturable: lr read here (overrides lr and hyper.lr); null: lr
   const float* found_inf;      ///< skip when != 0; null: never skip
   const float* inv_scale;      ///< null: 1
   const float* clip_coef;      ///< null: 1

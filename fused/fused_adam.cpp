@@ -35,8 +35,8 @@ struct FusedAdamState {
 #if defined(AMPFUSE_WITH_CUDA)
   sdk::TicketCounters counters;
 #endif
-  // capturable: per group, the device lr and the host lr last copied into it.
-  std::map<std::size_t, std::pair<at::Tensor, double>> lr_device;
+  // capturable: per (group, device), the fp64 device lr and the host lr last copied into it.
+  std::map<std::pair<std::size_t, std::string>, std::pair<at::Tensor, double>> lr_device;
 };
 
 }  // namespace detail
@@ -175,17 +175,22 @@ void FusedAdamImpl<Base, Options, State, kDecoupled>::step_list(const sdk::Param
     const Plan plan(numels, cuda::kChunkSize);
     std::vector<std::int64_t> words;
     const cuda::LaunchMeta meta = sdk::make_launch_meta(views, plan, device, words);
-    const float* lr_device = nullptr;
+    const double* lr_device = nullptr;
     if (fused.capturable()) {
-      auto& [lr_tensor, copied] = impl.lr_device[pl.group];
-      if (!lr_tensor.defined() || lr_tensor.device() != device) {
-        lr_tensor = at::full({1}, o.lr(), at::TensorOptions().dtype(at::kFloat).device(device));
+      auto& [lr_tensor, copied] = impl.lr_device[{pl.group, device.str()}];
+      if (sdk::stream_capturing(device)) {
+        // Under capture the device lr is authoritative: a copy of the host lr
+        // recorded here would overwrite lr_tensor() at every replay.
+        TORCH_CHECK(lr_tensor.defined(), name(), ": param group ", pl.group,
+                    ": capturable needs one step outside the CUDA graph capture (a warm-up step) first");
+      } else if (!lr_tensor.defined()) {
+        lr_tensor = at::full({1}, o.lr(), at::TensorOptions().dtype(at::kDouble).device(device));
         copied = o.lr();
       } else if (copied != o.lr()) {  // a scheduler changed the host lr: a fill kernel, no sync
         lr_tensor.fill_(o.lr());
         copied = o.lr();
       }
-      lr_device = lr_tensor.data_ptr<float>();
+      lr_device = lr_tensor.data_ptr<double>();
     }
     const sdk::SignalPointers sig = sdk::signal_pointers(signal);
     const fused::cuda::AdamCudaArgs args{state_st, master, hyper, o.lr(), beta1, beta2, o.weight_decay(), lr_device,
@@ -214,8 +219,8 @@ template <class Base, class Options, class State, bool kDecoupled>
 FusedAdamImpl<Base, Options, State, kDecoupled>::~FusedAdamImpl() = default;
 
 template <class Base, class Options, class State, bool kDecoupled>
-at::Tensor FusedAdamImpl<Base, Options, State, kDecoupled>::lr_tensor(std::size_t group) const {
-  const auto it = impl_->lr_device.find(group);
+at::Tensor FusedAdamImpl<Base, Options, State, kDecoupled>::lr_tensor(std::size_t group, c10::Device device) const {
+  const auto it = impl_->lr_device.find({group, device.str()});
   return it == impl_->lr_device.end() ? at::Tensor() : it->second.first;
 }
 

@@ -113,7 +113,8 @@ void check_options(const FusedLAMBOptions& o, std::size_t g) {
   TORCH_CHECK(o.lr() >= 0, "FusedLAMB: param group ", g, ": invalid lr ", o.lr());
   TORCH_CHECK(b1 >= 0 && b1 < 1 && b2 >= 0 && b2 < 1, "FusedLAMB: param group ", g, ": betas must be in [0, 1), got (",
               b1, ", ", b2, ")");
-  TORCH_CHECK(o.eps() >= 0, "FusedLAMB: param group ", g, ": invalid eps ", o.eps());
+  // eps > 0: u = m_hat / (sqrt(v_hat) + eps) must be finite where m = v = 0.
+  TORCH_CHECK(o.eps() > 0, "FusedLAMB: param group ", g, ": eps must be > 0, got ", o.eps());
   TORCH_CHECK(o.weight_decay() >= 0, "FusedLAMB: param group ", g, ": invalid weight_decay ", o.weight_decay());
   TORCH_CHECK(o.max_grad_norm() >= 0, "FusedLAMB: param group ", g, ": invalid max_grad_norm ", o.max_grad_norm());
   TORCH_CHECK(o.trust_ratio_min() >= 0 && o.trust_ratio_min() <= o.trust_ratio_max(), "FusedLAMB: param group ", g,

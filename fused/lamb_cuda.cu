@@ -42,7 +42,8 @@ __global__ void __launch_bounds__(kBlockSize) lamb_moments_kernel(Meta meta, Lam
   float* m = static_cast<float*>(meta.data(kLambExpAvg, c.slot)) + c.begin;
   float* v = static_cast<float*>(meta.data(kLambExpAvgSq, c.slot)) + c.begin;
   const float* master = kMaster ? static_cast<const float*>(meta.data(kLambMaster, c.slot)) + c.begin : nullptr;
-  float p_sq = 0.f, u_sq = 0.f;
+  // fp64 sums, as on the CPU: p^2 of a large |p| stays finite, and the norms match.
+  double p_sq = 0.0, u_sq = 0.0;
   for_each_element(c, [&](std::int64_t i) {
     const float pf = kMaster ? master[i] : to_float(p[i]);
     float mf = m[i], vf = v[i];
@@ -50,13 +51,14 @@ __global__ void __launch_bounds__(kBlockSize) lamb_moments_kernel(Meta meta, Lam
     const float u = lamb_direction<float, ScalarOps>(pf, mf, vf, args.hyper, s);
     m[i] = mf;
     v[i] = vf;
-    p_sq += pf * pf;
-    u_sq += u * u;
+    p_sq += static_cast<double>(pf) * pf;
+    u_sq += static_cast<double>(u) * u;
   });
-  const float block_p = block_sum(p_sq), block_u = block_sum(u_sq);
+  const double block_p = block_sum(p_sq), block_u = block_sum(u_sq);
   if (threadIdx.x == 0) {
-    args.chunk_sums[2 * blockIdx.x] = block_p;
-    args.chunk_sums[2 * blockIdx.x + 1] = block_u;
+    const std::int64_t chunk = blockIdx.x;
+    args.chunk_sums[2 * chunk] = block_p;
+    args.chunk_sums[2 * chunk + 1] = block_u;
   }
   // The tensor's last block adds its chunks' sums in chunk order.
   once_per_tensor_after_reads(meta, c.slot, args.counters, [&] {

@@ -619,40 +619,49 @@ TEST(FusedAdamCapturable, GraphReplayMatchesEagerWithOneLaunchPerGroupAndDtype) 
   // Group 0: two fp32 tensors; group 1: fp32 and bf16 (two dtypes): 3 lists.
   std::vector<torch::Tensor> start = {torch::randn({1000}, f32), torch::randn({65537}, f32), torch::randn({33}, f32),
                                       torch::randn({77}, f32).to(torch::kBFloat16)};
-  auto make = [&](std::vector<torch::Tensor>& ps) {
+  auto make = [&](std::vector<torch::Tensor>& ps, bool capturable) {
     for (const auto& t : start) ps.push_back(t.clone());
     std::vector<torch::optim::OptimizerParamGroup> groups;
     groups.emplace_back(std::vector<torch::Tensor>{ps[0], ps[1]});
     groups.emplace_back(std::vector<torch::Tensor>{ps[2], ps[3]});
     return std::make_unique<ampfuse::FusedAdamW>(groups, torch::optim::AdamWOptions(1e-2).weight_decay(0.1),
-                                                 ampfuse::FusedAdamOptions().capturable(true));
+                                                 ampfuse::FusedAdamOptions().capturable(capturable));
   };
-  std::vector<torch::Tensor> a, b;
-  auto eager = make(a), graphed = make(b);
+  // a: capturable, eager; b: capturable, replayed from a graph; c: not capturable, eager.
+  std::vector<torch::Tensor> a, b, c;
+  auto eager = make(a, true), graphed = make(b, true), plain = make(c, false);
   auto set_grads = [&] {
     for (std::size_t i = 0; i < a.size(); ++i) {
       const auto g = torch::randn(a[i].sizes(), f32).to(a[i].scalar_type());
       a[i].mutable_grad() = g.clone();
+      c[i].mutable_grad() = g.clone();
       if (!b[i].grad().defined()) b[i].mutable_grad() = g.clone();
       else b[i].mutable_grad().copy_(g);  // the graph reads the grads' storage it captured
     }
   };
   set_grads();
   eager->step();
+  plain->step();
   graphed->step();  // warm-up: state, device lr and metadata exist before capture
   auto [graph, kernels] = ampfuse_test::capture([&] { graphed->step(); });
   EXPECT_EQ(kernels, 3u) << "one launch per (group, dtype) list";
   eager->step();  // capture does not run the step; a replay does
+  plain->step();
   graph->replay();
   for (int s = 0; s < 5; ++s) {
     set_grads();
-    const double lr = 1e-2 / (s + 2);
-    for (auto& group : eager->param_groups()) group.options().set_lr(lr);
+    const double lr = 1e-2 / (s + 2);  // not exact in fp32: the device lr is fp64
+    for (auto* opt : {eager.get(), plain.get()})
+      for (auto& group : opt->param_groups()) group.options().set_lr(lr);
     for (std::size_t g = 0; g < 2; ++g) graphed->lr_tensor(g).fill_(lr);
     eager->step();
+    plain->step();
     graph->replay();
   }
-  for (std::size_t i = 0; i < a.size(); ++i) EXPECT_TRUE(ampfuse_test::bitwise_equal(a[i], b[i])) << "param " << i;
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    EXPECT_TRUE(ampfuse_test::bitwise_equal(a[i], b[i])) << "param " << i << ": eager vs graph replay";
+    EXPECT_TRUE(ampfuse_test::bitwise_equal(a[i], c[i])) << "param " << i << ": capturable vs not";
+  }
 #endif
 }
 

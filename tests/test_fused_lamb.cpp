@@ -244,14 +244,31 @@ TEST(FusedLambCuda, LaunchesPerStep) {
   if (!ampfuse_test::cuda_available()) GTEST_SKIP() << "no CUDA device here; this test runs on a GPU machine";
   ampfuse_test::seed_for_test();
   for (const double max_grad_norm : {0.0, 1.0}) {
-    std::vector<torch::Tensor> ps = {torch::randn({1000}, torch::kCUDA), torch::randn({70000}, torch::kCUDA)};
-    for (auto& p : ps) p.mutable_grad() = torch::randn_like(p);
-    FusedLAMB opt(ps, FusedLAMBOptions(1e-3).max_grad_norm(max_grad_norm));
-    opt.step();  // warm-up: state exists before capture
-    auto [graph, kernels] = ampfuse_test::capture([&] { opt.step(); });
-    EXPECT_EQ(kernels, max_grad_norm > 0 ? 3u : 2u) << "max_grad_norm " << max_grad_norm;
+    const std::vector<torch::Tensor> start = {torch::randn({1000}, torch::kCUDA), torch::randn({70000}, torch::kCUDA),
+                                              torch::randn({0}, torch::kCUDA)};
+    std::vector<torch::Tensor> a, b;  // a: eager, b: replayed from a graph
+    for (const auto& t : start) {
+      a.push_back(t.clone());
+      b.push_back(t.clone());
+      const auto g = torch::randn_like(t);
+      a.back().mutable_grad() = g.clone();
+      b.back().mutable_grad() = g.clone();
+    }
+    const auto options = FusedLAMBOptions(1e-2).weight_decay(0.01).max_grad_norm(max_grad_norm);
+    FusedLAMB eager(a, options), graphed(b, options);
+    eager.step();
+    graphed.step();  // warm-up: state exists before capture
+    auto [graph, kernels] = ampfuse_test::capture([&] { graphed.step(); });
+    // The zero-element tensor's step counter is advanced by one host-side add (a kernel of its own).
+    EXPECT_EQ(kernels, (max_grad_norm > 0 ? 3u : 2u) + 1u) << "max_grad_norm " << max_grad_norm;
     std::cout << "[ launches ] FusedLAMB, one group, max_grad_norm " << max_grad_norm << ": " << kernels
-              << " kernel nodes per step\n";
+              << " kernel nodes per step (one of them for a zero-element tensor's step counter)\n";
+    for (int s = 0; s < 3; ++s) {
+      eager.step();
+      graph->replay();
+    }
+    for (std::size_t i = 0; i < a.size(); ++i)
+      EXPECT_TRUE(ampfuse_test::bitwise_equal(a[i], b[i])) << "param " << i << ": eager vs graph replay";
   }
 #endif
 }

@@ -45,11 +45,13 @@ struct FusedAdamOptions {
   TORCH_ARG(bool, master_weights) = false;
   /// Keep the moments in bf16 (half the state memory; ~3 significant digits).
   TORCH_ARG(bool, bf16_moments) = false;
-  /// CUDA: the kernels read lr from a device tensor per group (lr_tensor()),
-  /// as they read the step counters, so that a step can be captured in a
-  /// CUDA graph and replayed with a new lr. The group's host lr is copied to
-  /// that tensor at a step only when it changed (a kernel, not a sync); under
-  /// graph replay set the lr with lr_tensor(group).fill_(x) outside the graph.
+  /// CUDA: the kernels read lr from a device tensor per group and device
+  /// (lr_tensor()), as they read the step counters, so that a step can be
+  /// captured in a CUDA graph and replayed with a new lr. At an eager step
+  /// the group's host lr is copied to that tensor when it changed (a fill
+  /// kernel, not a sync); under capture it is not (the copy would replay),
+  /// so for graph replay set the lr with lr_tensor(group).fill_(x) outside
+  /// the graph. The lr is fp64 there, so results equal a non-capturable run.
   TORCH_ARG(bool, capturable) = false;
 };
 
@@ -74,9 +76,10 @@ class FusedAdamImpl : public sdk::FusedOptimizer<Base, Options, State> {
 
   const FusedAdamOptions& fused_options() const { return fused_; }
 
-  /// capturable on CUDA: the fp32 one-element device tensor the kernels read
-  /// group `group`'s lr from (undefined before the group's first CUDA step).
-  at::Tensor lr_tensor(std::size_t group) const;
+  /// capturable on CUDA: the fp64 one-element tensor on `device` that the
+  /// kernels read group `group`'s lr from (undefined before the group's first
+  /// step on that device).
+  at::Tensor lr_tensor(std::size_t group, c10::Device device = c10::Device(c10::kCUDA, 0)) const;
 
  protected:
   const char* name() const override;

@@ -10,7 +10,8 @@
 // tensor and range, meta.data(list, slot) each list's pointer, and
 // for_each_element runs a per-element functor over the range (one element
 // per thread and iteration; Vec16 and is_aligned16 are there for a kernel
-// that wants 16-byte loads, as FusedAdam's does). to_float / from_float convert storage
+// that wants 16-byte loads, as FusedAdam's does); block_broadcast hands a
+// per-tensor value read once to the whole block. to_float / from_float convert storage
 // to opmath and back; block_sum reduces across a block (CUB);
 // once_per_tensor_after_reads updates per-tensor values (step counters)
 // after every block of the tensor has read them.
@@ -177,18 +178,21 @@ void launch_with_meta(const LaunchMeta& m, Launch&& launch) {
 }
 
 /// Sum of v over the block's threads (CUB BlockReduce, a fixed tree:
-/// deterministic); the result is valid in thread 0. Call from every thread.
-__device__ __forceinline__ float block_sum(float v) {
-  using Reduce = cub::BlockReduce<float, kBlockSize>;
+/// deterministic); the result is valid in thread 0. Call from every thread
+/// of a block of exactly kBlockSize threads (launch_with_meta's launches).
+template <class T>
+__device__ __forceinline__ T block_sum(T v) {
+  using Reduce = cub::BlockReduce<T, kBlockSize>;
   __shared__ typename Reduce::TempStorage storage;
-  const float s = Reduce(storage).Sum(v);
+  const T s = Reduce(storage).Sum(v);
   __syncthreads();  // storage may be reused by a following call
   return s;
 }
 
 /// *p read once by the block (thread 0) and handed to every thread: a
 /// per-tensor value such as a step counter, which
-/// once_per_tensor_after_reads may then update. Call from every thread.
+/// once_per_tensor_after_reads may then update. Call from every thread; T
+/// must be trivially constructible (it lives in shared memory).
 template <class T>
 __device__ __forceinline__ T block_broadcast(const T* p) {
   __shared__ T value;

@@ -136,6 +136,12 @@ class TicketCounters {
 };
 #endif
 
+/// True while the current CUDA stream of `device` is being captured in a
+/// CUDA graph (false on CPU, and without CUDA). Host-side work that must not
+/// be recorded into a graph (creating state, copying a host value to the
+/// device) checks it.
+bool stream_capturing(c10::Device device);
+
 /// One list of a step: the parameters with grads of one group on one
 /// device with one dtype, and that device's scale signal.
 struct ParamList {
@@ -207,17 +213,23 @@ class FusedOptimizer : public Base, public ScalerAware {
     auto it = this->state().find(p.unsafeGetTensorImpl());
     return it == this->state().end() ? nullptr : static_cast<State*>(it->second.get());
   }
-  /// The state of p, made by init(State&) when p has none (then *created is true).
+  /// The state of p, made by init(State&) when p has none (then *created is
+  /// true). Refuses to make state while p's stream is being captured in a
+  /// CUDA graph: state created inside a graph would be re-created at every
+  /// replay, so a warm-up step must come first.
   template <class Init>
   State& state_for(const at::Tensor& p, Init&& init, bool* created = nullptr) {
-    auto& slot = this->state()[p.unsafeGetTensorImpl()];
-    if (created) *created = !slot;
-    if (!slot) {
-      auto st = std::make_unique<State>();
-      init(*st);
-      slot = std::move(st);
-    }
-    return static_cast<State&>(*slot);
+    auto it = this->state().find(p.unsafeGetTensorImpl());
+    if (created) *created = it == this->state().end();
+    if (it != this->state().end()) return static_cast<State&>(*it->second);
+    TORCH_CHECK(!stream_capturing(p.device()), name(),
+                ": a parameter has no state yet under CUDA graph capture; run one step outside the capture "
+                "(a warm-up step) first, so that state is created outside the graph");
+    auto st = std::make_unique<State>();
+    init(*st);  // before inserting: a throwing init leaves no empty state behind
+    State& ref = *st;
+    this->state()[p.unsafeGetTensorImpl()] = std::move(st);
+    return ref;
   }
 
  private:
