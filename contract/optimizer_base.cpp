@@ -112,19 +112,10 @@ bool cpu_step_skipped(const StepSignals* signals) {
   return false;
 }
 
-Lists group_lists(const std::vector<Entry>& entries, bool skip_cpu) {
-  Lists lists;
-  for (const Entry& e : entries) {
-    if (skip_cpu && e.param.device().is_cpu()) continue;
-    const ListKey key{e.group, e.param.device(), e.param.scalar_type()};
-    auto it = std::find_if(lists.begin(), lists.end(), [&](const auto& l) { return l.first == key; });
-    if (it == lists.end()) {
-      lists.emplace_back(key, std::vector<const Entry*>{});
-      it = std::prev(lists.end());
-    }
-    it->second.push_back(&e);
-  }
-  return lists;
+Lists group_lists(const std::vector<const Entry*>& entries) {
+  return group_by<ListKey>(entries, [](const Entry* e) {
+    return ListKey{e->group, e->param.device(), e->param.scalar_type()};
+  });
 }
 
 float cpu_grad_factor(const ScaleSignal* signal) {
@@ -144,6 +135,16 @@ bool stream_capturing(c10::Device device) {
   (void)device;
   return false;
 #endif
+}
+
+void advance_step_counters(const std::vector<at::Tensor>& steps, const ScaleSignal* signal) {
+  if (steps.empty()) return;
+  if (!signal) {
+    for (const at::Tensor& step : steps) step.add_(1);
+    return;
+  }
+  const at::Tensor applied = (signal->found_inf == 0).to(steps.front().scalar_type());
+  for (const at::Tensor& step : steps) step.add_(applied);
 }
 
 SignalPointers signal_pointers(const ScaleSignal* signal) {

@@ -14,9 +14,7 @@ using namespace ampfuse::cuda::detail;
 // an fp32 master copy, written back to the param rounded to P.
 template <class P, class S, bool kAmsgrad, bool kMaster, class Meta>
 __global__ void __launch_bounds__(kBlockSize) adam_kernel(Meta meta, AdamCudaArgs args) {
-  // Rule 1 of the contract: found_inf is final before this launch and the
-  // same for every block, so a skipped step returns before any write.
-  if (args.found_inf != nullptr && *args.found_inf != 0.f) return;
+  if (step_skipped(args.found_inf)) return;  // contract rule 1: before any write
   const BlockChunk c = locate_chunk(meta, blockIdx.x);
   float* step_ptr = static_cast<float*>(meta.data(kStep, c.slot));
   const float step = block_broadcast(step_ptr) + 1.f;
@@ -29,9 +27,7 @@ __global__ void __launch_bounds__(kBlockSize) adam_kernel(Meta meta, AdamCudaArg
     hyper.decay_factor = static_cast<float>(1.0 - lr * args.weight_decay);
   }
   const AdamStepScalars s = adam_step_scalars(lr, args.beta1, args.beta2, step);
-  float grad_factor = 1.f;
-  if (args.inv_scale != nullptr) grad_factor *= *args.inv_scale;
-  if (args.clip_coef != nullptr) grad_factor *= *args.clip_coef;
+  const float grad_factor = signal_grad_factor(args.inv_scale, args.clip_coef);
 
   P* p = static_cast<P*>(meta.data(kParam, c.slot)) + c.begin;
   const P* g = static_cast<const P*>(meta.data(kGrad, c.slot)) + c.begin;

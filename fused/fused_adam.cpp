@@ -198,10 +198,7 @@ void FusedAdamImpl<Base, Options, State, kDecoupled>::step_list(const sdk::Param
                                          impl.counters.get({pl.group, device, dtype}, meta.num_tensors)};
     fused::cuda::adam(meta, st, args, stream);
     // Zero-element parameters have no chunk: advance their counters here.
-    for (at::Tensor& step : empty_steps) {
-      if (signal) step.add_((signal->found_inf == 0).to(at::kFloat));
-      else step.add_(1);
-    }
+    sdk::advance_step_counters(empty_steps, signal);
 #endif
 }
 

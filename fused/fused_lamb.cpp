@@ -158,16 +158,10 @@ void FusedLAMB::begin_step(const std::vector<const sdk::Entry*>& entries, const 
   if (!clip) return;
   // One read-only pass per device (and dtype) over every grad of the step:
   // the global norm, summed in fp64 on each device.
-  std::vector<std::pair<c10::Device, std::vector<at::Tensor>>> by_device;
-  for (const sdk::Entry* e : entries) {
-    auto it = std::find_if(by_device.begin(), by_device.end(), [&](const auto& d) { return d.first == e->param.device(); });
-    if (it == by_device.end()) {
-      by_device.emplace_back(e->param.device(), std::vector<at::Tensor>{});
-      it = std::prev(by_device.end());
-    }
-    it->second.push_back(e->grad);
-  }
-  for (const auto& [device, grads] : by_device) {
+  for (const auto& [device, on_device] :
+       sdk::group_by<c10::Device>(entries, [](const sdk::Entry* e) { return e->param.device(); })) {
+    std::vector<at::Tensor> grads;
+    for (const sdk::Entry* e : on_device) grads.push_back(e->grad);
     auto& [sum, unused_found_inf] = workspace_->norm_buffers[device.str()];
     if (!sum.defined()) {
       const auto opts = at::TensorOptions().device(device);
@@ -308,10 +302,7 @@ void FusedLAMB::step_list(const sdk::ParamList& pl) {
                                       workspace_->counters.get({pl.group, device, pl.dtype}, meta.num_tensors)};
   fused::cuda::lamb(meta, st, args, sdk::current_stream(device));
   // Zero-element parameters have no chunk: advance their counters here.
-  for (at::Tensor& step : empty_steps) {
-    if (pl.signal) step.add_((pl.signal->found_inf == 0).to(at::kDouble));
-    else step.add_(1);
-  }
+  sdk::advance_step_counters(empty_steps, pl.signal);
 #endif
 }
 

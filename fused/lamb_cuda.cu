@@ -13,10 +13,8 @@ using namespace ampfuse::sdk::cuda;
 using sdk::ScalarOps;
 
 // inv_scale * clip_coef * the max_grad_norm factor, read on the device.
-__device__ __forceinline__ float grad_factor(const LambCudaArgs& args) {
-  float f = 1.f;
-  if (args.inv_scale != nullptr) f *= *args.inv_scale;
-  if (args.clip_coef != nullptr) f *= *args.clip_coef;
+__device__ __forceinline__ float lamb_grad_factor(const LambCudaArgs& args) {
+  float f = signal_grad_factor(args.inv_scale, args.clip_coef);
   if (args.grad_sum_sq != nullptr) {
     // The global norm of the unscaled grads: sqrt of the scaled sum, times f.
     const float global_norm = static_cast<float>(sqrt(*args.grad_sum_sq)) * f;
@@ -32,11 +30,10 @@ __device__ __forceinline__ LambStepScalars step_scalars(const Meta& meta, std::i
 
 template <class P, bool kMaster, class Meta>
 __global__ void __launch_bounds__(kBlockSize) lamb_moments_kernel(Meta meta, LambCudaArgs args) {
-  // Contract rule 1: found_inf is final before this launch; skip before any write.
-  if (args.found_inf != nullptr && *args.found_inf != 0.f) return;
+  if (step_skipped(args.found_inf)) return;  // contract rule 1: before any write
   const BlockChunk c = locate_chunk(meta, blockIdx.x);
   const LambStepScalars s = step_scalars(meta, c.slot, args.hyper);
-  const float factor = grad_factor(args);
+  const float factor = lamb_grad_factor(args);
   const P* p = static_cast<const P*>(meta.data(kLambParam, c.slot)) + c.begin;
   const P* g = static_cast<const P*>(meta.data(kLambGrad, c.slot)) + c.begin;
   float* m = static_cast<float*>(meta.data(kLambExpAvg, c.slot)) + c.begin;
@@ -75,7 +72,7 @@ __global__ void __launch_bounds__(kBlockSize) lamb_moments_kernel(Meta meta, Lam
 
 template <class P, bool kMaster, class Meta>
 __global__ void __launch_bounds__(kBlockSize) lamb_apply_kernel(Meta meta, LambCudaArgs args) {
-  if (args.found_inf != nullptr && *args.found_inf != 0.f) return;
+  if (step_skipped(args.found_inf)) return;
   const BlockChunk c = locate_chunk(meta, blockIdx.x);
   double* step_ptr = static_cast<double*>(meta.data(kLambStep, c.slot));
   const double old_step = block_broadcast(step_ptr);

@@ -10,20 +10,15 @@ using namespace ampfuse::cuda::detail;
 
 template <class T, bool kMomentum, class Meta>
 __global__ void __launch_bounds__(kBlockSize) sgd_kernel(Meta meta, SgdCudaArgs args) {
-  if (args.found_inf != nullptr && *args.found_inf != 0.f) return;  // contract rule 1
+  if (step_skipped(args.found_inf)) return;  // contract rule 1: before any write
   const BlockChunk c = locate_chunk(meta, blockIdx.x);
-  __shared__ bool first;
   float* flag = kMomentum ? static_cast<float*>(meta.data(kSgdInitialized, c.slot)) : nullptr;
-  if (threadIdx.x == 0) first = kMomentum && *flag == 0.f;
-  __syncthreads();
-  float grad_factor = 1.f;
-  if (args.inv_scale != nullptr) grad_factor *= *args.inv_scale;
-  if (args.clip_coef != nullptr) grad_factor *= *args.clip_coef;
+  const bool is_first = kMomentum && block_broadcast(flag) == 0.f;
+  const float grad_factor = signal_grad_factor(args.inv_scale, args.clip_coef);
 
   T* p = static_cast<T*>(meta.data(kSgdParam, c.slot)) + c.begin;
   const T* g = static_cast<const T*>(meta.data(kSgdGrad, c.slot)) + c.begin;
   T* buf = kMomentum ? static_cast<T*>(meta.data(kSgdMomentumBuffer, c.slot)) + c.begin : nullptr;
-  const bool is_first = first;
 
   auto update = [&](T& pe, T ge, T* bufe) {
     float pf = to_float(pe);

@@ -14,11 +14,9 @@ template <class T, class Meta>
 __global__ void __launch_bounds__(kBlockSize) lion_kernel(Meta meta, LionCudaArgs args) {
   // Contract rule 1: found_inf is final before the launch and the same for
   // every block, so a skipped step returns before any write.
-  if (args.found_inf != nullptr && *args.found_inf != 0.f) return;
+  if (step_skipped(args.found_inf)) return;
   // Rule 2: the gradient is g * inv_scale * clip_coef, in fp32.
-  float grad_factor = 1.f;
-  if (args.inv_scale != nullptr) grad_factor *= *args.inv_scale;
-  if (args.clip_coef != nullptr) grad_factor *= *args.clip_coef;
+  const float grad_factor = signal_grad_factor(args.inv_scale, args.clip_coef);
 
   const BlockChunk c = locate_chunk(meta, blockIdx.x);
   T* p = static_cast<T*>(meta.data(kParam, c.slot)) + c.begin;

@@ -11,7 +11,8 @@
 // for_each_element runs a per-element functor over the range (one element
 // per thread and iteration; Vec16 and is_aligned16 are there for a kernel
 // that wants 16-byte loads, as FusedAdam's does); block_broadcast hands a
-// per-tensor value read once to the whole block. to_float / from_float convert storage
+// per-tensor value read once to the whole block; step_skipped and
+// signal_grad_factor apply the scaler contract. to_float / from_float convert storage
 // to opmath and back; block_sum reduces across a block (CUB);
 // once_per_tensor_after_reads updates per-tensor values (step counters)
 // after every block of the tensor has read them.
@@ -187,6 +188,24 @@ __device__ __forceinline__ T block_sum(T v) {
   const T s = Reduce(storage).Sum(v);
   __syncthreads();  // storage may be reused by a following call
   return s;
+}
+
+/// Contract rule 1 on the device: true when the step is skipped
+/// (*found_inf != 0; a sum, so never compare with 1). found_inf is final
+/// before the launch and equal for every block, so a kernel that returns
+/// when this is true, before its first write, writes nothing at all. Null:
+/// no scaler, never skipped.
+__device__ __forceinline__ bool step_skipped(const float* found_inf) {
+  return found_inf != nullptr && *found_inf != 0.f;
+}
+
+/// Contract rule 2 on the device: the factor grads are multiplied by (in
+/// fp32), inv_scale * clip_coef, each 1 when null.
+__device__ __forceinline__ float signal_grad_factor(const float* inv_scale, const float* clip_coef) {
+  float f = 1.f;
+  if (inv_scale != nullptr) f *= *inv_scale;
+  if (clip_coef != nullptr) f *= *clip_coef;
+  return f;
 }
 
 /// *p read once by the block (thread 0) and handed to every thread: a

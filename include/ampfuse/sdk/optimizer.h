@@ -38,7 +38,9 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <algorithm>
 #include <functional>
+#include <iterator>
 #include <map>
 #include <memory>
 #include <string>
@@ -95,8 +97,24 @@ SignalPointers signal_pointers(const ScaleSignal* signal);
 using ListKey = std::tuple<std::size_t, c10::Device, c10::ScalarType>;
 using Lists = std::vector<std::pair<ListKey, std::vector<const Entry*>>>;
 
-/// Entries by (group, device, dtype), in parameter order; CPU ones left out when skip_cpu.
-Lists group_lists(const std::vector<Entry>& entries, bool skip_cpu);
+/// items grouped by key(item): groups in order of first appearance, items in order.
+template <class Key, class T, class KeyFn>
+std::vector<std::pair<Key, std::vector<T>>> group_by(const std::vector<T>& items, KeyFn&& key) {
+  std::vector<std::pair<Key, std::vector<T>>> groups;
+  for (const T& item : items) {
+    const Key k = key(item);
+    auto it = std::find_if(groups.begin(), groups.end(), [&](const auto& g) { return g.first == k; });
+    if (it == groups.end()) {
+      groups.emplace_back(k, std::vector<T>{});
+      it = std::prev(groups.end());
+    }
+    it->second.push_back(item);
+  }
+  return groups;
+}
+
+/// Entries by (group, device, dtype), in parameter order.
+Lists group_lists(const std::vector<const Entry*>& entries);
 
 /// Per-tensor scalars of a list are often all equal: compute f(key) once per run of equal keys.
 template <class Key, class Value, class F>
@@ -113,6 +131,11 @@ template <class F>
 void parallel_chunks(const Plan& plan, F&& fn) {
   at::parallel_for(0, plan.num_chunks(), 1, [&](std::int64_t b, std::int64_t e) { fn(b, e); });
 }
+
+/// Advances the step counters of zero-element parameters (which no kernel
+/// chunk covers) by one, or on the device by (found_inf == 0) under a
+/// scaler: contract rule 4 without a host sync.
+void advance_step_counters(const std::vector<at::Tensor>& steps, const ScaleSignal* signal);
 
 #if defined(AMPFUSE_WITH_CUDA)
 /// Launch metadata of `views` over `plan` for a kernel on `device`: packed
@@ -245,7 +268,7 @@ class FusedOptimizer : public Base, public ScalerAware {
     for (const Entry& e : entries)
       if (!(skip_cpu && e.param.device().is_cpu())) stepped.push_back(&e);
     begin_step(stepped, signals);
-    for (auto& [key, list] : group_lists(entries, skip_cpu)) {
+    for (auto& [key, list] : group_lists(stepped)) {
       const auto& [group, device, dtype] = key;
       step_list(ParamList{group, device, dtype, std::move(list), signals ? &signals->at(device) : nullptr});
     }
