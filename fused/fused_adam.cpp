@@ -111,7 +111,7 @@ void FusedAdamImpl<Base, Options, State, kDecoupled>::step_list(const sdk::Param
       const at::Tensor& p = e->param;
       const auto zeros = [&] { return at::zeros_like(p, p.options().dtype(state_st_torch), at::MemoryFormat::Preserve); };
       bool fresh = false;
-      State& state = this->state_for(p, [&](State& s) {
+      State& state = this->state_for(*e, [&](State& s) {
         s.step(0);
         s.exp_avg(zeros());
         s.exp_avg_sq(zeros());

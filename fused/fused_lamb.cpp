@@ -211,7 +211,7 @@ void FusedLAMB::step_list(const sdk::ParamList& pl) {
   std::vector<std::int64_t> numels;
   for (const sdk::Entry* e : list) {
     const at::Tensor& p = e->param;
-    auto& state = state_for(p, [&](FusedLAMBParamState& s) {
+    auto& state = state_for(*e, [&](FusedLAMBParamState& s) {
       const auto fp32 = p.options().dtype(at::kFloat);
       s.step(at::zeros({1}, p.options().dtype(at::kDouble)));
       s.exp_avg(at::zeros_like(p, fp32, at::MemoryFormat::Preserve));

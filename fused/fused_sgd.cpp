@@ -77,7 +77,7 @@ void FusedSGD::step_list(const sdk::ParamList& pl) {
         param[i] = p.data_ptr();
         grad[i] = list[i]->grad.data_ptr();
         if (!momentum) continue;
-        auto* state = find_state(p);
+        auto* state = static_cast<torch::optim::SGDParamState*>(list[i]->state);  // found by validation
         if (state == nullptr) {
           auto fresh = std::make_unique<torch::optim::SGDParamState>();
           fresh->momentum_buffer(at::empty_like(p, at::MemoryFormat::Preserve));

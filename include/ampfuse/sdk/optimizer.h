@@ -56,23 +56,33 @@
 
 namespace ampfuse::sdk {
 
-/// A parameter with a grad, by its place in the optimizer.
+/// A parameter with a grad, by its place in the optimizer. param and grad
+/// refer to the optimizer's parameter and its grad, valid for the step (no
+/// reference count is taken: a step over 10,000 parameters would spend more
+/// on the atomic increments than on some kernels).
 struct Entry {
   std::size_t group;
   std::size_t index;
-  at::Tensor param;
-  at::Tensor grad;
+  const at::Tensor& param;
+  const at::Tensor& grad;
+  c10::Device device;      ///< param.device(), read once
+  c10::ScalarType dtype;   ///< param.scalar_type(), read once
+  /// The parameter's state as validation found it (null when it had none);
+  /// FusedOptimizer::state_for(entry, ...) uses it instead of a second lookup.
+  torch::optim::OptimizerParamState* state;
 };
 
 /// Validates every parameter of every group of `opt` (and the signals) and
 /// returns those with grads. Accepted: fp32, fp16 and bf16 dense parameters
 /// on CPU or CUDA, in one group only, with a dense grad of the same dtype,
 /// device, shape and strides. check_state is called for each parameter with
-/// a grad, to validate its existing state. Throws c10::Error naming `name`,
-/// the group and the parameter.
-std::vector<Entry> validate_params(
-    torch::optim::Optimizer& opt, const char* name, const StepSignals* signals,
-    const std::function<void(const at::Tensor& param, std::size_t group, std::size_t index)>& check_state);
+/// a grad, to validate its existing state; it returns that state (null when
+/// the parameter has none), kept in Entry::state. Throws c10::Error naming
+/// `name`, the group and the parameter.
+using CheckState =
+    std::function<torch::optim::OptimizerParamState*(const at::Tensor& param, std::size_t group, std::size_t index)>;
+std::vector<Entry> validate_params(torch::optim::Optimizer& opt, const char* name, const StepSignals* signals,
+                                   const CheckState& check_state);
 
 /// Throws unless state tensor `s` (when defined) fits parameter p: its
 /// shape, strides and device, and the dtype the optimizer keeps it in.
@@ -245,6 +255,21 @@ class FusedOptimizer : public Base, public ScalerAware {
     auto it = this->state().find(p.unsafeGetTensorImpl());
     if (created) *created = it == this->state().end();
     if (it != this->state().end()) return static_cast<State&>(*it->second);
+    return create_state(p, std::forward<Init>(init));
+  }
+  /// The same for a step's entry, without a second lookup when validation found its state.
+  template <class Init>
+  State& state_for(const Entry& e, Init&& init, bool* created = nullptr) {
+    if (e.state != nullptr) {
+      if (created) *created = false;
+      return static_cast<State&>(*e.state);
+    }
+    return state_for(e.param, std::forward<Init>(init), created);
+  }
+
+ private:
+  template <class Init>
+  State& create_state(const at::Tensor& p, Init&& init) {
     TORCH_CHECK(!stream_capturing(p.device()), name(),
                 ": a parameter has no state yet under CUDA graph capture; run one step outside the capture "
                 "(a warm-up step) first, so that state is created outside the graph");
@@ -255,18 +280,19 @@ class FusedOptimizer : public Base, public ScalerAware {
     return ref;
   }
 
- private:
   void run_step(const StepSignals* signals) {
     at::NoGradGuard no_grad;
-    const std::vector<Entry> entries =
-        validate_params(*this, name(), signals, [&](const at::Tensor& p, std::size_t g, std::size_t i) {
-          if (const State* st = find_state(p)) check_state(p, *st, g, i);
+    const std::vector<Entry> entries = validate_params(
+        *this, name(), signals, [&](const at::Tensor& p, std::size_t g, std::size_t i) -> torch::optim::OptimizerParamState* {
+          State* st = find_state(p);
+          if (st != nullptr) check_state(p, *st, g, i);
+          return st;
         });
     check_entries(entries);
     const bool skip_cpu = cpu_step_skipped(signals);
     std::vector<const Entry*> stepped;
     for (const Entry& e : entries)
-      if (!(skip_cpu && e.param.device().is_cpu())) stepped.push_back(&e);
+      if (!(skip_cpu && e.device.is_cpu())) stepped.push_back(&e);
     begin_step(stepped, signals);
     for (auto& [key, list] : group_lists(stepped)) {
       const auto& [group, device, dtype] = key;
