@@ -8,6 +8,9 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <exception>
+#include <mutex>
+#include <utility>
 
 #if defined(AMPFUSE_WITH_CUDA)
 #include <c10/cuda/CUDAStream.h>
@@ -99,55 +102,112 @@ std::pair<std::size_t, std::size_t> first_place(torch::optim::Optimizer& opt, co
 
 }  // namespace
 
+namespace {
+
+// The checks of one parameter (the group-membership check aside). Reads
+// only, so that parameters can be checked on several threads.
+bool check_param(const at::Tensor& p, std::size_t g, std::size_t i, const char* name, const StepSignals* signals) {
+  TORCH_CHECK(p.defined(), name, ": param group ", g, ", param ", i, " is undefined");
+  TORCH_CHECK(supported_dtype(p.scalar_type()), name, ": param group ", g, ", param ", i, ": dtype ",
+              p.scalar_type(), " is not supported (expected Float, Half or BFloat16)");
+  TORCH_CHECK(p.layout() == c10::kStrided && p.is_non_overlapping_and_dense(), name, ": param group ", g, ", param ",
+              i, " is not a dense tensor");
+  const at::Tensor& grad = p.grad();
+  if (!grad.defined()) return false;
+  TORCH_CHECK(!grad.is_sparse(), name, ": param group ", g, ", param ", i,
+              ": the grad is sparse; sparse gradients are not supported");
+  TORCH_CHECK(grad.scalar_type() == p.scalar_type(), name, ": param group ", g, ", param ", i, ": grad dtype ",
+              grad.scalar_type(), " differs from the parameter's ", p.scalar_type());
+  TORCH_CHECK(grad.device() == p.device(), name, ": param group ", g, ", param ", i, ": grad is on ", grad.device(),
+              " but the parameter is on ", p.device());
+  TORCH_CHECK(grad.sizes() == p.sizes(), name, ": param group ", g, ", param ", i, ": grad shape ", grad.sizes(),
+              " differs from the parameter's ", p.sizes());
+  TORCH_CHECK(grad.strides() == p.strides(), name, ": param group ", g, ", param ", i, ": grad strides ",
+              grad.strides(), " differ from the parameter's ", p.strides());
+  TORCH_CHECK(p.device().is_cpu() || p.device().is_cuda(), name, ": param group ", g, ", param ", i, " is on ",
+              p.device(), "; only CPU and CUDA are supported");
+#if !defined(AMPFUSE_WITH_CUDA)
+  TORCH_CHECK(p.device().is_cpu(), name, ": param group ", g, ", param ", i, " is on ", p.device(),
+              " but ampfuse was built without CUDA");
+#endif
+  TORCH_CHECK(!signals || signals->contains(p.device()), name, ": param group ", g, ", param ", i, " is on ",
+              p.device(), " but the scaler sent no signal for that device");
+  return true;
+}
+
+struct Place {
+  const at::Tensor* param;
+  std::size_t group, index;
+};
+
+}  // namespace
+
 std::vector<Entry> validate_params(torch::optim::Optimizer& opt, const char* name, const StepSignals* signals,
                                    const CheckState& check_state) {
   if (signals)
     for (const auto& [device, signal] : signals->all()) check_signal(signal, device, name);
   auto& groups = opt.param_groups();
-  std::size_t total = 0;
-  for (const auto& group : groups) total += group.params().size();
+  // Kept per thread between steps (no allocation); a plain reference for the
+  // worker threads below (a thread_local named in the lambda would be theirs).
+  thread_local std::vector<Place> kept_places;
+  std::vector<Place>& places = kept_places;
+  places.clear();
+  for (std::size_t g = 0; g < groups.size(); ++g)
+    for (std::size_t i = 0; i < groups[g].params().size(); ++i) places.push_back({&groups[g].params()[i], g, i});
+  const auto n = static_cast<std::int64_t>(places.size());
+
+  // One group per parameter: a pass over TensorImpl addresses, reading no object.
   thread_local ImplSet seen;
-  seen.reset(total);
-  std::vector<Entry> entries;
-  entries.reserve(total);
-  for (std::size_t g = 0; g < groups.size(); ++g) {
-    const auto& params = groups[g].params();
-    for (std::size_t i = 0; i < params.size(); ++i) {
-      const at::Tensor& p = params[i];
-      TORCH_CHECK(p.defined(), name, ": param group ", g, ", param ", i, " is undefined");
-      if (!seen.insert(p.unsafeGetTensorImpl())) {
-        const auto [first_group, first_index] = first_place(opt, p);
-        TORCH_CHECK(false, name, ": param group ", g, ", param ", i, " is also param ", first_index, " of group ",
-                    first_group, "; a parameter may belong to one group only");
+  seen.reset(places.size());
+  std::int64_t first_duplicate = n;
+  for (std::int64_t k = 0; k < n && first_duplicate == n; ++k)
+    if (places[k].param->defined() && !seen.insert(places[k].param->unsafeGetTensorImpl())) first_duplicate = k;
+
+  // The per-parameter checks read scattered heap objects (TensorImpls,
+  // autograd metadata, state), mostly cache misses after a kernel streamed
+  // the parameters through: they run on ATen's threads, each over a
+  // contiguous range, and the error reported is the one of the first
+  // failing parameter in order, as a sequential pass would report it.
+  std::mutex mutex;
+  std::vector<std::pair<std::int64_t, std::vector<Entry>>> parts;
+  std::int64_t first_error = n;
+  std::exception_ptr error;
+  constexpr std::int64_t kGrain = 512;
+  at::parallel_for(0, n, kGrain, [&](std::int64_t begin, std::int64_t end) {
+    std::vector<Entry> local;
+    local.reserve(static_cast<std::size_t>(end - begin));
+    for (std::int64_t k = begin; k < end && k < first_duplicate; ++k) {
+      const Place& place = places[k];
+      const at::Tensor& p = *place.param;
+      try {
+        if (!check_param(p, place.group, place.index, name, signals)) continue;
+        torch::optim::OptimizerParamState* state = check_state(p, place.group, place.index);
+        local.push_back({place.group, place.index, p, p.grad(), p.device(), p.scalar_type(), state});
+      } catch (...) {
+        const std::lock_guard<std::mutex> lock(mutex);
+        if (k < first_error) {
+          first_error = k;
+          error = std::current_exception();
+        }
+        break;
       }
-      TORCH_CHECK(supported_dtype(p.scalar_type()), name, ": param group ", g, ", param ", i, ": dtype ",
-                  p.scalar_type(), " is not supported (expected Float, Half or BFloat16)");
-      TORCH_CHECK(p.layout() == c10::kStrided && p.is_non_overlapping_and_dense(), name, ": param group ", g,
-                  ", param ", i, " is not a dense tensor");
-      const at::Tensor& grad = p.grad();
-      if (!grad.defined()) continue;
-      TORCH_CHECK(!grad.is_sparse(), name, ": param group ", g, ", param ", i,
-                  ": the grad is sparse; sparse gradients are not supported");
-      TORCH_CHECK(grad.scalar_type() == p.scalar_type(), name, ": param group ", g, ", param ", i, ": grad dtype ",
-                  grad.scalar_type(), " differs from the parameter's ", p.scalar_type());
-      TORCH_CHECK(grad.device() == p.device(), name, ": param group ", g, ", param ", i, ": grad is on ",
-                  grad.device(), " but the parameter is on ", p.device());
-      TORCH_CHECK(grad.sizes() == p.sizes(), name, ": param group ", g, ", param ", i, ": grad shape ", grad.sizes(),
-                  " differs from the parameter's ", p.sizes());
-      TORCH_CHECK(grad.strides() == p.strides(), name, ": param group ", g, ", param ", i, ": grad strides ",
-                  grad.strides(), " differ from the parameter's ", p.strides());
-      TORCH_CHECK(p.device().is_cpu() || p.device().is_cuda(), name, ": param group ", g, ", param ", i, " is on ",
-                  p.device(), "; only CPU and CUDA are supported");
-#if !defined(AMPFUSE_WITH_CUDA)
-      TORCH_CHECK(p.device().is_cpu(), name, ": param group ", g, ", param ", i, " is on ", p.device(),
-                  " but ampfuse was built without CUDA");
-#endif
-      TORCH_CHECK(!signals || signals->contains(p.device()), name, ": param group ", g, ", param ", i, " is on ",
-                  p.device(), " but the scaler sent no signal for that device");
-      torch::optim::OptimizerParamState* state = check_state(p, g, i);
-      entries.push_back({g, i, p, grad, p.device(), p.scalar_type(), state});
     }
+    const std::lock_guard<std::mutex> lock(mutex);
+    parts.emplace_back(begin, std::move(local));
+  });
+  if (first_duplicate < first_error) {
+    const Place& dup = places[first_duplicate];
+    const auto [first_group, first_index] = first_place(opt, *dup.param);
+    TORCH_CHECK(false, name, ": param group ", dup.group, ", param ", dup.index, " is also param ", first_index,
+                " of group ", first_group, "; a parameter may belong to one group only");
   }
+  if (error) std::rethrow_exception(error);
+  std::sort(parts.begin(), parts.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
+  if (parts.size() == 1) return std::move(parts.front().second);
+  std::vector<Entry> entries;
+  entries.reserve(places.size());
+  for (const auto& part : parts)
+    for (const Entry& e : part.second) entries.push_back(e);  // Entry holds references: not assignable
   return entries;
 }
 

@@ -104,37 +104,38 @@ void FusedAdamImpl<Base, Options, State, kDecoupled>::step_list(const sdk::Param
     const ScalarType state_st = to_scalar_type(state_st_torch);
     const bool master = fused.master_weights();
 
-    std::vector<State*> states;
-    std::vector<std::int64_t> numels;
-    std::vector<bool> created;
-    for (const sdk::Entry* e : list) {
-      const at::Tensor& p = e->param;
+    const std::size_t n = list.size();
+    std::vector<State*> states(n);
+    std::vector<bool> created(n);
+    for (std::size_t i = 0; i < n; ++i) {  // creates state (first step): on this thread
+      const at::Tensor& p = list[i]->param;
       const auto zeros = [&] { return at::zeros_like(p, p.options().dtype(state_st_torch), at::MemoryFormat::Preserve); };
       bool fresh = false;
-      State& state = this->state_for(*e, [&](State& s) {
+      State& state = this->state_for(*list[i], [&](State& s) {
         s.step(0);
         s.exp_avg(zeros());
         s.exp_avg_sq(zeros());
       }, &fresh);
       if (o.amsgrad() && !state.max_exp_avg_sq().defined()) state.max_exp_avg_sq(zeros());
-      states.push_back(&state);
-      created.push_back(fresh);
-      numels.push_back(p.numel());
+      states[i] = &state;
+      created[i] = fresh;
     }
+    std::vector<std::int64_t> numels(n);
 
     if (device.is_cpu()) {
-      const std::size_t n = list.size();
       std::vector<void*> param(n), grad(n), m(n), v(n), vmax(n, nullptr), masters(n, nullptr);
       std::vector<std::int64_t> steps(n);
-      for (std::size_t i = 0; i < n; ++i) {
+      if (master)  // may create the master copies: on this thread
+        for (std::size_t i = 0; i < n; ++i) masters[i] = master_for(impl, list[i]->param).data_ptr();
+      sdk::parallel_entries(n, [&](std::size_t i) {
+        numels[i] = list[i]->param.numel();
         param[i] = list[i]->param.data_ptr();
         grad[i] = list[i]->grad.data_ptr();
         m[i] = states[i]->exp_avg().data_ptr();
         v[i] = states[i]->exp_avg_sq().data_ptr();
         if (o.amsgrad()) vmax[i] = states[i]->max_exp_avg_sq().data_ptr();
-        if (master) masters[i] = master_for(impl, list[i]->param).data_ptr();
         steps[i] = states[i]->step() + 1;
-      }
+      });
       // Two pow() per distinct step, not per tensor.
       const auto scalars = sdk::per_tensor<std::int64_t, fused::AdamStepScalars>(steps, [&](std::int64_t step) {
         return fused::adam_step_scalars(o.lr(), beta1, beta2, static_cast<double>(step));
@@ -145,7 +146,7 @@ void FusedAdamImpl<Base, Options, State, kDecoupled>::step_list(const sdk::Param
                                       scalars.data(), hyper, sdk::cpu_grad_factor(signal)};
       const fused::cpu::AdamFn kernel = fused::cpu::adam_kernel();
       sdk::parallel_chunks(plan, [&](std::int64_t b, std::int64_t e) { kernel(args, b, e); });
-      for (State* s : states) s->step(s->step() + 1);
+      sdk::parallel_entries(n, [&](std::size_t i) { states[i]->step(steps[i]); });
       return;
     }
 #if defined(AMPFUSE_WITH_CUDA)
@@ -161,6 +162,7 @@ void FusedAdamImpl<Base, Options, State, kDecoupled>::step_list(const sdk::Param
       // address: start from the state's step.
       if (!step.defined() || created[i] || step.device() != p.device())
         step = at::full({1}, static_cast<double>(states[i]->step()), p.options().dtype(at::kFloat));
+      numels[i] = p.numel();
       if (p.numel() == 0) empty_steps.push_back(step);
       views.lists[fused::cuda::kParam].push_back({p.data_ptr(), p.numel(), st});
       views.lists[fused::cuda::kGrad].push_back({list[i]->grad.data_ptr(), p.numel(), st});

@@ -360,6 +360,30 @@ TEST_P(FusedAdamTest, BadInputNamesGroupAndParamAndChangesNothing) {
     auto p = good();
     expect_refused({{good(), p}, {p}}, "param group 1, param 0 is also param 1 of group 0");
   }
+  // Thousands of parameters are checked on several threads: still the first
+  // bad parameter in group order is named, whichever thread saw it.
+  {
+    std::vector<torch::Tensor> first, second;
+    for (int i = 0; i < 1500; ++i) first.push_back(good());
+    for (int i = 0; i < 1500; ++i) second.push_back(good());
+    auto bad_grad = [&] {
+      auto p = make_params({{6}})[0];
+      p.mutable_grad() = torch::randn({6}, torch::TensorOptions().dtype(torch::kHalf).device(device_));
+      return p;
+    };
+    // 3,000 parameters on two threads: group 0 on one, group 1 on the other.
+    // The later parameter's thread meets its error first.
+    second[1300] = bad_grad();
+    first[100] = bad_grad();
+    expect_refused({first, second}, std::string(name) + ": param group 0, param 100: grad dtype Half differs");
+    first[100] = good();
+    second[1300] = good();
+    second[1200] = bad_grad();
+    second[900] = first[5];
+    expect_refused({first, second}, "param group 1, param 900 is also param 5 of group 0");
+    second[100] = bad_grad();
+    expect_refused({first, second}, "param group 1, param 100: grad dtype Half differs");
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(All, FusedAdamTest, ::testing::ValuesIn(adam_cases()), adam_case_name);

@@ -78,7 +78,10 @@ struct Entry {
 /// device, shape and strides. check_state is called for each parameter with
 /// a grad, to validate its existing state; it returns that state (null when
 /// the parameter has none), kept in Entry::state. Throws c10::Error naming
-/// `name`, the group and the parameter.
+/// `name`, the group and the parameter: of several bad parameters, the first
+/// in group order. With many parameters the checks run on ATen's threads,
+/// each over a contiguous range, so check_state must only read (it may run
+/// for different parameters at once).
 using CheckState =
     std::function<torch::optim::OptimizerParamState*(const at::Tensor& param, std::size_t group, std::size_t index)>;
 std::vector<Entry> validate_params(torch::optim::Optimizer& opt, const char* name, const StepSignals* signals,
@@ -133,6 +136,18 @@ std::vector<Value> per_tensor(const std::vector<Key>& keys, F&& f) {
   out.reserve(keys.size());
   for (std::size_t i = 0; i < keys.size(); ++i) out.push_back(i > 0 && keys[i] == keys[i - 1] ? out.back() : f(keys[i]));
   return out;
+}
+
+/// Runs fn(i) for every i in [0, n) on ATen's threads when n is large
+/// (contiguous ranges per thread), in order on this thread otherwise: for the
+/// host-side work of a step over many parameters (reading data pointers),
+/// which is mostly waiting on cache misses. fn must only read shared objects.
+template <class F>
+void parallel_entries(std::size_t n, F&& fn) {
+  constexpr std::int64_t kGrain = 512;
+  at::parallel_for(0, static_cast<std::int64_t>(n), kGrain, [&](std::int64_t b, std::int64_t e) {
+    for (std::int64_t i = b; i < e; ++i) fn(static_cast<std::size_t>(i));
+  });
 }
 
 /// Runs a CPU kernel fn(chunk_begin, chunk_end) over every chunk of `plan`
@@ -225,7 +240,9 @@ class FusedOptimizer : public Base, public ScalerAware {
  protected:
   /// The optimizer's name in error messages.
   virtual const char* name() const = 0;
-  /// Validates a parameter's existing state (use check_state_tensor); throw to refuse.
+  /// Validates a parameter's existing state (use check_state_tensor); throw to
+  /// refuse. May run on several threads at once, for different parameters:
+  /// read only.
   virtual void check_state(const at::Tensor& /*param*/, const State& /*state*/, std::size_t /*group*/,
                            std::size_t /*index*/) const {}
   /// Validates anything else about the step's parameters; throw to refuse.
