@@ -7,6 +7,8 @@ set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 
 install_system_packages
+log "docs/guide.md: every code block is an excerpt of a compiled source"
+python3 "$AMPFUSE_ROOT/scripts/check_guide.py"
 configure_build Release -DAMPFUSE_BUILD_TESTS=ON -DAMPFUSE_BUILD_BENCH=ON
 build
 # Benchmarks are built (so a break fails here) but not run: that is scripts/bench.sh.

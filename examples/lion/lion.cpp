@@ -69,7 +69,7 @@ void FusedLion::step_list(const ampfuse::sdk::ParamList& list) {
     // exp_avg starts at zero, in the parameter's dtype and layout. On CUDA a
     // first step that the scaler skips (found_inf is only known on the
     // device) still creates it: zero is where a fresh optimizer starts.
-    LionParamState& s = state_for(p, [&](LionParamState& st) {
+    LionParamState& s = state_for(*list.entries[i], [&](LionParamState& st) {
       st.exp_avg(at::zeros_like(p, at::MemoryFormat::Preserve));
     });
     param[i] = p.data_ptr();
