@@ -8,6 +8,8 @@
 #include <c10/cuda/CUDAStream.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
+#include <iterator>
 #include <list>
 #include <mutex>
 
@@ -20,10 +22,13 @@ struct Entry {
   std::vector<std::int64_t> words;
   at::Tensor on_device;
   c10::cuda::CUDAEvent uploaded;  // recorded on `stream` after the upload
+  bool captured = false;          // a CUDA graph holds the pointer: never evicted
 };
 
 // Small LRU: a training loop has a few lists (grads of each optimizer, each
 // param group); 32 covers them without holding stale copies for long.
+// Entries that a CUDA graph captured are kept beyond it, for as long as the
+// process runs: a replay reads them.
 constexpr std::size_t kCapacity = 32;
 std::mutex g_mutex;
 std::list<Entry> g_entries;
@@ -51,6 +56,7 @@ const std::int64_t* device_meta(const std::vector<std::int64_t>& words, c10::Dev
         it->on_device.record_stream(current.unwrap());  // not reused while this stream may read it
       }
     }
+    if (capturing) it->captured = true;
     g_entries.splice(g_entries.begin(), g_entries, it);
     return g_entries.front().on_device.data_ptr<std::int64_t>();
   }
@@ -66,7 +72,12 @@ const std::int64_t* device_meta(const std::vector<std::int64_t>& words, c10::Dev
   at::Tensor on_device = host.to(device, /*non_blocking=*/true);
   g_entries.push_front(Entry{device, current.id(), words, on_device, c10::cuda::CUDAEvent()});
   g_entries.front().uploaded.record(current);
-  if (g_entries.size() > kCapacity) g_entries.pop_back();
+  std::size_t evictable = 0;
+  for (const Entry& e : g_entries) evictable += e.captured ? 0 : 1;
+  if (evictable > kCapacity) {  // the least recently used entry no graph holds
+    auto victim = std::find_if(g_entries.rbegin(), g_entries.rend(), [](const Entry& e) { return !e.captured; });
+    g_entries.erase(std::next(victim).base());
+  }
   ++g_uploads;
   return g_entries.front().on_device.data_ptr<std::int64_t>();
 }

@@ -21,9 +21,8 @@ namespace ampfuse::detail {
 /// Under CUDA graph capture nothing is uploaded: an entry must exist (made
 /// by an eager warm-up step, finished before the capture), else this throws.
 /// Valid as long as the entry stays in the cache, which holds the 32 most
-/// recently used lists. A CUDA graph that captured a launch keeps the
-/// pointer: keep the number of distinct long lists in use under the cache
-/// size while such a graph is replayed.
+/// recently used lists, and for the life of the process every entry a CUDA
+/// graph captured (a replay reads it, however many other lists ran since).
 const std::int64_t* device_meta(const std::vector<std::int64_t>& words, c10::Device device);
 
 /// Launch metadata of `views` over `plan`: packed into `words` (which must

@@ -96,6 +96,8 @@ fused::LambHyper make_hyper(const FusedLAMBOptions& o) {
   h.lr = static_cast<float>(o.lr());
   h.beta1 = static_cast<float>(std::get<0>(o.betas()));
   h.beta2 = static_cast<float>(std::get<1>(o.betas()));
+  h.beta1_f64 = std::get<0>(o.betas());
+  h.beta2_f64 = std::get<1>(o.betas());
   h.beta3 = o.grad_averaging() ? static_cast<float>(1.0 - std::get<0>(o.betas())) : 1.f;
   h.one_minus_beta2 = static_cast<float>(1.0 - std::get<1>(o.betas()));
   h.eps = static_cast<float>(o.eps());

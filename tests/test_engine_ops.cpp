@@ -305,5 +305,32 @@ TEST(EngineCudaMetadata, UploadedOnceWhileTheListIsUnchanged) {
   EXPECT_EQ(found.item<float>(), 1.f);
 }
 
+// A CUDA graph keeps the device pointer of the metadata it captured: that
+// entry must outlive the cache's LRU eviction, however many other long lists
+// run between replays.
+TEST(EngineCudaMetadata, CapturedEntrySurvivesEviction) {
+  if (!ampfuse_test::cuda_available()) GTEST_SKIP() << "no CUDA device here; this test runs on a GPU machine";
+  ampfuse_test::seed_for_test();
+  std::vector<torch::Tensor> list;
+  for (int i = 0; i < 3000; ++i) list.push_back(torch::randn({1 + i % 5}, torch::kCUDA));
+  auto found = torch::zeros({1}, torch::kCUDA);
+  ampfuse::check_non_finite(list, found);  // warm-up: uploads the metadata eagerly
+  auto captured = ampfuse_test::capture([&] { ampfuse::check_non_finite(list, found); });
+  ASSERT_GE(captured.second, 1u);
+  // 40 other long lists (more than the cache holds), each uploaded and evicting.
+  for (int other = 0; other < 40; ++other) {
+    std::vector<torch::Tensor> l;
+    for (int i = 0; i < 2500 + other; ++i) l.push_back(torch::ones({2}, torch::kCUDA));
+    auto f = torch::zeros({1}, torch::kCUDA);
+    ampfuse::check_non_finite(l, f);
+    ASSERT_EQ(f.item<float>(), 0.f);
+  }
+  found.zero_();
+  list[2999].view(-1)[0] = std::numeric_limits<float>::infinity();
+  captured.first->replay();
+  torch::cuda::synchronize();
+  EXPECT_EQ(found.item<float>(), 1.f) << "the replay read metadata that was evicted and reused";
+}
+
 }  // namespace
 #endif
