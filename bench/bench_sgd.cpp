@@ -6,29 +6,10 @@
 
 #include <ATen/Parallel.h>
 
+#include "bench/ceilings.h"
 #include "bench/common.h"
 
 namespace ampfuse_bench {
-namespace {
-
-// SGD-with-momentum traffic with trivial arithmetic, split like the engine.
-void sgd_twin(const std::vector<float*>& p, const std::vector<float*>& g, const std::vector<float*>& b,
-              const ampfuse::Plan& plan) {
-  at::parallel_for(0, plan.num_chunks(), 1, [&](std::int64_t begin, std::int64_t end) {
-    for (std::int64_t c = begin; c < end; ++c) {
-      const ampfuse::Chunk ch = plan.chunk(c);
-      float* pp = p[ch.tensor] + ch.begin;
-      const float* gg = g[ch.tensor] + ch.begin;
-      float* bb = b[ch.tensor] + ch.begin;
-      for (std::int64_t i = 0; i < ch.size; ++i) {
-        bb[i] = bb[i] + gg[i];
-        pp[i] = pp[i] - bb[i];
-      }
-    }
-  });
-}
-
-}  // namespace
 
 void register_sgd(torch::Device device) {
   const std::string dev = device.is_cuda() ? "@cuda" : "";

@@ -50,6 +50,19 @@ void adam_twin(const std::vector<float*>& p, const std::vector<float*>& g, const
   });
 }
 
+void sgd_twin(const std::vector<float*>& p, const std::vector<float*>& g, const std::vector<float*>& buf,
+              const ampfuse::Plan& plan) {
+  for_chunks(plan, [&](const ampfuse::Chunk& ch) {
+    float* pp = p[ch.tensor] + ch.begin;
+    const float* gg = g[ch.tensor] + ch.begin;
+    float* bb = buf[ch.tensor] + ch.begin;
+    for (std::int64_t i = 0; i < ch.size; ++i) {
+      bb[i] = bb[i] + gg[i];
+      pp[i] = pp[i] - bb[i];
+    }
+  });
+}
+
 void lamb_twin(const std::vector<float*>& p, const std::vector<float*>& g, const std::vector<float*>& m,
                const std::vector<float*>& v, const ampfuse::Plan& plan) {
   for_chunks(plan, [&](const ampfuse::Chunk& ch) {

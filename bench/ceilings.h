@@ -21,6 +21,10 @@ void read_write_twin(const std::vector<float*>& data, const ampfuse::Plan& plan,
 void adam_twin(const std::vector<float*>& p, const std::vector<float*>& g, const std::vector<float*>& m,
                const std::vector<float*>& v, const ampfuse::Plan& plan);
 
+/// SGD-with-momentum traffic: reads p, g, buf and writes p, buf (20 bytes per fp32 element).
+void sgd_twin(const std::vector<float*>& p, const std::vector<float*>& g, const std::vector<float*>& buf,
+              const ampfuse::Plan& plan);
+
 /// LAMB's minimum traffic: the trust ratio needs ||update|| of a whole tensor
 /// before any of it is written, so two passes: read p, g, m, v and write m, v;
 /// then read p, m, v and write p (40 bytes per fp32 element).
