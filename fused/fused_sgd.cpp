@@ -72,21 +72,26 @@ void FusedSGD::step_list(const sdk::ParamList& pl) {
       const std::size_t n = list.size();
       std::vector<void*> param(n), grad(n), buf(n, nullptr);
       std::vector<unsigned char> first(n, 0);
-      for (std::size_t i = 0; i < n; ++i) {
-        const at::Tensor& p = list[i]->param;
-        param[i] = p.data_ptr();
-        grad[i] = list[i]->grad.data_ptr();
-        if (!momentum) continue;
-        auto* state = static_cast<torch::optim::SGDParamState*>(list[i]->state);  // found by validation
-        if (state == nullptr) {
-          auto fresh = std::make_unique<torch::optim::SGDParamState>();
-          fresh->momentum_buffer(at::empty_like(p, at::MemoryFormat::Preserve));
-          state = fresh.get();
-          this->state()[p.unsafeGetTensorImpl()] = std::move(fresh);
+      std::vector<torch::optim::SGDParamState*> states(n, nullptr);
+      if (momentum) {
+        for (std::size_t i = 0; i < n; ++i) {  // creates missing buffers: on this thread
+          states[i] = static_cast<torch::optim::SGDParamState*>(list[i]->state);  // found by validation
+          if (states[i] != nullptr && states[i]->momentum_buffer().defined()) continue;
+          const at::Tensor& p = list[i]->param;
+          if (states[i] == nullptr) {
+            auto fresh = std::make_unique<torch::optim::SGDParamState>();
+            states[i] = fresh.get();
+            this->state()[p.unsafeGetTensorImpl()] = std::move(fresh);
+          }
+          states[i]->momentum_buffer(at::empty_like(p, at::MemoryFormat::Preserve));
           first[i] = 1;
         }
-        buf[i] = state->momentum_buffer().data_ptr();
       }
+      sdk::parallel_entries(n, [&](std::size_t i) {
+        param[i] = list[i]->param.data_ptr();
+        grad[i] = list[i]->grad.data_ptr();
+        if (momentum) buf[i] = states[i]->momentum_buffer().data_ptr();
+      });
       const Plan plan(numels, cpu::kChunkSize);
       const fused::cpu::SgdArgs args{cpu::plan_ref(plan), param.data(), grad.data(), buf.data(), first.data(), st,
                                      hyper, sdk::cpu_grad_factor(signal)};
