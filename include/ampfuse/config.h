@@ -9,7 +9,11 @@
 // block of lanes in the CPU kernels' inner loops, and GCC's heuristics left
 // adam_update out of line (a call per 16 elements, its branches re-tested
 // and its vectors passed through memory).
+#if defined(__GNUC__)
 #define AMPFUSE_HOST_DEVICE inline __attribute__((always_inline))
+#else
+#define AMPFUSE_HOST_DEVICE inline
+#endif
 #endif
 
 #define AMPFUSE_VERSION_MAJOR 0

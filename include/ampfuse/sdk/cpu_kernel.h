@@ -321,11 +321,12 @@ constexpr std::int64_t kPrefetchElements = 256;
 // null base and get a null block). The tail goes through zero-padded copies;
 // only lists flagged in `written` are copied back (grads are never written,
 // not even with their own bytes). Each used list is prefetched
-// kPrefetchElements ahead, continuing into `next` (the following chunk's
-// bases, or null) near the end.
+// kPrefetchElements ahead, continuing near the end into the first next_n
+// elements at `next` (the following chunk's bases; next_n = 0 when none).
 template <int Depth, unsigned kUsed = ~0u, class BlockFn>
-inline void for_each_block_lists(char* const (&base)[Depth], char* const* next, const std::size_t (&elem_size)[Depth],
-                                 const bool (&written)[Depth], std::int64_t n, BlockFn&& block_fn) {
+inline void for_each_block_lists(char* const (&base)[Depth], char* const* next, std::int64_t next_n,
+                                 const std::size_t (&elem_size)[Depth], const bool (&written)[Depth], std::int64_t n,
+                                 BlockFn&& block_fn) {
   constexpr auto used = [](int l) { return ((kUsed >> l) & 1u) != 0; };
   void* blocks[Depth] = {};
   std::int64_t i = 0;
@@ -335,7 +336,7 @@ inline void for_each_block_lists(char* const (&base)[Depth], char* const* next, 
       if (!used(l)) continue;
       blocks[l] = base[l] + i * elem_size[l];
       if (ahead < n) __builtin_prefetch(base[l] + ahead * elem_size[l]);
-      else if (next != nullptr) __builtin_prefetch(next[l] + (ahead - n) * elem_size[l]);
+      else if (ahead - n < next_n) __builtin_prefetch(next[l] + (ahead - n) * elem_size[l]);
     }
     block_fn(blocks);
   }
@@ -357,7 +358,7 @@ inline void for_each_block_lists(char* const (&base)[Depth], char* const* next, 
 template <int Depth, unsigned kUsed = ~0u, class BlockFn>
 inline void for_each_block_lists(char* const (&base)[Depth], const std::size_t (&elem_size)[Depth],
                                  const bool (&written)[Depth], std::int64_t n, BlockFn&& block_fn) {
-  for_each_block_lists<Depth, kUsed>(base, nullptr, elem_size, written, n, std::forward<BlockFn>(block_fn));
+  for_each_block_lists<Depth, kUsed>(base, nullptr, 0, elem_size, written, n, std::forward<BlockFn>(block_fn));
 }
 
 struct VecOps {
@@ -401,16 +402,16 @@ inline void for_each_chunk_block(const PlanRef& plan, std::int64_t chunk_begin, 
     std::int64_t chunk, tensor, n;
     char* base[Depth];
   } pending{-1, 0, 0, {}};
-  const auto run = [&](const Pending& ch, char* const* next) {
-    for_each_block_lists<Depth, kUsed>(ch.base, next, elem_size, written, ch.n,
-                                       [&](void* const (&blocks)[Depth]) { block_fn(ch.tensor, blocks); });
+  const auto run = [&](const Pending& ch, const Pending* next) {
+    for_each_block_lists<Depth, kUsed>(ch.base, next ? next->base : nullptr, next ? next->n : 0, elem_size, written,
+                                       ch.n, [&](void* const (&blocks)[Depth]) { block_fn(ch.tensor, blocks); });
     chunk_fn(ch.tensor, ch.chunk);
   };
   for_each_chunk(plan, chunk_begin, chunk_end, [&](std::int64_t c, std::int64_t t, std::int64_t begin, std::int64_t n) {
     Pending current{c, t, n, {}};
     for (int l = 0; l < Depth; ++l)
       current.base[l] = ((kUsed >> l) & 1u) != 0 ? static_cast<char*>(lists[l][t]) + begin * elem_size[l] : nullptr;
-    if (pending.chunk >= 0) run(pending, current.base);
+    if (pending.chunk >= 0) run(pending, &current);
     pending = current;
   });
   if (pending.chunk >= 0) run(pending, nullptr);

@@ -68,7 +68,9 @@ struct Entry {
   c10::Device device;      ///< param.device(), read once
   c10::ScalarType dtype;   ///< param.scalar_type(), read once
   /// The parameter's state as validation found it (null when it had none);
-  /// FusedOptimizer::state_for(entry, ...) uses it instead of a second lookup.
+  /// FusedOptimizer::state_for(entry, ...) uses it instead of a second lookup,
+  /// so check_entries, begin_step and step_list must not replace or erase a
+  /// stepped parameter's state (creating state for one that had none is fine).
   torch::optim::OptimizerParamState* state;
 };
 
