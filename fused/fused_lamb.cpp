@@ -231,14 +231,14 @@ void FusedLAMB::step_list(const sdk::ParamList& pl) {
   if (device.is_cpu()) {
     std::vector<void*> param(n), grad(n), m(n), v(n), masters(n, nullptr);
     std::vector<double> steps(n);
-    for (std::size_t i = 0; i < n; ++i) {
+    sdk::parallel_entries(n, [&](std::size_t i) {
       param[i] = list[i]->param.data_ptr();
       grad[i] = list[i]->grad.data_ptr();
       m[i] = states[i]->exp_avg().data_ptr();
       v[i] = states[i]->exp_avg_sq().data_ptr();
       if (master) masters[i] = states[i]->master().data_ptr();
       steps[i] = *states[i]->step().data_ptr<double>() + 1.0;
-    }
+    });
     const auto scalars = sdk::per_tensor<double, fused::LambStepScalars>(
         steps, [&](double step) { return fused::lamb_step_scalars(hyper, step); });
     float factor = sdk::cpu_grad_factor(pl.signal);
@@ -265,7 +265,7 @@ void FusedLAMB::step_list(const sdk::ParamList& pl) {
     }
     const fused::cpu::LambFn apply = fused::cpu::lamb_apply_kernel();
     sdk::parallel_chunks(plan, [&](std::int64_t b, std::int64_t e) { apply(args, b, e); });
-    for (FusedLAMBParamState* s : states) *s->step().data_ptr<double>() += 1.0;
+    sdk::parallel_entries(n, [&](std::size_t i) { *states[i]->step().data_ptr<double>() = steps[i]; });
     return;
   }
 #if defined(AMPFUSE_WITH_CUDA)
