@@ -58,10 +58,6 @@ void check_signal(const ScaleSignal& s, c10::Device device, const char* name) {
   check(s.clip_coef, "clip_coef", false);
 }
 
-}  // namespace
-
-namespace {
-
 // The TensorImpls of a step's parameters, for the one-group-only check: an
 // open-addressing set whose table is kept per thread, so that a step
 // allocates nothing (std::unordered_map cost a malloc and a cache miss per
@@ -90,19 +86,6 @@ class ImplSet {
   std::vector<const void*> slots_;
   std::size_t mask_ = 0;
 };
-
-// Where p first appears in the optimizer's groups (for the error message).
-std::pair<std::size_t, std::size_t> first_place(torch::optim::Optimizer& opt, const at::Tensor& p) {
-  const auto& groups = opt.param_groups();
-  for (std::size_t g = 0; g < groups.size(); ++g)
-    for (std::size_t i = 0; i < groups[g].params().size(); ++i)
-      if (groups[g].params()[i].unsafeGetTensorImpl() == p.unsafeGetTensorImpl()) return {g, i};
-  return {0, 0};
-}
-
-}  // namespace
-
-namespace {
 
 // The checks of one parameter (the group-membership check aside). Reads
 // only, so that parameters can be checked on several threads.
@@ -172,8 +155,7 @@ std::vector<Entry> validate_params(torch::optim::Optimizer& opt, const char* nam
   std::vector<std::pair<std::int64_t, std::vector<Entry>>> parts;
   std::int64_t first_error = n;
   std::exception_ptr error;
-  constexpr std::int64_t kGrain = 512;
-  at::parallel_for(0, n, kGrain, [&](std::int64_t begin, std::int64_t end) {
+  at::parallel_for(0, n, kEntriesGrain, [&](std::int64_t begin, std::int64_t end) {
     std::vector<Entry> local;
     local.reserve(static_cast<std::size_t>(end - begin));
     for (std::int64_t k = begin; k < end && k < first_duplicate; ++k) {
@@ -197,9 +179,11 @@ std::vector<Entry> validate_params(torch::optim::Optimizer& opt, const char* nam
   });
   if (first_duplicate < first_error) {
     const Place& dup = places[first_duplicate];
-    const auto [first_group, first_index] = first_place(opt, *dup.param);
-    TORCH_CHECK(false, name, ": param group ", dup.group, ", param ", dup.index, " is also param ", first_index,
-                " of group ", first_group, "; a parameter may belong to one group only");
+    const Place& first = *std::find_if(places.begin(), places.end(), [&](const Place& q) {
+      return q.param->unsafeGetTensorImpl() == dup.param->unsafeGetTensorImpl();
+    });
+    TORCH_CHECK(false, name, ": param group ", dup.group, ", param ", dup.index, " is also param ", first.index,
+                " of group ", first.group, "; a parameter may belong to one group only");
   }
   if (error) std::rethrow_exception(error);
   std::sort(parts.begin(), parts.end(), [](const auto& a, const auto& b) { return a.first < b.first; });

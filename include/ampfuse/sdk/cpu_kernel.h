@@ -319,15 +319,15 @@ constexpr std::int64_t kPrefetchElements = 256;
 // block_fn(blocks) with blocks[l] the storage of kWidth elements of list l.
 // kUsed has bit l set for each list the kernel uses (the others may have a
 // null base and get a null block). The tail goes through zero-padded copies;
-// only lists flagged in `written` are copied back (grads are never written,
-// not even with their own bytes). Each used list is prefetched
+// only lists in kWritten are copied back (grads are never written, not even
+// with their own bytes). Each used list is prefetched
 // kPrefetchElements ahead, continuing near the end into the first next_n
 // elements at `next` (the following chunk's bases; next_n = 0 when none).
-template <int Depth, unsigned kUsed = ~0u, class BlockFn>
+template <int Depth, unsigned kUsed, unsigned kWritten, class BlockFn>
 inline void for_each_block_lists(char* const (&base)[Depth], char* const* next, std::int64_t next_n,
-                                 const std::size_t (&elem_size)[Depth], const bool (&written)[Depth], std::int64_t n,
-                                 BlockFn&& block_fn) {
+                                 const std::size_t (&elem_size)[Depth], std::int64_t n, BlockFn&& block_fn) {
   constexpr auto used = [](int l) { return ((kUsed >> l) & 1u) != 0; };
+  constexpr auto written = [](int l) { return ((kWritten >> l) & 1u) != 0; };
   void* blocks[Depth] = {};
   std::int64_t i = 0;
   for (; i + kWidth <= n; i += kWidth) {
@@ -349,16 +349,9 @@ inline void for_each_block_lists(char* const (&base)[Depth], char* const* next, 
     }
     block_fn(blocks);
     for (int l = 0; l < Depth; ++l)
-      if (used(l) && written[l])
+      if (used(l) && written(l))
         std::memcpy(base[l] + i * elem_size[l], tail[l], static_cast<std::size_t>(n - i) * elem_size[l]);
   }
-}
-
-/// The same without prefetching into a following chunk.
-template <int Depth, unsigned kUsed = ~0u, class BlockFn>
-inline void for_each_block_lists(char* const (&base)[Depth], const std::size_t (&elem_size)[Depth],
-                                 const bool (&written)[Depth], std::int64_t n, BlockFn&& block_fn) {
-  for_each_block_lists<Depth, kUsed>(base, nullptr, 0, elem_size, written, n, std::forward<BlockFn>(block_fn));
 }
 
 struct VecOps {
@@ -393,8 +386,6 @@ template <int Depth, unsigned kUsed, unsigned kWritten, class BlockFn, class Chu
 inline void for_each_chunk_block(const PlanRef& plan, std::int64_t chunk_begin, std::int64_t chunk_end,
                                  void* const* const (&lists)[Depth], const std::size_t (&elem_size)[Depth],
                                  BlockFn&& block_fn, ChunkFn&& chunk_fn) {
-  bool written[Depth];
-  for (int l = 0; l < Depth; ++l) written[l] = ((kWritten >> l) & 1u) != 0;
   // Each chunk runs once the next one's bases are known, so that its last
   // blocks prefetch the next chunk's first lines (tensors are separate
   // allocations: no hardware prefetcher follows from one to the next).
@@ -403,8 +394,8 @@ inline void for_each_chunk_block(const PlanRef& plan, std::int64_t chunk_begin, 
     char* base[Depth];
   } pending{-1, 0, 0, {}};
   const auto run = [&](const Pending& ch, const Pending* next) {
-    for_each_block_lists<Depth, kUsed>(ch.base, next ? next->base : nullptr, next ? next->n : 0, elem_size, written,
-                                       ch.n, [&](void* const (&blocks)[Depth]) { block_fn(ch.tensor, blocks); });
+    for_each_block_lists<Depth, kUsed, kWritten>(ch.base, next ? next->base : nullptr, next ? next->n : 0, elem_size,
+                                                 ch.n, [&](void* const (&blocks)[Depth]) { block_fn(ch.tensor, blocks); });
     chunk_fn(ch.tensor, ch.chunk);
   };
   for_each_chunk(plan, chunk_begin, chunk_end, [&](std::int64_t c, std::int64_t t, std::int64_t begin, std::int64_t n) {

@@ -140,14 +140,17 @@ std::vector<Value> per_tensor(const std::vector<Key>& keys, F&& f) {
   return out;
 }
 
+/// Parameters per thread below which host-side per-parameter work (validation,
+/// parallel_entries) stays on the calling thread.
+constexpr std::int64_t kEntriesGrain = 512;
+
 /// Runs fn(i) for every i in [0, n) on ATen's threads when n is large
 /// (contiguous ranges per thread), in order on this thread otherwise: for the
 /// host-side work of a step over many parameters (reading data pointers),
 /// which is mostly waiting on cache misses. fn must only read shared objects.
 template <class F>
 void parallel_entries(std::size_t n, F&& fn) {
-  constexpr std::int64_t kGrain = 512;
-  at::parallel_for(0, static_cast<std::int64_t>(n), kGrain, [&](std::int64_t b, std::int64_t e) {
+  at::parallel_for(0, static_cast<std::int64_t>(n), kEntriesGrain, [&](std::int64_t b, std::int64_t e) {
     for (std::int64_t i = b; i < e; ++i) fn(static_cast<std::size_t>(i));
   });
 }
