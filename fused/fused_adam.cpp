@@ -82,7 +82,7 @@ template <class Base, class Options, class State, bool kDecoupled>
 void FusedAdamImpl<Base, Options, State, kDecoupled>::check_entries(const std::vector<sdk::Entry>& entries) const {
   if (!fused_.master_weights()) return;
   for (const sdk::Entry& e : entries)
-    TORCH_CHECK(e.param.scalar_type() != at::kFloat, name(), ": param group ", e.group, ", param ", e.index,
+    TORCH_CHECK(e.dtype != at::kFloat, name(), ": param group ", e.group, ", param ", e.index,
                 ": master_weights asked for on a Float parameter; it is for Half and BFloat16 parameters");
 }
 

@@ -147,7 +147,7 @@ void FusedLAMB::check_state(const at::Tensor& p, const FusedLAMBParamState& st, 
 void FusedLAMB::check_entries(const std::vector<sdk::Entry>& entries) const {
   for (std::size_t g = 0; g < param_groups().size(); ++g) check_options(options_of(g), g);
   for (const sdk::Entry& e : entries)
-    TORCH_CHECK(!options_of(e.group).master_weights() || e.param.scalar_type() != at::kFloat, name(), ": param group ",
+    TORCH_CHECK(!options_of(e.group).master_weights() || e.dtype != at::kFloat, name(), ": param group ",
                 e.group, ", param ", e.index,
                 ": master_weights asked for on a Float parameter; it is for Half and BFloat16 parameters");
 }
@@ -161,7 +161,7 @@ void FusedLAMB::begin_step(const std::vector<const sdk::Entry*>& entries, const 
   // One read-only pass per device (and dtype) over every grad of the step:
   // the global norm, summed in fp64 on each device.
   for (const auto& [device, on_device] :
-       sdk::group_by<c10::Device>(entries, [](const sdk::Entry* e) { return e->param.device(); })) {
+       sdk::group_by<c10::Device>(entries, [](const sdk::Entry* e) { return e->device; })) {
     std::vector<at::Tensor> grads;
     for (const sdk::Entry* e : on_device) grads.push_back(e->grad);
     auto& [sum, unused_found_inf] = workspace_->norm_buffers[device.str()];
