@@ -27,10 +27,19 @@ constexpr float kNudge = 1e-30f;
 std::uint32_t read_only_twin(const std::vector<float*>& data, const ampfuse::Plan& plan) {
   std::atomic<std::uint32_t> result{0};
   for_chunks(plan, [&](const ampfuse::Chunk& ch) {
+    // Four interleaved streams: one core keeps more cache-line misses in
+    // flight than with one (a single stream reads about a third slower).
     const auto* p = reinterpret_cast<const std::uint32_t*>(data[ch.tensor] + ch.begin);
-    std::uint32_t acc = 0;
-    for (std::int64_t i = 0; i < ch.size; ++i) acc |= p[i];
-    result.fetch_or(acc, std::memory_order_relaxed);
+    const std::int64_t q = ch.size / 4;
+    std::uint32_t a0 = 0, a1 = 0, a2 = 0, a3 = 0;
+    for (std::int64_t i = 0; i < q; ++i) {
+      a0 |= p[i];
+      a1 |= p[q + i];
+      a2 |= p[2 * q + i];
+      a3 |= p[3 * q + i];
+    }
+    for (std::int64_t i = 4 * q; i < ch.size; ++i) a0 |= p[i];
+    result.fetch_or(a0 | a1 | a2 | a3, std::memory_order_relaxed);
   });
   return result.load();
 }

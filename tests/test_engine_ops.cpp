@@ -160,6 +160,29 @@ TEST_P(EngineOps, FindsInjectedNonFiniteEverywhere) {
   }
 }
 
+TEST_P(EngineOps, FindsNonFiniteAtEveryPosition) {
+  // The CPU pass reads each chunk as interleaved streams over equal runs of
+  // whole vector blocks, then the blocks left over, then a padded tail: an
+  // inf at any element of sizes around those splits (vector widths 8 and 16,
+  // four streams), with finite neighbours in the list, sets the flag, and the
+  // sum of squares of the finite rest matches.
+  for (std::int64_t n : {1, 15, 16, 17, 63, 64, 65, 127, 128, 129, 191, 200, 1023, 1025}) {
+    auto list = std::vector<torch::Tensor>{torch::randn({n}, opts()), torch::randn({300}, opts())};
+    const double rest = reference_sum_sq(list);
+    auto sum_sq = scalar(0.f);
+    ampfuse::check_non_finite(list, scalar(0.f), sum_sq);
+    EXPECT_NEAR(sum_sq.item<float>(), rest, 1e-5 * rest) << "n " << n;
+    for (std::int64_t e = 0; e < n; ++e) {
+      const auto saved = list[0].view(-1)[e].clone();
+      list[0].view(-1)[e] = std::numeric_limits<float>::infinity();
+      auto found_inf = scalar(0.f);
+      ampfuse::check_non_finite(list, found_inf);
+      ASSERT_NE(found_inf.item<float>(), 0.f) << "n " << n << ", inf at element " << e;
+      list[0].view(-1)[e] = saved;
+    }
+  }
+}
+
 TEST_P(EngineOps, FoundInfIsNeverCleared) {
   auto list = make_list();
   auto found_inf = scalar(3.f);  // a sum from earlier calls: left as it is
