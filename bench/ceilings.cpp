@@ -27,19 +27,25 @@ constexpr float kNudge = 1e-30f;
 std::uint32_t read_only_twin(const std::vector<float*>& data, const ampfuse::Plan& plan) {
   std::atomic<std::uint32_t> result{0};
   for_chunks(plan, [&](const ampfuse::Chunk& ch) {
-    // Four interleaved streams: one core keeps more cache-line misses in
-    // flight than with one (a single stream reads about a third slower).
+    // Four interleaved streams, each prefetched 1 KiB ahead: one core keeps
+    // more cache-line misses in flight than with one stream (which reads
+    // about a third slower), as the check pass does.
+    using Line = std::uint32_t __attribute__((vector_size(64)));  // one cache line
     const auto* p = reinterpret_cast<const std::uint32_t*>(data[ch.tensor] + ch.begin);
-    const std::int64_t q = ch.size / 4;
-    std::uint32_t a0 = 0, a1 = 0, a2 = 0, a3 = 0;
-    for (std::int64_t i = 0; i < q; ++i) {
-      a0 |= p[i];
-      a1 |= p[q + i];
-      a2 |= p[2 * q + i];
-      a3 |= p[3 * q + i];
-    }
-    for (std::int64_t i = 4 * q; i < ch.size; ++i) a0 |= p[i];
-    result.fetch_or(a0 | a1 | a2 | a3, std::memory_order_relaxed);
+    const std::int64_t q = ch.size / 64 * 16;  // whole cache lines per stream
+    Line acc[4] = {};
+    for (std::int64_t line = 0; line < q; line += 16)
+      for (std::int64_t s = 0; s < 4; ++s) {
+        __builtin_prefetch(p + s * q + line + 256);
+        Line x;
+        std::memcpy(&x, p + s * q + line, sizeof x);
+        acc[s] |= x;
+      }
+    const Line all = acc[0] | acc[1] | acc[2] | acc[3];
+    std::uint32_t acc_all = 0;
+    for (int j = 0; j < 16; ++j) acc_all |= all[j];
+    for (std::int64_t i = 4 * q; i < ch.size; ++i) acc_all |= p[i];
+    result.fetch_or(acc_all, std::memory_order_relaxed);
   });
   return result.load();
 }
