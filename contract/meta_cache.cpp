@@ -49,8 +49,16 @@ const std::int64_t* device_meta(const std::vector<std::int64_t>& words, c10::Dev
       // event from outside the graph), which a synchronize after the
       // warm-up step guarantees.
       if (capturing) {
-        TORCH_CHECK(it->uploaded.query(), "ampfuse: launch metadata uploaded on another stream is still in flight; "
-                                          "synchronize after the warm-up step, before capturing a CUDA graph");
+        // cudaEventQuery is refused in the global capture mode PyTorch
+        // captures in (and would invalidate the capture); the event is from
+        // outside the graph, so querying it is safe in relaxed mode.
+        bool done = false;
+        {
+          const c10::cuda::CUDAStreamCaptureModeGuard relaxed{cudaStreamCaptureModeRelaxed};
+          done = it->uploaded.query();
+        }
+        TORCH_CHECK(done, "ampfuse: launch metadata uploaded on another stream is still in flight; "
+                          "synchronize after the warm-up step, before capturing a CUDA graph");
       } else {
         it->uploaded.block(current);
         it->on_device.record_stream(current.unwrap());  // not reused while this stream may read it

@@ -50,11 +50,18 @@ c10::ScalarType state_dtype(const at::Tensor& p, const FusedAdamOptions& fused) 
 }
 
 // The fp32 master copy of p, made from p on first use (or when the one kept
-// belongs to a freed parameter that had the same address).
-at::Tensor& master_for(detail::FusedAdamState& impl, const at::Tensor& p) {
+// belongs to a freed parameter that had the same address). Not under CUDA
+// graph capture: a copy made inside a graph would be made again at every
+// replay, undoing the updates.
+at::Tensor& master_for(detail::FusedAdamState& impl, const sdk::Entry& e, const char* name) {
+  const at::Tensor& p = e.param;
   at::Tensor& m = impl.master[p.unsafeGetTensorImpl()];
-  if (!m.defined() || m.sizes() != p.sizes() || m.device() != p.device())
+  if (!m.defined() || m.sizes() != p.sizes() || m.device() != p.device()) {
+    TORCH_CHECK(!sdk::stream_capturing(p.device()), name, ": param group ", e.group, ", param ", e.index,
+                ": its fp32 master copy does not exist yet under CUDA graph capture; run one step outside the "
+                "capture (a warm-up step) first");
     m = p.detach().to(at::kFloat, /*non_blocking=*/false, /*copy=*/true, at::MemoryFormat::Preserve);
+  }
   return m;
 }
 
@@ -126,7 +133,7 @@ void FusedAdamImpl<Base, Options, State, kDecoupled>::step_list(const sdk::Param
       std::vector<void*> param(n), grad(n), m(n), v(n), vmax(n, nullptr), masters(n, nullptr);
       std::vector<std::int64_t> steps(n);
       if (master)  // may create the master copies: on this thread
-        for (std::size_t i = 0; i < n; ++i) masters[i] = master_for(impl, list[i]->param).data_ptr();
+        for (std::size_t i = 0; i < n; ++i) masters[i] = master_for(impl, *list[i], name()).data_ptr();
       sdk::parallel_entries(n, [&](std::size_t i) {
         numels[i] = list[i]->param.numel();
         param[i] = list[i]->param.data_ptr();
@@ -155,13 +162,19 @@ void FusedAdamImpl<Base, Options, State, kDecoupled>::step_list(const sdk::Param
     TensorListsView views;
     views.lists.resize(fused::cuda::kAdamDepth);
     std::vector<at::Tensor> empty_steps;
+    const bool capturing = sdk::stream_capturing(device);
     for (std::size_t i = 0; i < list.size(); ++i) {
       const at::Tensor& p = list[i]->param;
       at::Tensor& step = impl.device_steps[p.unsafeGetTensorImpl()];
       // New state, or a counter left by a freed parameter at the same
       // address: start from the state's step.
-      if (!step.defined() || created[i] || step.device() != p.device())
+      if (!step.defined() || created[i] || step.device() != p.device()) {
+        // Not in a graph: a counter made there would restart at every replay.
+        TORCH_CHECK(!capturing, name(), ": param group ", pl.group, ", param ", list[i]->index,
+                    ": its device step counter does not exist yet under CUDA graph capture (first step, or "
+                    "first step after load()); run one step outside the capture (a warm-up step) first");
         step = at::full({1}, static_cast<double>(states[i]->step()), p.options().dtype(at::kFloat));
+      }
       numels[i] = p.numel();
       if (p.numel() == 0) empty_steps.push_back(step);
       views.lists[fused::cuda::kParam].push_back({p.data_ptr(), p.numel(), st});
@@ -172,7 +185,7 @@ void FusedAdamImpl<Base, Options, State, kDecoupled>::step_list(const sdk::Param
       views.lists[fused::cuda::kMaxExpAvgSq].push_back(
           {o.amsgrad() ? states[i]->max_exp_avg_sq().data_ptr() : nullptr, p.numel(), state_st});
       views.lists[fused::cuda::kMaster].push_back(
-          {master ? master_for(impl, p).data_ptr() : nullptr, p.numel(), ScalarType::Float32});
+          {master ? master_for(impl, *list[i], name()).data_ptr() : nullptr, p.numel(), ScalarType::Float32});
     }
     const Plan plan(numels, cuda::kChunkSize);
     std::vector<std::int64_t> words;
@@ -180,7 +193,7 @@ void FusedAdamImpl<Base, Options, State, kDecoupled>::step_list(const sdk::Param
     const double* lr_device = nullptr;
     if (fused.capturable()) {
       auto& [lr_tensor, copied] = impl.lr_device[{pl.group, device.str()}];
-      if (sdk::stream_capturing(device)) {
+      if (capturing) {
         // Under capture the device lr is authoritative: a copy of the host lr
         // recorded here would overwrite lr_tensor() at every replay.
         TORCH_CHECK(lr_tensor.defined(), name(), ": param group ", pl.group,

@@ -219,8 +219,13 @@ void FusedLAMB::step_list(const sdk::ParamList& pl) {
       s.exp_avg(at::zeros_like(p, fp32, at::MemoryFormat::Preserve));
       s.exp_avg_sq(at::zeros_like(p, fp32, at::MemoryFormat::Preserve));
     });
-    if (master && !state.master().defined())
+    if (master && !state.master().defined()) {
+      // Not in a CUDA graph: a copy made there would be made again at every replay.
+      TORCH_CHECK(!sdk::stream_capturing(device), name(), ": param group ", e->group, ", param ", e->index,
+                  ": its fp32 master copy does not exist yet under CUDA graph capture; run one step outside the "
+                  "capture (a warm-up step) first");
       state.master(p.detach().to(at::kFloat, /*non_blocking=*/false, /*copy=*/true, at::MemoryFormat::Preserve));
+    }
     states.push_back(&state);
     numels.push_back(p.numel());
   }

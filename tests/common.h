@@ -131,7 +131,17 @@ inline std::pair<std::unique_ptr<at::cuda::CUDAGraph>, std::size_t> capture(cons
   {
     const c10::cuda::CUDAStreamGuard guard(c10::cuda::getStreamFromPool());
     graph->capture_begin();
-    fn();
+    try {
+      fn();
+    } catch (...) {
+      // End the (invalidated) capture, so that the CUDA tests after this one
+      // do not run on a stream still capturing into the graph's pool.
+      try {
+        graph->capture_end();
+      } catch (...) {
+      }
+      throw;
+    }
     graph->capture_end();
   }
   torch::cuda::synchronize();

@@ -689,5 +689,39 @@ TEST(FusedAdamCapturable, GraphReplayMatchesEagerWithOneLaunchPerGroupAndDtype) 
 #endif
 }
 
-}  // namespace
+// After load(), the device step counters are made again from the loaded
+// state at the next step: inside a CUDA graph capture that is refused with a
+// clear error (a counter made in the graph would restart at every replay),
+// the failed capture leaves the stream usable, and after one eager step the
+// capture works.
+TEST(FusedAdamCapturable, CaptureRightAfterLoadAsksForAWarmUpStep) {
+#if !defined(AMPFUSE_WITH_CUDA)
+  GTEST_SKIP() << "built without CUDA";
+#else
+  if (!ampfuse_test::cuda_available()) GTEST_SKIP() << "no CUDA device here; this test runs on a GPU machine";
+  const auto seed = ampfuse_test::seed_for_test();
+  torch::manual_seed(seed);
+  const auto f32 = torch::TensorOptions().device(torch::kCUDA).dtype(torch::kFloat);
+  std::vector<torch::Tensor> p = {torch::randn({1000}, f32), torch::randn({7, 3}, f32)};
+  for (auto& t : p) t.mutable_grad() = torch::randn_like(t);
+  ampfuse::FusedAdam opt(p, torch::optim::AdamOptions(1e-3), ampfuse::FusedAdamOptions().capturable(true));
+  opt.step();
+  const std::string file = ampfuse_test::temp_path("capture_after_load.pt");
+  torch::save(opt, file);
+  torch::load(opt, file);
+  std::remove(file.c_str());
+  try {
+    ampfuse_test::capture([&] { opt.step(); });
+    ADD_FAILURE() << "a capture right after load() was accepted";
+  } catch (const c10::Error& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find("param group 0, param 0"), std::string::npos) << what;
+    EXPECT_NE(what.find("warm-up step"), std::string::npos) << what;
+  }
+  opt.step();  // eager: the counters are made here
+  auto [graph, kernels] = ampfuse_test::capture([&] { opt.step(); });
+  EXPECT_EQ(kernels, 1u);
+#endif
+}
 
+}  // namespace
