@@ -10,7 +10,8 @@
 //   AdamClip    the same with clipping to a global 2-norm; PyTorch's =
 //               unscale_, clip_grad_norm_ (_foreach_norm, _foreach_mul_), fused
 //               step with found_inf only, _foreach_sub_
-// Parameter sets: 64M in 8 tensors, 10,000 x 4,096, GPT-2 small (148 tensors, 124M).
+// Parameter sets: 64M in 8 tensors, 10,000 x 4,096, GPT-2 small (148 tensors,
+// 124M), and on CUDA 1B in 16 tensors.
 // The scale is 1 and max_norm huge, so repeated steps keep their values.
 
 #include <ampfuse/fused_adam.h>
@@ -108,7 +109,11 @@ void register_adam(torch::Device device) {
   const std::string dev = device.is_cuda() ? "@cuda" : "";
   auto fopts = torch::TensorOptions().dtype(torch::kFloat).device(device);
   constexpr double kLr = 1e-4, kMaxNorm = 1e30;
-  for (const ParamSet& set : optimizer_sets()) {
+  std::vector<ParamSet> sets = optimizer_sets();
+  // On a GPU also 1B fp32 parameters (16 x 64M; about 80 GB with every
+  // contender's state and the copy ceiling's buffers).
+  if (device.is_cuda()) sets.push_back({"1B", std::vector<std::int64_t>(16, 64ll << 20)});
+  for (const ParamSet& set : sets) {
     const std::int64_t n = total_numel(set);
     const std::int64_t bytes = 28 * n;
     const std::string tail = "/" + set.name + dev;
@@ -132,6 +137,8 @@ void register_adam(torch::Device device) {
       register_one(o + "/aten_fused_adam" + tail, device, [=] {
         auto found = torch::zeros({}, fopts);
         auto one = torch::ones({}, fopts);
+        auto scale = torch::ones({}, fopts);
+        auto tracker = torch::zeros({}, fopts.dtype(torch::kInt));
         return Fn([=]() mutable {
           OptimizerData& d = data();
           const auto params = detached(d.params);
@@ -153,7 +160,8 @@ void register_adam(torch::Device device) {
                            false, grad_scale, found);
           // torch.optim's _fused_adam takes the step back on a skipped step.
           at::_foreach_sub_(d.steps, std::vector<at::Tensor>(d.steps.size(), found));
-          benchmark::DoNotOptimize(found.item<float>());  // PyTorch's update() reads the scale state
+          // GradScaler.update(): on the device, no host read (the fused path never reads found_inf).
+          at::_amp_update_scale_(scale, tracker, found, 2.0, 0.5, 1 << 30);
         });
       }, bytes);
     }

@@ -46,7 +46,10 @@ void register_one(const std::string& name, torch::Device device, std::function<F
     const Fn fn = make();
     run_timed(state, device, fn, bytes);
   });
-  b->Unit(benchmark::kMillisecond)->MinTime(0.5);
+  // AMPFUSE_BENCH_MIN_TIME (seconds, default 0.5): shorter for a quick pass,
+  // such as scripts/gpu-check.sh on a lent GPU.
+  const char* min_time = std::getenv("AMPFUSE_BENCH_MIN_TIME");
+  b->Unit(benchmark::kMillisecond)->MinTime(min_time ? std::atof(min_time) : 0.5);
   if (device.is_cuda()) b->UseManualTime(); else b->UseRealTime();
 }
 

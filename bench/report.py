@@ -27,6 +27,7 @@ TARGETS = [
     ("Adam", "10000x4096", "aten_fused_adam", 1.5, "the speed of at::_fused_adam_"),
     ("AdamScaled", "8x8M", "aten_fused_adam", 1.25, "the speed of PyTorch's scaled fused step"),
     ("AdamClip", "8x8M", "aten_fused_adam", 1.5, "the speed of PyTorch's unscale + clip + fused step"),
+    ("Adam", "1B@cuda", "ceiling_d2d_copy", 0.85, "of the device-to-device copy ceiling"),
     ("SGD", "8x8M", "ceiling_twin", 0.90, "of the traffic twin"),
     ("SGD", "10000x4096", "torch_optim_sgd", 3.0, "the speed of torch::optim::SGD"),
     ("LAMB", "8x8M", "ceiling_twin", 0.75, "of LAMB's minimum traffic (two-pass twin)"),
