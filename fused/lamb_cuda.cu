@@ -57,17 +57,31 @@ __global__ void __launch_bounds__(kBlockSize) lamb_moments_kernel(Meta meta, Lam
     args.chunk_sums[2 * chunk] = block_p;
     args.chunk_sums[2 * chunk + 1] = block_u;
   }
-  // The tensor's last block adds its chunks' sums in chunk order.
-  once_per_tensor_after_reads(meta, c.slot, args.counters, [&] {
+  // The tensor's last block to finish adds its chunks' sums: each thread a
+  // fixed stride of chunks, then the block's fixed reduction tree, so the
+  // norms do not depend on scheduling, and a tensor of thousands of chunks
+  // (16,384 for 1B elements) is not added up by one thread.
+  __shared__ bool last;
+  if (threadIdx.x == 0) {
     __threadfence();
-    double ps = 0.0, us = 0.0;
-    for (std::int64_t k = meta.chunk_offset(c.slot); k < meta.chunk_offset(c.slot + 1); ++k) {
-      ps += static_cast<volatile double*>(args.chunk_sums)[2 * k];
-      us += static_cast<volatile double*>(args.chunk_sums)[2 * k + 1];
-    }
+    const auto chunks = static_cast<unsigned>(meta.chunk_offset(c.slot + 1) - meta.chunk_offset(c.slot));
+    last = atomicAdd(&args.counters[c.slot], 1u) == chunks - 1;
+  }
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  double ps = 0.0, us = 0.0;
+  for (std::int64_t k = meta.chunk_offset(c.slot) + threadIdx.x; k < meta.chunk_offset(c.slot + 1); k += blockDim.x) {
+    ps += __ldcg(args.chunk_sums + 2 * k);
+    us += __ldcg(args.chunk_sums + 2 * k + 1);
+  }
+  ps = block_sum(ps);
+  us = block_sum(us);
+  if (threadIdx.x == 0) {
     args.norms[2 * c.slot] = static_cast<float>(sqrt(ps));
     args.norms[2 * c.slot + 1] = static_cast<float>(sqrt(us));
-  });
+    args.counters[c.slot] = 0;  // re-armed for the next launch
+  }
 }
 
 template <class P, bool kMaster, class Meta>
