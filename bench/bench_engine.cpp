@@ -48,8 +48,9 @@ void register_one(const std::string& name, torch::Device device, std::function<F
   });
   // AMPFUSE_BENCH_MIN_TIME (seconds, default 0.5): shorter for a quick pass,
   // such as scripts/gpu-check.sh on a lent GPU.
-  const char* min_time = std::getenv("AMPFUSE_BENCH_MIN_TIME");
-  b->Unit(benchmark::kMillisecond)->MinTime(min_time ? std::atof(min_time) : 0.5);
+  const char* env = std::getenv("AMPFUSE_BENCH_MIN_TIME");
+  const double min_time = env != nullptr ? std::atof(env) : 0.0;
+  b->Unit(benchmark::kMillisecond)->MinTime(min_time > 0.0 ? min_time : 0.5);
   if (device.is_cuda()) b->UseManualTime(); else b->UseRealTime();
 }
 

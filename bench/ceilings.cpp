@@ -36,7 +36,7 @@ std::uint32_t read_only_twin(const std::vector<float*>& data, const ampfuse::Pla
     Line acc[4] = {};
     for (std::int64_t line = 0; line < q; line += 16)
       for (std::int64_t s = 0; s < 4; ++s) {
-        __builtin_prefetch(p + s * q + line + 256);
+        if (line + 256 < q) __builtin_prefetch(p + s * q + line + 256);
         Line x;
         std::memcpy(&x, p + s * q + line, sizeof x);
         acc[s] |= x;

@@ -60,7 +60,8 @@ grep -E '^\[ launches \]' "$out/tests.log" | tee -a "$out/summary.txt"
 AMPFUSE_BENCH_MIN_TIME=${AMPFUSE_BENCH_MIN_TIME:-0.2} timeout 300 "$build/bench/ampfuse_bench" \
   --benchmark_filter='@cuda' --benchmark_out="$out/bench_cuda.json" --benchmark_out_format=json \
   --benchmark_context=torch_version="$("$python" -c 'import torch; print(torch.__version__)')" >"$out/bench.log" 2>&1
-log "benchmarks ($(elapsed) s): rc $?"
+bench_rc=$?
+log "benchmarks ($(elapsed) s): rc $bench_rc"
 if [ -s "$out/bench_cuda.json" ]; then
   "$python" "$root/bench/report.py" "$out/bench_cuda.json" --title "ampfuse on ${gpu_name:-no GPU}" \
     --md "$out/RESULTS_cuda.md" >/dev/null 2>"$logs/report.err" || log "report failed: $(tail -3 "$logs/report.err")"
@@ -75,7 +76,8 @@ timeout 60 cmake --install "$build" --prefix "$build/install" >"$logs/lion.log" 
     -DCMAKE_PREFIX_PATH="$build/install;$prefix" -DTORCH_CUDA_ARCH_LIST=9.0 >>"$logs/lion.log" 2>&1 &&
   timeout 150 cmake --build "$build/lion" --parallel "$(nproc)" >>"$logs/lion.log" 2>&1 &&
   timeout 90 ctest --test-dir "$build/lion" --output-on-failure >>"$logs/lion.log" 2>&1
-log "examples/lion ($(elapsed) s): rc $? ($(grep -E 'tests passed|tests failed' "$logs/lion.log" | tail -1))"
+lion_rc=$?
+log "examples/lion ($(elapsed) s): rc $lion_rc ($(grep -E 'tests passed|tests failed' "$logs/lion.log" | tail -1))"
 log "total $(elapsed) s"
 cat "$out/RESULTS_cuda.md" 2>/dev/null
 exit $tests_rc

@@ -181,6 +181,29 @@ TEST_P(EngineOps, FindsNonFiniteAtEveryPosition) {
       list[0].view(-1)[e] = saved;
     }
   }
+  // Streams longer than the prefetch distance (256 elements), up to a whole
+  // chunk and one past it: an inf at both ends of every stream (for vector
+  // widths 8 and 16), at the leftovers and at the tail.
+  const std::int64_t chunk = ampfuse::cpu::kChunkSize;
+  for (std::int64_t n : {std::int64_t{4097}, chunk - 1, chunk, chunk + 17}) {
+    auto list = std::vector<torch::Tensor>{torch::randn({n}, opts()), torch::randn({300}, opts())};
+    std::vector<std::int64_t> places = {n - 1, n - 2};
+    for (std::int64_t width : {8, 16})
+      for (std::int64_t from = 0; from < n; from += chunk) {
+        const std::int64_t size = std::min(chunk, n - from), run = size / (4 * width) * width;
+        for (std::int64_t u = 0; u <= 4; ++u)
+          for (std::int64_t e : {from + u * run - 1, from + u * run, from + u * run + 1})
+            if (e >= 0 && e < n) places.push_back(e);
+      }
+    for (std::int64_t e : places) {
+      const auto saved = list[0].view(-1)[e].clone();
+      list[0].view(-1)[e] = std::numeric_limits<float>::infinity();
+      auto found_inf = scalar(0.f);
+      ampfuse::check_non_finite(list, found_inf);
+      ASSERT_NE(found_inf.item<float>(), 0.f) << "n " << n << ", inf at element " << e;
+      list[0].view(-1)[e] = saved;
+    }
+  }
 }
 
 TEST_P(EngineOps, FoundInfIsNeverCleared) {
