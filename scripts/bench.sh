@@ -13,10 +13,11 @@ build --target ampfuse_bench
 python=${AMPFUSE_PYTHON:-$AMPFUSE_VENV/bin/python}
 torch_version=$("$python" -c 'import torch; print(torch.__version__)' 2>/dev/null || echo unknown)
 out="$AMPFUSE_BUILD_DIR/bench.json"
-# Three repetitions in random interleaved order, medians reported: a shared
-# 2-core VM is noisy, and interleaving spreads the noise over all contenders.
+# Five repetitions in random interleaved order, medians reported: a shared
+# 2-core VM is noisy (one contender's median of three moved by 15% between
+# runs), and interleaving spreads the noise over all contenders.
 "$AMPFUSE_BUILD_DIR/bench/ampfuse_bench" --benchmark_out="$out" --benchmark_out_format=json \
-  --benchmark_repetitions="${AMPFUSE_BENCH_REPETITIONS:-3}" --benchmark_enable_random_interleaving=true \
+  --benchmark_repetitions="${AMPFUSE_BENCH_REPETITIONS:-5}" --benchmark_enable_random_interleaving=true \
   --benchmark_report_aggregates_only=true --benchmark_context=torch_version="$torch_version" "$@"
 "$python" "$AMPFUSE_ROOT/bench/report.py" "$out" --md "$AMPFUSE_ROOT/bench/RESULTS.md" \
   --png "$AMPFUSE_ROOT/bench/results.png" --readme "$AMPFUSE_ROOT/README.md"
