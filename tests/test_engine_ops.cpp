@@ -166,20 +166,22 @@ TEST_P(EngineOps, FindsNonFiniteAtEveryPosition) {
   // inf at any element of sizes around those splits (vector widths 8 and 16,
   // four streams), with finite neighbours in the list, sets the flag, and the
   // sum of squares of the finite rest matches.
+  // True when check_non_finite flags list with an inf at element e of list[0].
+  const auto flags_inf_at = [&](std::vector<torch::Tensor>& list, std::int64_t e) {
+    const auto saved = list[0].view(-1)[e].clone();
+    list[0].view(-1)[e] = std::numeric_limits<float>::infinity();
+    auto found_inf = scalar(0.f);
+    ampfuse::check_non_finite(list, found_inf);
+    list[0].view(-1)[e] = saved;
+    return found_inf.item<float>() != 0.f;
+  };
   for (std::int64_t n : {1, 15, 16, 17, 63, 64, 65, 127, 128, 129, 191, 200, 1023, 1025}) {
     auto list = std::vector<torch::Tensor>{torch::randn({n}, opts()), torch::randn({300}, opts())};
     const double rest = reference_sum_sq(list);
     auto sum_sq = scalar(0.f);
     ampfuse::check_non_finite(list, scalar(0.f), sum_sq);
     EXPECT_NEAR(sum_sq.item<float>(), rest, 1e-5 * rest) << "n " << n;
-    for (std::int64_t e = 0; e < n; ++e) {
-      const auto saved = list[0].view(-1)[e].clone();
-      list[0].view(-1)[e] = std::numeric_limits<float>::infinity();
-      auto found_inf = scalar(0.f);
-      ampfuse::check_non_finite(list, found_inf);
-      ASSERT_NE(found_inf.item<float>(), 0.f) << "n " << n << ", inf at element " << e;
-      list[0].view(-1)[e] = saved;
-    }
+    for (std::int64_t e = 0; e < n; ++e) ASSERT_TRUE(flags_inf_at(list, e)) << "n " << n << ", inf at element " << e;
   }
   // Streams longer than the prefetch distance (256 elements), up to a whole
   // chunk and one past it: an inf at both ends of every stream (for vector
@@ -195,14 +197,7 @@ TEST_P(EngineOps, FindsNonFiniteAtEveryPosition) {
           for (std::int64_t e : {from + u * run - 1, from + u * run, from + u * run + 1})
             if (e >= 0 && e < n) places.push_back(e);
       }
-    for (std::int64_t e : places) {
-      const auto saved = list[0].view(-1)[e].clone();
-      list[0].view(-1)[e] = std::numeric_limits<float>::infinity();
-      auto found_inf = scalar(0.f);
-      ampfuse::check_non_finite(list, found_inf);
-      ASSERT_NE(found_inf.item<float>(), 0.f) << "n " << n << ", inf at element " << e;
-      list[0].view(-1)[e] = saved;
-    }
+    for (std::int64_t e : places) ASSERT_TRUE(flags_inf_at(list, e)) << "n " << n << ", inf at element " << e;
   }
 }
 
