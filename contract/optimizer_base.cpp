@@ -228,6 +228,12 @@ bool stream_capturing(c10::Device device) {
 #endif
 }
 
+void refuse_under_capture(const Entry& e, const char* optimizer, const char* what) {
+  TORCH_CHECK(!stream_capturing(e.device), optimizer, ": param group ", e.group, ", param ", e.index, ": ", what,
+              " does not exist yet under CUDA graph capture; run one step outside the capture (a warm-up step) "
+              "first");
+}
+
 void advance_step_counters(const std::vector<at::Tensor>& steps, const ScaleSignal* signal) {
   if (steps.empty()) return;
   if (!signal) {

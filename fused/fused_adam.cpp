@@ -51,15 +51,12 @@ c10::ScalarType state_dtype(const at::Tensor& p, const FusedAdamOptions& fused) 
 
 // The fp32 master copy of p, made from p on first use (or when the one kept
 // belongs to a freed parameter that had the same address). Not under CUDA
-// graph capture: a copy made inside a graph would be made again at every
-// replay, undoing the updates.
+// graph capture (sdk::refuse_under_capture).
 at::Tensor& master_for(detail::FusedAdamState& impl, const sdk::Entry& e, const char* name) {
   const at::Tensor& p = e.param;
   at::Tensor& m = impl.master[p.unsafeGetTensorImpl()];
   if (!m.defined() || m.sizes() != p.sizes() || m.device() != p.device()) {
-    TORCH_CHECK(!sdk::stream_capturing(p.device()), name, ": param group ", e.group, ", param ", e.index,
-                ": its fp32 master copy does not exist yet under CUDA graph capture; run one step outside the "
-                "capture (a warm-up step) first");
+    sdk::refuse_under_capture(e, name, "its fp32 master copy");
     m = p.detach().to(at::kFloat, /*non_blocking=*/false, /*copy=*/true, at::MemoryFormat::Preserve);
   }
   return m;
@@ -162,17 +159,14 @@ void FusedAdamImpl<Base, Options, State, kDecoupled>::step_list(const sdk::Param
     TensorListsView views;
     views.lists.resize(fused::cuda::kAdamDepth);
     std::vector<at::Tensor> empty_steps;
-    const bool capturing = sdk::stream_capturing(device);
     for (std::size_t i = 0; i < list.size(); ++i) {
       const at::Tensor& p = list[i]->param;
       at::Tensor& step = impl.device_steps[p.unsafeGetTensorImpl()];
       // New state, or a counter left by a freed parameter at the same
       // address: start from the state's step.
       if (!step.defined() || created[i] || step.device() != p.device()) {
-        // Not in a graph: a counter made there would restart at every replay.
-        TORCH_CHECK(!capturing, name(), ": param group ", pl.group, ", param ", list[i]->index,
-                    ": its device step counter does not exist yet under CUDA graph capture (first step, or "
-                    "first step after load()); run one step outside the capture (a warm-up step) first");
+        sdk::refuse_under_capture(*list[i], name(), "its device step counter (made at the first step, and again "
+                                                    "at the first after load())");
         step = at::full({1}, static_cast<double>(states[i]->step()), p.options().dtype(at::kFloat));
       }
       numels[i] = p.numel();
@@ -193,7 +187,7 @@ void FusedAdamImpl<Base, Options, State, kDecoupled>::step_list(const sdk::Param
     const double* lr_device = nullptr;
     if (fused.capturable()) {
       auto& [lr_tensor, copied] = impl.lr_device[{pl.group, device.str()}];
-      if (capturing) {
+      if (sdk::stream_capturing(device)) {
         // Under capture the device lr is authoritative: a copy of the host lr
         // recorded here would overwrite lr_tensor() at every replay.
         TORCH_CHECK(lr_tensor.defined(), name(), ": param group ", pl.group,

@@ -220,10 +220,7 @@ void FusedLAMB::step_list(const sdk::ParamList& pl) {
       s.exp_avg_sq(at::zeros_like(p, fp32, at::MemoryFormat::Preserve));
     });
     if (master && !state.master().defined()) {
-      // Not in a CUDA graph: a copy made there would be made again at every replay.
-      TORCH_CHECK(!sdk::stream_capturing(device), name(), ": param group ", e->group, ", param ", e->index,
-                  ": its fp32 master copy does not exist yet under CUDA graph capture; run one step outside the "
-                  "capture (a warm-up step) first");
+      sdk::refuse_under_capture(*e, name(), "its fp32 master copy");
       state.master(p.detach().to(at::kFloat, /*non_blocking=*/false, /*copy=*/true, at::MemoryFormat::Preserve));
     }
     states.push_back(&state);

@@ -104,7 +104,6 @@ void FusedSGD::step_list(const sdk::ParamList& pl) {
     const auto stream = sdk::current_stream(device);
     TensorListsView views;
     views.lists.resize(momentum ? 4 : 2);
-    const bool capturing = momentum && sdk::stream_capturing(device);
     for (const sdk::Entry* e : list) {
       const at::Tensor& p = e->param;
       views.lists[fused::cuda::kSgdParam].push_back({p.data_ptr(), p.numel(), st});
@@ -112,13 +111,12 @@ void FusedSGD::step_list(const sdk::ParamList& pl) {
       if (!momentum) continue;
       auto& record = impl_->device_buffers[p.unsafeGetTensorImpl()];
       // Made on first use, or again when the one kept belongs to a freed
-      // parameter that had the same address; never inside a CUDA graph (it
-      // would be made again, its flag reset, at every replay).
+      // parameter that had the same address; never inside a CUDA graph (its
+      // flag would be reset at every replay).
       if (!record.buffer.defined() || record.buffer.sizes() != p.sizes() || record.buffer.device() != p.device() ||
           record.buffer.scalar_type() != p.scalar_type()) {
-        TORCH_CHECK(!capturing, name(), ": param group ", pl.group, ", param ", e->index,
-                    ": its momentum buffer does not exist yet under CUDA graph capture (first step, or first step "
-                    "after load()); run one step outside the capture (a warm-up step) first");
+        sdk::refuse_under_capture(*e, name(), "its momentum buffer (made at the first step, and again at the first "
+                                              "after load())");
         const auto* state = find_state(p);
         const bool loaded = state != nullptr && state->momentum_buffer().defined();
         record.buffer = loaded ? state->momentum_buffer() : at::empty_like(p, at::MemoryFormat::Preserve);

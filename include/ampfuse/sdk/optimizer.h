@@ -195,6 +195,13 @@ class TicketCounters {
 /// device) checks it.
 bool stream_capturing(c10::Device device);
 
+/// Throws, naming the optimizer, e's group and index and `what` (device-side
+/// state a step keeps: a counter, a master copy, a buffer), when that state
+/// is about to be made while e's stream is being captured in a CUDA graph:
+/// made inside the graph, it would be made again at every replay. Call it
+/// where the state is made; a warm-up step outside the capture makes it.
+void refuse_under_capture(const Entry& e, const char* optimizer, const char* what);
+
 /// One list of a step: the parameters with grads of one group on one
 /// device with one dtype, and that device's scale signal.
 struct ParamList {
