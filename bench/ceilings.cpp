@@ -63,39 +63,43 @@ using Line16 = float __attribute__((vector_size(64)));  // one cache line of fp3
 // The optimizer twins walk the lists as ampfuse's CPU executor does, without
 // its arithmetic: each thread's range of chunks in order, one cache line of
 // every list at a time, every list prefetched 1 KiB (256 fp32) ahead and, near
-// a chunk's end, on into the next chunk of the range. line(x) updates the
-// lines x[l] in registers; only the lists in kWritten are stored back;
-// elem(ptrs, i) does the same for a tail element.
-template <std::size_t N, unsigned kWritten, class LineFn, class ElemFn>
-static void twin_walk(const ampfuse::Plan& plan, const std::array<const std::vector<float*>*, N>& lists, LineFn&& line,
-                      ElemFn&& elem) {
+// a chunk's end, on into the next chunk of the range. update(x) changes the
+// values x[l] of the lists (a std::array of Line16, or of float for a
+// chunk's tail); only the lists in kWritten are stored back.
+template <std::size_t N, unsigned kWritten, class Update>
+static void twin_walk(const ampfuse::Plan& plan, const std::array<const std::vector<float*>*, N>& lists,
+                      Update&& update) {
   at::parallel_for(0, plan.num_chunks(), 1, [&](std::int64_t b, std::int64_t e) {
     for (std::int64_t c = b; c < e; ++c) {
       const ampfuse::Chunk ch = plan.chunk(c);
-      const std::int64_t next_n = c + 1 < e ? plan.chunk(c + 1).size : 0;
+      const ampfuse::Chunk nx = c + 1 < e ? plan.chunk(c + 1) : ampfuse::Chunk{};  // size 0: none
+      const std::int64_t n = ch.size, next_n = nx.size;
       std::array<float*, N> base, next{};
       for (std::size_t l = 0; l < N; ++l) {
         base[l] = (*lists[l])[ch.tensor] + ch.begin;
-        if (next_n > 0) {
-          const ampfuse::Chunk nx = plan.chunk(c + 1);
-          next[l] = (*lists[l])[nx.tensor] + nx.begin;
-        }
+        if (next_n > 0) next[l] = (*lists[l])[nx.tensor] + nx.begin;
       }
-      const std::int64_t n = ch.size;
+      // Loads x from element i of every list, updates it, stores the written lists back.
+      const auto step = [&](auto& x, std::int64_t i) {
+        for (std::size_t l = 0; l < N; ++l) std::memcpy(&x[l], base[l] + i, sizeof x[l]);
+        update(x);
+        for (std::size_t l = 0; l < N; ++l)
+          if ((kWritten >> l) & 1u) std::memcpy(base[l] + i, &x[l], sizeof x[l]);
+      };
       std::int64_t i = 0;
       for (; i + 16 <= n; i += 16) {
         const std::int64_t ahead = i + 256;
-        std::array<Line16, N> x;
         for (std::size_t l = 0; l < N; ++l) {
           if (ahead < n) __builtin_prefetch(base[l] + ahead);
           else if (ahead - n < next_n) __builtin_prefetch(next[l] + (ahead - n));
-          std::memcpy(&x[l], base[l] + i, sizeof(Line16));
         }
-        line(x);
-        for (std::size_t l = 0; l < N; ++l)
-          if ((kWritten >> l) & 1u) std::memcpy(base[l] + i, &x[l], sizeof(Line16));
+        std::array<Line16, N> x;
+        step(x, i);
       }
-      for (; i < n; ++i) elem(base, i);
+      for (; i < n; ++i) {
+        std::array<float, N> x;
+        step(x, i);
+      }
     }
   });
 }
@@ -103,51 +107,30 @@ static void twin_walk(const ampfuse::Plan& plan, const std::array<const std::vec
 void adam_twin(const std::vector<float*>& p, const std::vector<float*>& g, const std::vector<float*>& m,
                const std::vector<float*>& v, const ampfuse::Plan& plan) {
   // Lists p, g, m, v; writes p, m, v.
-  twin_walk<4, 0b1101u>(
-      plan, {&p, &g, &m, &v},
-      [](std::array<Line16, 4>& x) {
-        x[2] = x[2] * 0.5f + x[1];
-        x[3] = x[3] * 0.5f + x[1] * x[1];
-        x[0] = x[0] - (x[2] + x[3]) * kNudge;
-      },
-      [](const std::array<float*, 4>& q, std::int64_t i) {
-        q[2][i] = q[2][i] * 0.5f + q[1][i];
-        q[3][i] = q[3][i] * 0.5f + q[1][i] * q[1][i];
-        q[0][i] = q[0][i] - (q[2][i] + q[3][i]) * kNudge;
-      });
+  twin_walk<4, 0b1101u>(plan, {&p, &g, &m, &v}, [](auto& x) {
+    x[2] = x[2] * 0.5f + x[1];
+    x[3] = x[3] * 0.5f + x[1] * x[1];
+    x[0] = x[0] - (x[2] + x[3]) * kNudge;
+  });
 }
 
 void sgd_twin(const std::vector<float*>& p, const std::vector<float*>& g, const std::vector<float*>& buf,
               const ampfuse::Plan& plan) {
   // Lists p, g, buf; writes p, buf.
-  twin_walk<3, 0b101u>(
-      plan, {&p, &g, &buf},
-      [](std::array<Line16, 3>& x) {
-        x[2] = x[2] * 0.5f + x[1];
-        x[0] = x[0] - x[2] * kNudge;
-      },
-      [](const std::array<float*, 3>& q, std::int64_t i) {
-        q[2][i] = q[2][i] * 0.5f + q[1][i];
-        q[0][i] = q[0][i] - q[2][i] * kNudge;
-      });
+  twin_walk<3, 0b101u>(plan, {&p, &g, &buf}, [](auto& x) {
+    x[2] = x[2] * 0.5f + x[1];
+    x[0] = x[0] - x[2] * kNudge;
+  });
 }
 
 void lamb_twin(const std::vector<float*>& p, const std::vector<float*>& g, const std::vector<float*>& m,
                const std::vector<float*>& v, const ampfuse::Plan& plan) {
   // Pass 1: lists p, g, m, v; writes m, v. Pass 2: lists p, m, v; writes p.
-  twin_walk<4, 0b1100u>(
-      plan, {&p, &g, &m, &v},
-      [](std::array<Line16, 4>& x) {
-        x[2] = x[2] * 0.5f + x[1];
-        x[3] = x[3] * 0.5f + x[0] * x[0];
-      },
-      [](const std::array<float*, 4>& q, std::int64_t i) {
-        q[2][i] = q[2][i] * 0.5f + q[1][i];
-        q[3][i] = q[3][i] * 0.5f + q[0][i] * q[0][i];
-      });
-  twin_walk<3, 0b001u>(
-      plan, {&p, &m, &v}, [](std::array<Line16, 3>& x) { x[0] = x[0] - x[1] * x[2] * kNudge; },
-      [](const std::array<float*, 3>& q, std::int64_t i) { q[0][i] = q[0][i] - q[1][i] * q[2][i] * kNudge; });
+  twin_walk<4, 0b1100u>(plan, {&p, &g, &m, &v}, [](auto& x) {
+    x[2] = x[2] * 0.5f + x[1];
+    x[3] = x[3] * 0.5f + x[0] * x[0];
+  });
+  twin_walk<3, 0b001u>(plan, {&p, &m, &v}, [](auto& x) { x[0] = x[0] - x[1] * x[2] * kNudge; });
 }
 
 }  // namespace ampfuse_bench
