@@ -15,8 +15,8 @@
 # bench.log, bench_cuda.json, RESULTS_cuda.md, logs.tar.gz (configure, build,
 # lion and report logs) and nothing else.
 #
-#   scripts/gpu-deps.sh            # on the build machine, once
-#   device run: bash scripts/gpu-check.sh   (carry .gpu-deps)
+#   scripts/gpu-deps.sh; scripts/gpu-prebuilt.sh   # on the build machine
+#   device run: bash scripts/gpu-check.sh   (carry .gpu-deps and .gpu-prebuilt)
 set -uo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 out=${OUT:-$root/build-gpu/logs}
@@ -42,22 +42,50 @@ generator=(); command -v ninja >/dev/null && generator=(-G Ninja)
 
 start=$(date +%s)
 elapsed() { echo $(( $(date +%s) - start )); }
-timeout 180 cmake -S "$root" -B "$build" "${generator[@]}" -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$prefix" \
-  -DAMPFUSE_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DAMPFUSE_BUILD_TESTS=ON -DAMPFUSE_BUILD_BENCH=ON \
-  >"$logs/configure.log" 2>&1 || { log "configure FAILED"; tail -30 "$logs/configure.log"; exit 1; }
-# Only what the check runs (not the header checks or the examples CI builds).
-timeout 360 cmake --build "$build" --parallel "$(nproc)" --target ampfuse_tests ampfuse_bench \
-  >"$logs/build.log" 2>&1 || { log "build FAILED after $(elapsed) s"; grep -E "error" -A3 "$logs/build.log" | head -40; exit 1; }
-log "built in $(elapsed) s"
+# The CUDA libraries of this machine's PyTorch wheel (and the carried test
+# libraries), for binaries built elsewhere and for the ones built here.
+torch_dir=$("$python" -c 'import os, torch; print(os.path.dirname(torch.__file__))')
+libs="$root/.gpu-deps/usr/lib/x86_64-linux-gnu:$torch_dir/lib"
+for d in "$(dirname "$torch_dir")"/nvidia/*/lib "$(dirname "$torch_dir")"/nvidia/cu13/lib /usr/local/cuda/lib64; do
+  [ -d "$d" ] && libs="$libs:$d"
+done
+export LD_LIBRARY_PATH="$libs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 
-export LD_LIBRARY_PATH="$root/.gpu-deps/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-timeout 240 "$build/tests/ampfuse_tests" --gtest_filter='-*cpu*:*avx*:*baseline*' >"$out/tests.log" 2>&1
+# Binaries built on the build machine (scripts/gpu-prebuilt.sh) save the
+# build's minutes of device time when they run here (same PyTorch release,
+# same CUDA major version); otherwise everything is built here.
+bin="$root/.gpu-prebuilt"
+if [ -x "$bin/ampfuse_tests" ] && [ -x "$bin/ampfuse_bench" ] &&
+   timeout 60 "$bin/ampfuse_tests" --gtest_list_tests >/dev/null 2>"$logs/prebuilt.log" &&
+   timeout 60 "$bin/ampfuse_bench" --benchmark_list_tests --benchmark_filter=NONE >/dev/null 2>>"$logs/prebuilt.log"; then
+  log "using the carried binaries in .gpu-prebuilt ($(cat "$bin/BUILT" 2>/dev/null))"
+  prebuilt=1
+else
+  [ -d "$bin" ] && log "carried binaries do not run here: $(tail -2 "$logs/prebuilt.log" | tr '\n' ' ')"
+  prebuilt=0
+  timeout 180 cmake -S "$root" -B "$build" "${generator[@]}" -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$prefix" \
+    -DAMPFUSE_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DAMPFUSE_BUILD_TESTS=ON -DAMPFUSE_BUILD_BENCH=ON \
+    >"$logs/configure.log" 2>&1 || { log "configure FAILED"; tail -30 "$logs/configure.log"; exit 1; }
+  # Only what the check runs (not the header checks).
+  timeout 360 cmake --build "$build" --parallel "$(nproc)" --target ampfuse_tests ampfuse_bench readme_example train_amp \
+    >"$logs/build.log" 2>&1 || { log "build FAILED after $(elapsed) s"; grep -E "error" -A3 "$logs/build.log" | head -40; exit 1; }
+  log "built in $(elapsed) s"
+  bin="$build/bin"
+  mkdir -p "$bin"
+  cp "$build/tests/ampfuse_tests" "$build/bench/ampfuse_bench" "$build/tests/readme_example" "$build/tests/train_amp" "$bin/"
+fi
+
+timeout 240 "$bin/ampfuse_tests" --gtest_filter='-*cpu*:*avx*:*baseline*' >"$out/tests.log" 2>&1
 tests_rc=$?
 log "tests ($(elapsed) s): $(grep -E '^\[  (PASSED|FAILED|SKIPPED) *\] [0-9]+ tests?' "$out/tests.log" | tr '\n' ' ') (rc $tests_rc)"
 grep -E '^\[  FAILED  \]' "$out/tests.log" | head -20 | tee -a "$out/summary.txt"
 grep -E '^\[ launches \]' "$out/tests.log" | tee -a "$out/summary.txt"
+# The README's example and the mixed-precision training example, on the GPU.
+(cd "$logs" && timeout 60 "$bin/readme_example" >"$logs/examples.log" 2>&1 &&
+  timeout 90 "$bin/train_amp" --check 0.07 >>"$logs/examples.log" 2>&1)
+log "examples (readme_example, train_amp --check 0.07): rc $? ($(tail -1 "$logs/examples.log"))"
 
-AMPFUSE_BENCH_MIN_TIME=${AMPFUSE_BENCH_MIN_TIME:-0.2} timeout 300 "$build/bench/ampfuse_bench" \
+AMPFUSE_BENCH_MIN_TIME=${AMPFUSE_BENCH_MIN_TIME:-0.2} timeout 300 "$bin/ampfuse_bench" \
   --benchmark_filter='@cuda' --benchmark_out="$out/bench_cuda.json" --benchmark_out_format=json \
   --benchmark_context=torch_version="$("$python" -c 'import torch; print(torch.__version__)')" >"$out/bench.log" 2>&1
 bench_rc=$?
@@ -71,13 +99,20 @@ fi
 
 # Last, as it is the least needed: the third-party example (examples/lion)
 # against the installed ampfuse, CUDA part included.
-timeout 60 cmake --install "$build" --prefix "$build/install" >"$logs/lion.log" 2>&1 &&
-  timeout 60 cmake -S "$root/examples/lion" -B "$build/lion" "${generator[@]}" -DCMAKE_BUILD_TYPE=Release \
-    -DCMAKE_PREFIX_PATH="$build/install;$prefix" -DTORCH_CUDA_ARCH_LIST=9.0 >>"$logs/lion.log" 2>&1 &&
-  timeout 150 cmake --build "$build/lion" --parallel "$(nproc)" >>"$logs/lion.log" 2>&1 &&
-  timeout 90 ctest --test-dir "$build/lion" --output-on-failure >>"$logs/lion.log" 2>&1
-lion_rc=$?
-log "examples/lion ($(elapsed) s): rc $lion_rc ($(grep -E 'tests passed|tests failed' "$logs/lion.log" | tail -1))"
+if [ "$prebuilt" = 1 ] && [ -x "$bin/test_lion" ]; then
+  timeout 120 "$bin/test_lion" >"$logs/lion.log" 2>&1
+  lion_rc=$?
+  lion_summary=$(grep -E '^\[  (PASSED|FAILED|SKIPPED) *\] [0-9]+ tests?' "$logs/lion.log" | tr '\n' ' ')
+else
+  timeout 60 cmake --install "$build" --prefix "$build/install" >"$logs/lion.log" 2>&1 &&
+    timeout 60 cmake -S "$root/examples/lion" -B "$build/lion" "${generator[@]}" -DCMAKE_BUILD_TYPE=Release \
+      -DCMAKE_PREFIX_PATH="$build/install;$prefix" -DTORCH_CUDA_ARCH_LIST=9.0 >>"$logs/lion.log" 2>&1 &&
+    timeout 150 cmake --build "$build/lion" --parallel "$(nproc)" >>"$logs/lion.log" 2>&1 &&
+    timeout 90 ctest --test-dir "$build/lion" --output-on-failure >>"$logs/lion.log" 2>&1
+  lion_rc=$?
+  lion_summary=$(grep -E 'tests passed|tests failed' "$logs/lion.log" | tail -1)
+fi
+log "examples/lion ($(elapsed) s): rc $lion_rc ($lion_summary)"
 log "total $(elapsed) s"
 cat "$out/RESULTS_cuda.md" 2>/dev/null
 exit $tests_rc
