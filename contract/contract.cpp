@@ -1,10 +1,22 @@
 #include "ampfuse/contract.h"
 
+#include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/util/Exception.h>
 
 namespace ampfuse {
+namespace {
+
+// A device named without an index ("cuda") means the current one, as for
+// tensor options; tensors always carry the index, so the signals are keyed by it.
+c10::Device concrete(c10::Device device) {
+  if (device.is_cpu() || device.has_index()) return device;
+  return {device.type(), c10::impl::getDeviceGuardImpl(device.type())->getDevice().index()};
+}
+
+}  // namespace
 
 void StepSignals::set(c10::Device device, ScaleSignal signal) {
+  device = concrete(device);
   for (auto& [d, s] : signals_) {
     if (d == device) {
       s = std::move(signal);
@@ -15,6 +27,7 @@ void StepSignals::set(c10::Device device, ScaleSignal signal) {
 }
 
 const ScaleSignal& StepSignals::at(c10::Device device) const {
+  device = concrete(device);
   for (const auto& [d, s] : signals_)
     if (d == device) return s;
   TORCH_CHECK(false, "ampfuse::StepSignals: no scale signal for device ", device,
@@ -22,6 +35,7 @@ const ScaleSignal& StepSignals::at(c10::Device device) const {
 }
 
 bool StepSignals::contains(c10::Device device) const {
+  device = concrete(device);
   for (const auto& entry : signals_)
     if (entry.first == device) return true;
   return false;

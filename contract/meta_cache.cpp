@@ -30,8 +30,11 @@ struct Entry {
 // Entries that a CUDA graph captured are kept beyond it, for as long as the
 // process runs: a replay reads them.
 constexpr std::size_t kCapacity = 32;
+// Never destroyed: at exit the CUDA runtime may be unloaded before static
+// destructors run, and ~CUDAEvent's device guard then throws ("driver
+// shutting down"), which terminates the process. The process's end frees it.
 std::mutex g_mutex;
-std::list<Entry> g_entries;
+std::list<Entry>& g_entries = *new std::list<Entry>();
 std::int64_t g_uploads = 0;
 
 }  // namespace

@@ -669,6 +669,8 @@ TEST(FusedAdamCapturable, GraphReplayMatchesEagerWithOneLaunchPerGroupAndDtype) 
   graphed->step();  // warm-up: state, device lr and metadata exist before capture
   auto [graph, kernels] = ampfuse_test::capture([&] { graphed->step(); });
   EXPECT_EQ(kernels, 3u) << "one launch per (group, dtype) list";
+  std::cout << "[ launches ] FusedAdamW capturable, 2 groups, 3 (group, dtype) lists: " << kernels
+            << " kernel nodes per step\n";
   eager->step();  // capture does not run the step; a replay does
   plain->step();
   graph->replay();

@@ -29,7 +29,8 @@ struct ScaleSignal {
 /// The signals of one step: one per device that holds grads of the optimizer.
 class StepSignals {
  public:
-  /// Sets the signal of `device` (replacing an earlier one).
+  /// Sets the signal of `device` (replacing an earlier one). A device without
+  /// an index (torch::kCUDA) means the current one of its type, here and below.
   void set(c10::Device device, ScaleSignal signal);
   /// The signal of `device`; throws c10::Error naming the device when absent.
   const ScaleSignal& at(c10::Device device) const;
