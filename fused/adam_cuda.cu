@@ -10,9 +10,11 @@ namespace {
 
 using namespace ampfuse::cuda::detail;
 
-// P: param and grad storage; S: moment storage; kMaster: the update runs on
-// an fp32 master copy, written back to the param rounded to P.
-template <class P, class S, bool kAmsgrad, bool kMaster, class Meta>
+// P: param and grad storage; S: moment storage; kWithMaster: the update runs
+// on an fp32 master copy (list kMaster), written back to the param rounded to
+// P. (Named apart from the list: a template parameter kMaster once hid the
+// enumerator, and the kernel took the grad list, 1, for the master copies.)
+template <class P, class S, bool kAmsgrad, bool kWithMaster, class Meta>
 __global__ void __launch_bounds__(kBlockSize) adam_kernel(Meta meta, AdamCudaArgs args) {
   if (step_skipped(args.found_inf)) return;  // contract rule 1: before any write
   const BlockChunk c = locate_chunk(meta, blockIdx.x);
@@ -34,14 +36,14 @@ __global__ void __launch_bounds__(kBlockSize) adam_kernel(Meta meta, AdamCudaArg
   S* m = static_cast<S*>(meta.data(kExpAvg, c.slot)) + c.begin;
   S* v = static_cast<S*>(meta.data(kExpAvgSq, c.slot)) + c.begin;
   S* vmax = kAmsgrad ? static_cast<S*>(meta.data(kMaxExpAvgSq, c.slot)) + c.begin : nullptr;
-  float* master = kMaster ? static_cast<float*>(meta.data(kMaster, c.slot)) + c.begin : nullptr;
+  float* master = kWithMaster ? static_cast<float*>(meta.data(AdamList::kMaster, c.slot)) + c.begin : nullptr;
 
   auto update = [&](std::int64_t i, P& pe, P ge, S& me, S& ve, S* vmaxe) {
-    float pf = kMaster ? master[i] : to_float(pe);
+    float pf = kWithMaster ? master[i] : to_float(pe);
     float mf = to_float(me), vf = to_float(ve);
     float vmaxf = kAmsgrad ? to_float(*vmaxe) : 0.f;
     adam_update<float, ScalarOps>(pf, to_float(ge) * grad_factor, mf, vf, &vmaxf, hyper, s);
-    if (kMaster) master[i] = pf;
+    if (kWithMaster) master[i] = pf;
     pe = from_float<P>(pf);
     me = from_float<S>(mf);
     ve = from_float<S>(vf);
@@ -50,7 +52,7 @@ __global__ void __launch_bounds__(kBlockSize) adam_kernel(Meta meta, AdamCudaArg
 
   std::int64_t i = threadIdx.x;
   // 16-byte vectors when every list has one storage type and is aligned.
-  if constexpr (std::is_same<P, S>::value && !kMaster) {
+  if constexpr (std::is_same<P, S>::value && !kWithMaster) {
     using V = Vec16<P>;
     const bool aligned = is_aligned16(p) && is_aligned16(g) && is_aligned16(m) && is_aligned16(v) &&
                          (!kAmsgrad || is_aligned16(vmax));
