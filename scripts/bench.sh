@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Sets up a fresh machine as scripts/test.sh does, builds the benchmarks, runs
 # the comparison, prints the ratio table and regenerates bench/RESULTS.md,
-# bench/results.png and the ratios block of README.md. Extra arguments go to the benchmark binary
+# bench/results.png and the ratios block of README.md (with the CUDA results
+# of the last GPU check, bench/gpu/*.json, as their second part). Extra arguments go to the benchmark binary
 # (e.g. --benchmark_filter=Check). AMPFUSE_BENCH_THREADS sets the thread
 # count for every contender (default: all cores).
 set -euo pipefail
@@ -19,5 +20,9 @@ out="$AMPFUSE_BUILD_DIR/bench.json"
 "$AMPFUSE_BUILD_DIR/bench/ampfuse_bench" --benchmark_out="$out" --benchmark_out_format=json \
   --benchmark_repetitions="${AMPFUSE_BENCH_REPETITIONS:-5}" --benchmark_enable_random_interleaving=true \
   --benchmark_report_aggregates_only=true --benchmark_context=torch_version="$torch_version" "$@"
+# The CUDA part comes from the last GPU check (scripts/gpu-check.sh on a lent
+# GPU machine), committed under bench/gpu/: this machine has no GPU.
+gpu_json=("$AMPFUSE_ROOT"/bench/gpu/*.json)
+[ -e "${gpu_json[0]}" ] || gpu_json=()
 "$python" "$AMPFUSE_ROOT/bench/report.py" "$out" --md "$AMPFUSE_ROOT/bench/RESULTS.md" \
-  --png "$AMPFUSE_ROOT/bench/results.png" --readme "$AMPFUSE_ROOT/README.md"
+  --png "$AMPFUSE_ROOT/bench/results.png" --readme "$AMPFUSE_ROOT/README.md" ${gpu_json[@]:+--gpu "${gpu_json[@]}"}

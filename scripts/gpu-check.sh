@@ -1,22 +1,28 @@
 #!/usr/bin/env bash
 # The GPU check, for a machine with a CUDA GPU, PyTorch and no network.
 #
-# Builds ampfuse's tests and benchmarks against that machine's PyTorch for
-# sm_90, runs the tests (CUDA ones and the rest, not the CPU instruction-set
-# cases CI covers), runs the CUDA benchmarks with the device-to-device copy
-# ceiling (1B parameters for Adam included), then builds and tests
-# examples/lion, prints a short table last. GoogleTest and Google Benchmark
+# Takes the test, benchmark and example binaries carried in .gpu-prebuilt/
+# (scripts/gpu-prebuilt.sh) when they load against that machine's PyTorch,
+# else builds them there for sm_90; runs the tests (CUDA ones and the rest,
+# not the CPU instruction-set cases CI covers), the README example and
+# train_amp, the CUDA benchmarks with the device-to-device copy ceiling (1B
+# parameters for Adam included), then examples/lion's tests, and prints a
+# short table last. GoogleTest and Google Benchmark
 # come from the machine, or from .gpu-deps/ (made here by scripts/gpu-deps.sh
 # and carried along).
 #
-# Budget: about 8 minutes on 16 cores; every phase has a time limit, so that
-# what ran comes back even when one hangs. $OUT (when set) gets at most 7
+# Budget (H200, 2026-11-30): with the carried binaries, tests 15 s, examples
+# and lion 5 s, every CUDA benchmark about 6 min (the 300 s it had once ended
+# during LAMB); building here instead adds minutes. Every phase has a time
+# limit, so that what ran comes back even when one hangs. $OUT (when set) gets at most 7
 # files, since a lent machine sends back 8: summary.txt, tests.log,
 # bench.log, bench_cuda.json, RESULTS_cuda.md, logs.tar.gz (configure, build,
 # lion and report logs) and nothing else.
 #
 #   scripts/gpu-deps.sh; scripts/gpu-prebuilt.sh   # on the build machine
 #   device run: bash scripts/gpu-check.sh   (carry .gpu-deps and .gpu-prebuilt)
+#   then commit $OUT/bench_cuda.json as bench/gpu/<gpu>.json: scripts/bench.sh
+#   renders it as the CUDA part of bench/RESULTS.md and of the README.
 set -uo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 out=${OUT:-$root/build-gpu/logs}
@@ -88,7 +94,8 @@ log "examples (readme_example, train_amp --check 0.07): rc $? ($(tail -1 "$logs/
 # AMPFUSE_GPU_BENCH_FILTER picks fewer (a rerun of what a timeout cut off).
 AMPFUSE_BENCH_MIN_TIME=${AMPFUSE_BENCH_MIN_TIME:-0.2} timeout "${AMPFUSE_GPU_BENCH_TIMEOUT:-420}" "$bin/ampfuse_bench" \
   --benchmark_filter="${AMPFUSE_GPU_BENCH_FILTER:-@cuda}" --benchmark_out="$out/bench_cuda.json" --benchmark_out_format=json \
-  --benchmark_context=torch_version="$("$python" -c 'import torch; print(torch.__version__)')" >"$out/bench.log" 2>&1
+  --benchmark_context=torch_version="$("$python" -c 'import torch; print(torch.__version__)')" \
+  --benchmark_context=gpu="$(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null | head -1)" >"$out/bench.log" 2>&1
 bench_rc=$?
 log "benchmarks ($(elapsed) s): rc $bench_rc"
 if [ -s "$out/bench_cuda.json" ]; then
