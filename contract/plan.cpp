@@ -18,6 +18,9 @@ const char* to_string(ScalarType t) {
 Plan::Plan(const std::int64_t* numels, std::int64_t num_tensors, std::int64_t chunk_size)
     : chunk_size_(chunk_size) {
   if (chunk_size <= 0) throw std::invalid_argument("ampfuse::Plan: chunk_size must be positive");
+  tensors_.reserve(static_cast<std::size_t>(num_tensors));
+  numels_.reserve(static_cast<std::size_t>(num_tensors));
+  chunk_offsets_.reserve(static_cast<std::size_t>(num_tensors) + 1);
   chunk_offsets_.push_back(0);
   for (std::int64_t t = 0; t < num_tensors; ++t) {
     const std::int64_t n = numels[t];

@@ -7,11 +7,13 @@
 #include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <array>
 #include <cstring>
 
 #include "contract/cpu/kernels.h"
 #include "contract/meta_cache.h"
+#include "contract/tensor_ops_views.h"
 
 #if defined(AMPFUSE_WITH_CUDA)
 #include <c10/cuda/CUDAGuard.h>
@@ -80,41 +82,50 @@ c10::optional<c10::Device> common_device(at::TensorList tensors) {
   return tensors[0].device();
 }
 
-/// Tensor indices of each dtype, in the order Float32, Float16, BFloat16.
-std::array<std::vector<std::int64_t>, 3> group_by_dtype(const TensorListsView& views) {
-  std::array<std::vector<std::int64_t>, 3> groups;
-  for (std::int64_t t = 0; t < views.num_tensors(); ++t)
-    groups[static_cast<int>(views.lists[0][t].dtype)].push_back(t);
-  return groups;
-}
-
-/// One dtype group of a depth-1 list: its view and plan.
+/// One dtype group of a depth-1 list: its view and plan. A list of one dtype
+/// (the usual case) is its own group, not copied: `view` points at it.
 struct Group {
   ScalarType dtype;
-  TensorListsView view;
+  const TensorListsView* view;
   Plan plan;
+  TensorListsView owned;  // the group's own view when the list mixes dtypes
 };
 
 std::vector<Group> make_groups(const TensorListsView& views, std::int64_t chunk_size) {
   std::vector<Group> out;
-  const auto groups = group_by_dtype(views);
-  for (std::size_t g = 0; g < groups.size(); ++g) {
-    if (groups[g].empty()) continue;
-    Group group{static_cast<ScalarType>(g), {}, {}};
-    group.view.lists.resize(1);
+  const std::vector<TensorView>& list = views.lists[0];
+  const auto mixed = std::find_if(list.begin(), list.end(), [&](const TensorView& v) {
+    return v.dtype != list.front().dtype;
+  });
+  if (mixed == list.end()) {
+    if (list.empty()) return out;
     std::vector<std::int64_t> numels;
-    for (std::int64_t t : groups[g]) {
-      group.view.lists[0].push_back(views.lists[0][t]);
-      numels.push_back(views.lists[0][t].numel);
+    numels.reserve(list.size());
+    for (const TensorView& v : list) numels.push_back(v.numel);
+    Plan plan(numels, chunk_size);
+    if (plan.num_chunks() > 0) out.push_back({list.front().dtype, &views, std::move(plan), {}});
+    return out;
+  }
+  for (int d = 0; d < 3; ++d) {  // Float32, Float16, BFloat16
+    Group group{static_cast<ScalarType>(d), nullptr, {}, {}};
+    group.owned.lists.resize(1);
+    std::vector<std::int64_t> numels;
+    for (const TensorView& v : list) {
+      if (static_cast<int>(v.dtype) != d) continue;
+      group.owned.lists[0].push_back(v);
+      numels.push_back(v.numel);
     }
+    if (numels.empty()) continue;
     group.plan = Plan(numels, chunk_size);
     if (group.plan.num_chunks() > 0) out.push_back(std::move(group));
   }
+  for (Group& g : out) g.view = &g.owned;  // after the moves
   return out;
 }
 
 std::vector<void*> data_pointers(const TensorListsView& view) {
   std::vector<void*> ptrs;
+  ptrs.reserve(view.lists[0].size());
   for (const TensorView& v : view.lists[0]) ptrs.push_back(v.data);
   return ptrs;
 }
@@ -128,10 +139,37 @@ void for_each_cuda_group(const TensorListsView& views, c10::Device device, Launc
   const auto stream = c10::cuda::getCurrentCUDAStream(device.index()).stream();
   for (const Group& g : make_groups(views, cuda::kChunkSize)) {
     std::vector<std::int64_t> words;
-    launch(g, detail::make_launch_meta(g.view, g.plan, device, words), stream);
+    launch(g, detail::make_launch_meta(*g.view, g.plan, device, words), stream);
   }
 }
 #endif
+
+}  // namespace
+
+namespace {
+
+// Checks tensor i of a list (at(i), n of them; the first one's device is the
+// list's) against `first` (the tensors at the same positions of the first
+// list, or null) and appends its view: one pass, checks and views together.
+template <class At, class First>
+void check_and_append(At at, std::size_t n, First first, const char* op, const std::string& name,
+                      const std::string& first_name, std::vector<TensorView>& out) {
+  const c10::optional<c10::Device> device =
+      n > 0 && at(0).defined() ? c10::optional<c10::Device>(at(0).device()) : c10::nullopt;
+  out.reserve(n);
+  for (std::size_t i = 0; i < n; ++i) {
+    const at::Tensor& t = at(i);
+    check_tensor(t, op, name, i, device);
+    if (const at::Tensor* f = first(i)) {
+      TORCH_CHECK(t.sizes() == f->sizes(), op, ": ", name, "[", i, "] has shape ", t.sizes(), " but ", first_name,
+                  "[", i, "] has shape ", f->sizes());
+      TORCH_CHECK(t.strides() == f->strides(), op, ": ", name, "[", i, "] has strides ", t.strides(), " but ",
+                  first_name, "[", i, "] has strides ", f->strides(),
+                  "; tensors updated together must share one memory layout");
+    }
+    out.push_back({t.data_ptr(), t.numel(), to_scalar_type(t.scalar_type())});
+  }
+}
 
 }  // namespace
 
@@ -141,26 +179,36 @@ TensorListsView make_list_views(const std::vector<at::TensorList>& lists, const 
               " names");
   TensorListsView views;
   if (lists.empty()) return views;
-  const c10::optional<c10::Device> device = common_device(lists[0]);
+  views.lists.resize(lists.size());
+  // At 10,000 tensors this host work is what a step costs on a GPU.
   for (std::size_t l = 0; l < lists.size(); ++l) {
     TORCH_CHECK(lists[l].size() == lists[0].size(), op, ": ", names[l], " has ", lists[l].size(), " tensors but ",
                 names[0], " has ", lists[0].size());
-    for (std::size_t i = 0; i < lists[l].size(); ++i) {
-      const at::Tensor& t = lists[l][i];
-      check_tensor(t, op, names[l], i, device);
-      TORCH_CHECK(t.sizes() == lists[0][i].sizes(), op, ": ", names[l], "[", i, "] has shape ", t.sizes(), " but ",
-                  names[0], "[", i, "] has shape ", lists[0][i].sizes());
-      TORCH_CHECK(t.strides() == lists[0][i].strides(), op, ": ", names[l], "[", i, "] has strides ", t.strides(),
-                  " but ", names[0], "[", i, "] has strides ", lists[0][i].strides(),
-                  "; tensors updated together must share one memory layout");
-    }
+    const at::TensorList list = lists[l], first = lists[0];
+    check_and_append([&](std::size_t i) -> const at::Tensor& { return list[i]; }, list.size(),
+                     [&](std::size_t i) { return l > 0 ? &first[i] : nullptr; }, op, names[l], names[0],
+                     views.lists[l]);
   }
-  views.lists.resize(lists.size());
-  for (std::size_t l = 0; l < lists.size(); ++l)
-    for (const at::Tensor& t : lists[l])
-      views.lists[l].push_back({t.data_ptr(), t.numel(), to_scalar_type(t.scalar_type())});
+  // The first list's device is every list's.
+  for (std::size_t l = 1; l < lists.size(); ++l)
+    if (!lists[l].empty() && lists[0][0].defined())
+      TORCH_CHECK(lists[l][0].device() == lists[0][0].device(), op, ": ", names[l], "[0] is on ",
+                  lists[l][0].device(), " but ", names[0], "[0] is on ", lists[0][0].device(),
+                  "; one list must be on one device");
   return views;
 }
+
+namespace detail {
+
+TensorListsView make_views(const std::vector<const at::Tensor*>& tensors, const std::string& name, const char* op) {
+  TensorListsView views;
+  views.lists.resize(1);
+  check_and_append([&](std::size_t i) -> const at::Tensor& { return *tensors[i]; }, tensors.size(),
+                   [](std::size_t) -> const at::Tensor* { return nullptr; }, op, name, name, views.lists[0]);
+  return views;
+}
+
+}  // namespace detail
 
 void check_non_finite(at::TensorList tensors, const at::Tensor& found_inf, const c10::optional<at::Tensor>& sum_sq) {
   constexpr const char* op = "ampfuse::check_non_finite";
@@ -168,14 +216,19 @@ void check_non_finite(at::TensorList tensors, const at::Tensor& found_inf, const
   check_scalar(found_inf, op, "found_inf", device);
   if (sum_sq) check_scalar(*sum_sq, op, "sum_sq", device, /*allow_double=*/true);
   const TensorListsView views = make_list_views({tensors}, {"tensors"}, op);
-  if (!device) return;
+  if (device) detail::check_non_finite(views, *device, found_inf, sum_sq);
+}
 
-  if (device->is_cpu()) {
+namespace detail {
+
+void check_non_finite(const TensorListsView& views, c10::Device device, const at::Tensor& found_inf,
+                      const c10::optional<at::Tensor>& sum_sq) {
+  if (device.is_cpu()) {
     const cpu::Kernels& k = cpu::kernels();
     bool any_non_finite = false;
     double total = 0.0;
     for (const Group& g : make_groups(views, cpu::kChunkSize)) {
-      const std::vector<void*> ptrs = data_pointers(g.view);
+      const std::vector<void*> ptrs = data_pointers(*g.view);
       const std::int64_t num_chunks = g.plan.num_chunks();
       std::vector<unsigned char> chunk_non_finite(static_cast<std::size_t>(num_chunks));
       std::vector<double> chunk_sum_sq(sum_sq ? static_cast<std::size_t>(num_chunks) : 0);
@@ -197,7 +250,7 @@ void check_non_finite(at::TensorList tensors, const at::Tensor& found_inf, const
     return;
   }
 #if defined(AMPFUSE_WITH_CUDA)
-  for_each_cuda_group(views, *device, [&](const Group& g, const cuda::LaunchMeta& meta, cuda::Stream stream) {
+  for_each_cuda_group(views, device, [&](const Group& g, const cuda::LaunchMeta& meta, cuda::Stream stream) {
     at::Tensor workspace;
     if (sum_sq)
       workspace = at::empty({static_cast<std::int64_t>(cuda::check_workspace_bytes(meta.num_chunks))},
@@ -211,21 +264,13 @@ void check_non_finite(at::TensorList tensors, const at::Tensor& found_inf, const
 #endif
 }
 
-namespace {
-
-void scale_impl(const char* op, at::TensorList tensors, const at::Tensor& scale, const at::Tensor* found_inf) {
-  const auto device = common_device(tensors);
-  check_scalar(scale, op, "scale", device);
-  if (found_inf) check_scalar(*found_inf, op, "found_inf", device);
-  const TensorListsView views = make_list_views({tensors}, {"tensors"}, op);
-  if (!device) return;
-
-  if (device->is_cpu()) {
+void scale(const TensorListsView& views, c10::Device device, const at::Tensor& scale, const at::Tensor* found_inf) {
+  if (device.is_cpu()) {
     const cpu::Kernels& k = cpu::kernels();
     const float s = *scale.data_ptr<float>();
     bool any_non_finite = false;
     for (const Group& g : make_groups(views, cpu::kChunkSize)) {
-      const std::vector<void*> ptrs = data_pointers(g.view);
+      const std::vector<void*> ptrs = data_pointers(*g.view);
       std::vector<unsigned char> chunk_non_finite(found_inf ? static_cast<std::size_t>(g.plan.num_chunks()) : 0);
       const cpu::ScaleArgs args{cpu::plan_ref(g.plan), ptrs.data(), g.dtype, s,
                                 found_inf ? chunk_non_finite.data() : nullptr};
@@ -236,10 +281,22 @@ void scale_impl(const char* op, at::TensorList tensors, const at::Tensor& scale,
     return;
   }
 #if defined(AMPFUSE_WITH_CUDA)
-  for_each_cuda_group(views, *device, [&](const Group& g, const cuda::LaunchMeta& meta, cuda::Stream stream) {
+  for_each_cuda_group(views, device, [&](const Group& g, const cuda::LaunchMeta& meta, cuda::Stream stream) {
     cuda::scale(meta, g.dtype, scale.data_ptr<float>(), found_inf ? found_inf->data_ptr<float>() : nullptr, stream);
   });
 #endif
+}
+
+}  // namespace detail
+
+namespace {
+
+void scale_impl(const char* op, at::TensorList tensors, const at::Tensor& scale, const at::Tensor* found_inf) {
+  const auto device = common_device(tensors);
+  check_scalar(scale, op, "scale", device);
+  if (found_inf) check_scalar(*found_inf, op, "found_inf", device);
+  const TensorListsView views = make_list_views({tensors}, {"tensors"}, op);
+  if (device) detail::scale(views, *device, scale, found_inf);
 }
 
 }  // namespace
