@@ -92,10 +92,13 @@ grep -E '^\[ launches \]' "$out/tests.log" | tee -a "$out/summary.txt"
 log "examples (readme_example, train_amp --check 0.07): rc $? ($(tail -1 "$logs/examples.log"))"
 
 # AMPFUSE_GPU_BENCH_FILTER picks fewer (a rerun of what a timeout cut off).
+# --benchmark_context splits its value at commas: the GPU's fields joined by ';'.
+gpu_context=$(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null | head -1 |
+  sed 's/, /; /g; s/,/;/g')
 AMPFUSE_BENCH_MIN_TIME=${AMPFUSE_BENCH_MIN_TIME:-0.2} timeout "${AMPFUSE_GPU_BENCH_TIMEOUT:-420}" "$bin/ampfuse_bench" \
   --benchmark_filter="${AMPFUSE_GPU_BENCH_FILTER:-@cuda}" --benchmark_out="$out/bench_cuda.json" --benchmark_out_format=json \
   --benchmark_context=torch_version="$("$python" -c 'import torch; print(torch.__version__)')" \
-  --benchmark_context=gpu="$(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null | head -1)" >"$out/bench.log" 2>&1
+  --benchmark_context=gpu="$gpu_context" >"$out/bench.log" 2>&1
 bench_rc=$?
 log "benchmarks ($(elapsed) s): rc $bench_rc"
 if [ -s "$out/bench_cuda.json" ]; then
