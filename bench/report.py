@@ -100,8 +100,8 @@ def gpu_setup_line(context):
     return (f"Measured by `scripts/gpu-check.sh` on {context.get('date', '?')[:10]} on "
             f"{context.get('gpu', 'GPU')} ({context.get('runs', 'one run')}). Host: "
             f"{context.get('num_cpus', '?')} CPUs, {context.get('threads', '?')} threads for every contender; "
-            f"LibTorch {context.get('torch_version', '?')}. Each contender timed with CUDA events over at "
-            f"least 0.2 s, one run (no repetitions).")
+            f"LibTorch {context.get('torch_version', '?')}. Each contender timed with CUDA events, for the "
+            f"minimum time in its benchmark name, without repetitions.")
 
 
 def markdown(context, table, title, setup=None):
@@ -236,9 +236,11 @@ def main():
     ap.add_argument("--title", default="ampfuse benchmark results")
     ap.add_argument("--readme", help="README whose ratios block (between markers) is rewritten")
     ap.add_argument("--gpu", nargs="*", default=[], help="JSON of the last GPU check (bench/gpu/)")
+    ap.add_argument("--gpu-setup", action="store_true",
+                    help="the positional JSON is a GPU check's (scripts/gpu-check.sh): its set-up line")
     args = ap.parse_args()
     context, table = load_all(args.json)
-    md = part(context, table, args.title)
+    md = part(context, table, args.title, gpu_setup_line(context) if args.gpu_setup else None)
     gpu = None
     if args.gpu:
         gpu = load_all(args.gpu)

@@ -7,10 +7,18 @@ namespace ampfuse {
 namespace {
 
 // A device named without an index ("cuda") means the current one, as for
-// tensor options; tensors always carry the index, so the signals are keyed by it.
+// tensor options; tensors always carry the index, so the signals are keyed by
+// it (and CPU tensors by "cpu", never "cpu:0"). Where the current device
+// cannot be asked (no such backend, or no GPU), the device stays as named: a
+// query then answers "absent" instead of throwing.
 c10::Device concrete(c10::Device device) {
-  if (device.is_cpu() || device.has_index()) return device;
-  return {device.type(), c10::impl::getDeviceGuardImpl(device.type())->getDevice().index()};
+  if (device.is_cpu()) return c10::Device(c10::kCPU);
+  if (device.has_index() || !c10::impl::hasDeviceGuardImpl(device.type())) return device;
+  try {
+    return {device.type(), c10::impl::getDeviceGuardImpl(device.type())->getDevice().index()};
+  } catch (const c10::Error&) {
+    return device;
+  }
 }
 
 }  // namespace

@@ -89,9 +89,14 @@ struct Group {
   const TensorListsView* view;
   Plan plan;
   TensorListsView owned;  // the group's own view when the list mixes dtypes
+
+  Group(ScalarType d, const TensorListsView* v, Plan p) : dtype(d), view(v), plan(std::move(p)) {}
+  Group(Group&&) = default;
+  Group(const Group&) = delete;  // a copy would point at the original's `owned`
 };
 
 std::vector<Group> make_groups(const TensorListsView& views, std::int64_t chunk_size) {
+  TORCH_INTERNAL_ASSERT(views.lists.size() == 1, "ampfuse: the engine ops take one list, got ", views.lists.size());
   std::vector<Group> out;
   const std::vector<TensorView>& list = views.lists[0];
   const auto mixed = std::find_if(list.begin(), list.end(), [&](const TensorView& v) {
@@ -103,11 +108,11 @@ std::vector<Group> make_groups(const TensorListsView& views, std::int64_t chunk_
     numels.reserve(list.size());
     for (const TensorView& v : list) numels.push_back(v.numel);
     Plan plan(numels, chunk_size);
-    if (plan.num_chunks() > 0) out.push_back({list.front().dtype, &views, std::move(plan), {}});
+    if (plan.num_chunks() > 0) out.emplace_back(list.front().dtype, &views, std::move(plan));
     return out;
   }
   for (int d = 0; d < 3; ++d) {  // Float32, Float16, BFloat16
-    Group group{static_cast<ScalarType>(d), nullptr, {}, {}};
+    Group group(static_cast<ScalarType>(d), nullptr, Plan());
     group.owned.lists.resize(1);
     std::vector<std::int64_t> numels;
     for (const TensorView& v : list) {

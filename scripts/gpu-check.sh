@@ -102,7 +102,7 @@ AMPFUSE_BENCH_MIN_TIME=${AMPFUSE_BENCH_MIN_TIME:-0.2} timeout "${AMPFUSE_GPU_BEN
 bench_rc=$?
 log "benchmarks ($(elapsed) s): rc $bench_rc"
 if [ -s "$out/bench_cuda.json" ]; then
-  "$python" "$root/bench/report.py" "$out/bench_cuda.json" --title "ampfuse on ${gpu_name:-no GPU}" \
+  "$python" "$root/bench/report.py" "$out/bench_cuda.json" --gpu-setup --title "ampfuse on ${gpu_name:-no GPU}" \
     --md "$out/RESULTS_cuda.md" >/dev/null 2>"$logs/report.err" || log "report failed: $(tail -3 "$logs/report.err")"
 else
   log "no benchmark results"
@@ -110,7 +110,11 @@ fi
 
 # Last, as it is the least needed: the third-party example (examples/lion)
 # against the installed ampfuse, CUDA part included.
-if [ "$prebuilt" = 1 ] && [ -x "$bin/test_lion" ]; then
+if [ "$prebuilt" = 1 ] && [ ! -x "$bin/test_lion" ]; then
+  lion_rc=1
+  lion_summary="skipped: .gpu-prebuilt has no test_lion (run scripts/gpu-prebuilt.sh again)"
+  : >"$logs/lion.log"
+elif [ "$prebuilt" = 1 ]; then
   timeout 120 "$bin/test_lion" >"$logs/lion.log" 2>&1
   lion_rc=$?
   lion_summary=$(grep -E '^\[  (PASSED|FAILED|SKIPPED) *\] [0-9]+ tests?' "$logs/lion.log" | tr '\n' ' ')

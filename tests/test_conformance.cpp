@@ -99,6 +99,30 @@ TEST_P(ConformanceTest, FusedSGDNesterovAndPlain) {
   }
 }
 
+// ------------------------------------------ StepSignals keys
+
+// Tensors carry "cpu" and "cuda:N": a device named otherwise ("cpu:0", or
+// "cuda" for the current one) finds the same signal, and asking for a device
+// that cannot be resolved (no GPU here) answers "absent" instead of throwing.
+TEST(StepSignalsKeys, DevicesAsTensorsNameThem) {
+  const auto f32 = torch::TensorOptions().dtype(torch::kFloat);
+  ampfuse::StepSignals signals;
+  signals.set(torch::Device("cpu:0"), {torch::Tensor(), torch::zeros({}, f32), torch::Tensor()});
+  ASSERT_EQ(signals.all().size(), 1u);
+  EXPECT_EQ(signals.all()[0].first, torch::Device(torch::kCPU));
+  EXPECT_TRUE(signals.contains(torch::kCPU));
+  EXPECT_TRUE(signals.at(torch::Device("cpu:0")).found_inf.defined());
+  if (!ampfuse_test::cuda_available()) {
+    EXPECT_FALSE(signals.contains(torch::kCUDA));
+    return;
+  }
+  const auto on_cuda = torch::zeros({}, f32.device(torch::kCUDA));  // on the current device
+  signals.set(torch::kCUDA, {torch::Tensor(), on_cuda, torch::Tensor()});
+  const torch::Device current = on_cuda.device();
+  EXPECT_TRUE(signals.contains(current)) << "\"cuda\" is the current device, " << current;
+  EXPECT_TRUE(signals.at(current).found_inf.device() == current);
+}
+
 // ------------------------------------------ broken optimizers are caught
 
 // torch::optim::SGD behind the contract, fed the effective grads
