@@ -346,9 +346,8 @@ inline void for_each_block_read(const char* src, const char* next, std::int64_t 
   const std::int64_t run = run_of(n), next_run = run_of(next_n);
   for (std::int64_t i = 0; i < run; i += kWidth)
     for (int u = 0; u < kUnroll; ++u) {
-      const std::int64_t ahead = i + kPrefetchElements;
-      if (ahead < run) __builtin_prefetch(src + (u * run + ahead) * es);
-      else if (ahead - run < next_run) __builtin_prefetch(next + (u * next_run + ahead - run) * es);
+      // Stream u: run elements at src + u * run, continued by the next chunk's stream u.
+      prefetch_ahead(src + u * run * es, next + u * next_run * es, next_run, es, run, i + kPrefetchElements);
       block_fn(src + (u * run + i) * es, u);
     }
   std::int64_t i = kUnroll * run;
