@@ -4,14 +4,11 @@
 #include <c10/util/Exception.h>
 
 namespace ampfuse {
-namespace {
 
-// A device named without an index ("cuda") means the current one, as for
-// tensor options; tensors always carry the index, so the signals are keyed by
-// it (and CPU tensors by "cpu", never "cpu:0"). Where the current device
-// cannot be asked (no such backend, or no GPU), the device stays as named: a
-// query then answers "absent" instead of throwing.
-c10::Device concrete(c10::Device device) {
+// Tensors always carry the index, so a device named without one is resolved
+// to the current one; without a GPU a query then answers "absent" instead of
+// throwing.
+c10::Device canonical_device(c10::Device device) {
   if (device.is_cpu()) return c10::Device(c10::kCPU);
   if (device.has_index() || !c10::impl::hasDeviceGuardImpl(device.type())) return device;
   try {
@@ -21,10 +18,8 @@ c10::Device concrete(c10::Device device) {
   }
 }
 
-}  // namespace
-
 void StepSignals::set(c10::Device device, ScaleSignal signal) {
-  device = concrete(device);
+  device = canonical_device(device);
   for (auto& [d, s] : signals_) {
     if (d == device) {
       s = std::move(signal);
@@ -35,7 +30,7 @@ void StepSignals::set(c10::Device device, ScaleSignal signal) {
 }
 
 const ScaleSignal& StepSignals::at(c10::Device device) const {
-  device = concrete(device);
+  device = canonical_device(device);
   for (const auto& [d, s] : signals_)
     if (d == device) return s;
   TORCH_CHECK(false, "ampfuse::StepSignals: no scale signal for device ", device,
@@ -43,7 +38,7 @@ const ScaleSignal& StepSignals::at(c10::Device device) const {
 }
 
 bool StepSignals::contains(c10::Device device) const {
-  device = concrete(device);
+  device = canonical_device(device);
   for (const auto& entry : signals_)
     if (entry.first == device) return true;
   return false;

@@ -3,6 +3,7 @@
 
 #include "ampfuse/sdk/optimizer.h"
 
+#include <ATen/ops/full.h>
 #include <ATen/ops/zeros.h>
 #include <c10/util/Exception.h>
 
@@ -232,6 +233,44 @@ void refuse_under_capture(const Entry& e, const char* optimizer, const char* wha
   TORCH_CHECK(!stream_capturing(e.device), optimizer, ": param group ", e.group, ", param ", e.index, ": ", what,
               " does not exist yet under CUDA graph capture; run one step outside the capture (a warm-up step) "
               "first");
+}
+
+DeviceScalars::Slot* DeviceScalars::slot(std::size_t group, c10::Device device) {
+  device = canonical_device(device);
+  for (Slot& s : slots_)
+    if (s.group == group && s.device == device) return &s;
+  return nullptr;
+}
+
+at::Tensor DeviceScalars::find(std::size_t group, c10::Device device) const {
+  Slot* s = const_cast<DeviceScalars*>(this)->slot(group, device);
+  return s == nullptr ? at::Tensor() : s->value;
+}
+
+at::Tensor DeviceScalars::prepare(std::size_t group, c10::Device device, double value, const char* optimizer,
+                                  bool* created) {
+  *created = false;
+  if (Slot* s = slot(group, device)) return s->value;
+  TORCH_CHECK(!stream_capturing(device), optimizer, ": param group ", group,
+              ": capturable needs one step outside the CUDA graph capture (a warm-up step) first");
+  slots_.push_back({group, canonical_device(device),
+                    at::full({1}, value, at::TensorOptions().dtype(at::kDouble).device(device)), value});
+  *created = true;
+  return slots_.back().value;
+}
+
+void DeviceScalars::refresh(std::size_t group, c10::Device device, double value) {
+  Slot* s = slot(group, device);
+  if (s == nullptr || s->written == value || stream_capturing(device)) return;
+  s->value.fill_(value);
+  s->written = value;
+}
+
+void DeviceScalars::erase(std::size_t group, c10::Device device) {
+  device = canonical_device(device);
+  slots_.erase(std::remove_if(slots_.begin(), slots_.end(),
+                              [&](const Slot& s) { return s.group == group && s.device == device; }),
+               slots_.end());
 }
 
 void advance_step_counters(const std::vector<at::Tensor>& steps, const ScaleSignal* signal) {

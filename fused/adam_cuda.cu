@@ -11,15 +11,14 @@ namespace {
 using namespace ampfuse::cuda::detail;
 
 // P: param and grad storage; S: moment storage; kWithMaster: the update runs
-// on an fp32 master copy (list kMaster), written back to the param rounded to
-// P. (Named apart from the list: a template parameter kMaster once hid the
-// enumerator, and the kernel took the grad list, 1, for the master copies.)
+// on an fp32 master copy (list AdamList::kMaster), written back to the param
+// rounded to P.
 template <class P, class S, bool kAmsgrad, bool kWithMaster, class Meta>
 __global__ void __launch_bounds__(kBlockSize) adam_kernel(Meta meta, AdamCudaArgs args) {
   if (step_skipped(args.found_inf)) return;  // contract rule 1: before any write
   const BlockChunk c = locate_chunk(meta, blockIdx.x);
-  float* step_ptr = static_cast<float*>(meta.data(kStep, c.slot));
-  const float step = block_broadcast(step_ptr) + 1.f;
+  double* step_ptr = static_cast<double*>(meta.data(list_index(AdamList::kStep), c.slot));  // fp64: exact past 2^24
+  const double step = block_broadcast(step_ptr) + 1.0;
   // capturable: lr, and what depends on it, from the device.
   double lr = args.lr;
   AdamHyper hyper = args.hyper;
@@ -31,12 +30,12 @@ __global__ void __launch_bounds__(kBlockSize) adam_kernel(Meta meta, AdamCudaArg
   const AdamStepScalars s = adam_step_scalars(lr, args.beta1, args.beta2, step);
   const float grad_factor = signal_grad_factor(args.inv_scale, args.clip_coef);
 
-  P* p = static_cast<P*>(meta.data(kParam, c.slot)) + c.begin;
-  const P* g = static_cast<const P*>(meta.data(kGrad, c.slot)) + c.begin;
-  S* m = static_cast<S*>(meta.data(kExpAvg, c.slot)) + c.begin;
-  S* v = static_cast<S*>(meta.data(kExpAvgSq, c.slot)) + c.begin;
-  S* vmax = kAmsgrad ? static_cast<S*>(meta.data(kMaxExpAvgSq, c.slot)) + c.begin : nullptr;
-  float* master = kWithMaster ? static_cast<float*>(meta.data(AdamList::kMaster, c.slot)) + c.begin : nullptr;
+  P* p = static_cast<P*>(meta.data(list_index(AdamList::kParam), c.slot)) + c.begin;
+  const P* g = static_cast<const P*>(meta.data(list_index(AdamList::kGrad), c.slot)) + c.begin;
+  S* m = static_cast<S*>(meta.data(list_index(AdamList::kExpAvg), c.slot)) + c.begin;
+  S* v = static_cast<S*>(meta.data(list_index(AdamList::kExpAvgSq), c.slot)) + c.begin;
+  S* vmax = kAmsgrad ? static_cast<S*>(meta.data(list_index(AdamList::kMaxExpAvgSq), c.slot)) + c.begin : nullptr;
+  float* master = kWithMaster ? static_cast<float*>(meta.data(list_index(AdamList::kMaster), c.slot)) + c.begin : nullptr;
 
   auto update = [&](std::int64_t i, P& pe, P ge, S& me, S& ve, S* vmaxe) {
     float pf = kWithMaster ? master[i] : to_float(pe);
@@ -87,7 +86,7 @@ void adam(const ampfuse::cuda::LaunchMeta& meta, ScalarType dtype, const AdamCud
     using P = decltype(param_tag);
     dispatch_dtype(args.state_dtype, [&](auto state_tag) {
       using S = decltype(state_tag);
-      launch_with_meta<kAdamDepth>(meta, [&](auto m, dim3 grid) {
+      launch_with_meta<kAdamLists>(meta, [&](auto m, dim3 grid) {
         if (args.hyper.amsgrad) {
           if (args.master) adam_kernel<P, S, true, true><<<grid, kBlockSize, 0, stream>>>(m, args);
           else adam_kernel<P, S, true, false><<<grid, kBlockSize, 0, stream>>>(m, args);

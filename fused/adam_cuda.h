@@ -6,14 +6,10 @@
 
 namespace ampfuse::fused::cuda {
 
-/// Lists of the launch metadata, in this order; kAdamDepth lists always (a
-/// list a configuration does not use holds null pointers).
-enum AdamList : int { kParam = 0, kGrad = 1, kExpAvg = 2, kExpAvgSq = 3, kStep = 4, kMaxExpAvgSq = 5, kMaster = 6 };
-constexpr int kAdamDepth = 7;
 
 struct AdamCudaArgs {
   ScalarType state_dtype;      ///< of the moments (the param's, fp32 with master weights, or bf16)
-  bool master;                 ///< update an fp32 master copy (list kMaster), write it back rounded
+  bool master;                 ///< update an fp32 master copy (list AdamList::kMaster), write it back rounded
   AdamHyper hyper;
   double lr, beta1, beta2;     ///< for the bias corrections, from each tensor's device step
   double weight_decay;         ///< for AdamW's decay factor when lr comes from the device
@@ -26,7 +22,7 @@ struct AdamCudaArgs {
 
 /// One launch over every chunk of every tensor: skips on found_inf (writing
 /// nothing), else updates param and state with g * inv_scale * clip_coef and
-/// advances each tensor's fp32 step counter (list kStep) by one, after every
+/// advances each tensor's fp64 step counter (list AdamList::kStep) by one, after every
 /// block of that tensor has read it (ticket in `counters`).
 /// dtype: of param and grad.
 void adam(const ampfuse::cuda::LaunchMeta& meta, ScalarType dtype, const AdamCudaArgs& args,

@@ -18,11 +18,21 @@
 #include <cstdint>
 
 #include "ampfuse/config.h"
+#include "ampfuse/multi_tensor.h"
 #include "ampfuse/sdk/math.h"
 
 namespace ampfuse::fused {
 
 using sdk::ScalarOps;
+
+/// FusedAdam's tensor lists, numbered once for the CPU kernel, the CUDA
+/// kernel and the adapter. The CPU kernel takes the first kAdamCpuLists (its
+/// step counters are LibTorch's host integers); the CUDA kernel takes all of
+/// them, the device step counters (fp64, one element each) last. A list a
+/// configuration does not use holds null pointers.
+enum class AdamList : int { kParam, kGrad, kExpAvg, kExpAvgSq, kMaxExpAvgSq, kMaster, kStep };
+constexpr int kAdamCpuLists = 6;
+constexpr int kAdamLists = 7;
 
 /// Hyperparameters of one parameter group, by name (swapping two does not compile silently).
 struct AdamHyper {

@@ -9,7 +9,7 @@
 #include <ATen/ops/zeros_like.h>
 #include <c10/util/Exception.h>
 
-#include <map>
+#include <memory>
 #include <tuple>
 
 #include "ampfuse/tensor_ops.h"
@@ -25,18 +25,36 @@
 #endif
 
 namespace ampfuse {
+
+template <class BaseState>
+void FusedAdamParamStateT<BaseState>::serialize(torch::serialize::OutputArchive& archive) const {
+  if (this->device_step().defined()) {  // the device counts: a sync, as any save from a GPU
+    BaseState counted(*this);
+    counted.step(static_cast<std::int64_t>(this->device_step().template item<double>()));
+    counted.BaseState::serialize(archive);
+  } else {
+    BaseState::serialize(archive);
+  }
+  if (master().defined()) archive.write("master", master());
+}
+
+template <class BaseState>
+void FusedAdamParamStateT<BaseState>::serialize(torch::serialize::InputArchive& archive) {
+  BaseState::serialize(archive);
+  at::Tensor saved;
+  if (archive.try_read("master", saved)) master(saved);
+}
+
+template struct FusedAdamParamStateT<torch::optim::AdamParamState>;
+template struct FusedAdamParamStateT<torch::optim::AdamWParamState>;
+
 namespace detail {
 
-struct FusedAdamState {
-  // Device step counters of CUDA parameters (fp32, one element), by TensorImpl.
-  std::unordered_map<const c10::TensorImpl*, at::Tensor> device_steps;
-  // fp32 master copies (master_weights), by TensorImpl.
-  std::unordered_map<const c10::TensorImpl*, at::Tensor> master;
+struct FusedAdamWorkspace {
 #if defined(AMPFUSE_WITH_CUDA)
   sdk::TicketCounters counters;
 #endif
-  // capturable: per (group, device), the fp64 device lr and the host lr last copied into it.
-  std::map<std::pair<std::size_t, std::string>, std::pair<at::Tensor, double>> lr_device;
+  sdk::DeviceScalars lr;  ///< capturable: the fp64 device lr per (group, device)
 };
 
 }  // namespace detail
@@ -47,19 +65,6 @@ namespace {
 c10::ScalarType state_dtype(const at::Tensor& p, const FusedAdamOptions& fused) {
   if (fused.bf16_moments()) return at::kBFloat16;
   return fused.master_weights() ? at::kFloat : p.scalar_type();
-}
-
-// The fp32 master copy of p, made from p on first use (or when the one kept
-// belongs to a freed parameter that had the same address). Not under CUDA
-// graph capture (sdk::refuse_under_capture).
-at::Tensor& master_for(detail::FusedAdamState& impl, const sdk::Entry& e, const char* name) {
-  const at::Tensor& p = e.param;
-  at::Tensor& m = impl.master[p.unsafeGetTensorImpl()];
-  if (!m.defined() || m.sizes() != p.sizes() || m.device() != p.device()) {
-    sdk::refuse_under_capture(e, name, "its fp32 master copy");
-    m = p.detach().to(at::kFloat, /*non_blocking=*/false, /*copy=*/true, at::MemoryFormat::Preserve);
-  }
-  return m;
 }
 
 constexpr const char* optimizer_name(bool decoupled) { return decoupled ? "FusedAdamW" : "FusedAdam"; }
@@ -80,6 +85,7 @@ void FusedAdamImpl<Base, Options, State, kDecoupled>::check_state(const at::Tens
   sdk::check_state_tensor(st.exp_avg(), p, dtype, name(), "exp_avg", g, i);
   sdk::check_state_tensor(st.exp_avg_sq(), p, dtype, name(), "exp_avg_sq", g, i);
   sdk::check_state_tensor(st.max_exp_avg_sq(), p, dtype, name(), "max_exp_avg_sq", g, i);
+  sdk::check_state_tensor(st.master(), p, at::kFloat, name(), "master", g, i);
 }
 
 template <class Base, class Options, class State, bool kDecoupled>
@@ -91,130 +97,146 @@ void FusedAdamImpl<Base, Options, State, kDecoupled>::check_entries(const std::v
 }
 
 template <class Base, class Options, class State, bool kDecoupled>
-void FusedAdamImpl<Base, Options, State, kDecoupled>::step_list(const sdk::ParamList& pl) {
-    const FusedAdamOptions& fused = fused_;
-    detail::FusedAdamState& impl = *impl_;
-    const auto& list = pl.entries;
-    const c10::Device device = pl.device;
-    const c10::ScalarType dtype = pl.dtype;
-    const Options& o = this->options_of(pl.group);
-    const bool decoupled = kDecoupled;
-    const double beta1 = std::get<0>(o.betas()), beta2 = std::get<1>(o.betas());
-    const fused::AdamHyper hyper =
-        fused::make_adam_hyper(o.lr(), beta1, beta2, o.eps(), o.weight_decay(), o.amsgrad(), fused.maximize(), decoupled);
-    const ScaleSignal* signal = pl.signal;
-    const ScalarType st = pl.kernel_dtype();
-    const c10::ScalarType state_st_torch = state_dtype(list.front()->param, fused);
-    const ScalarType state_st = to_scalar_type(state_st_torch);
-    const bool master = fused.master_weights();
+void FusedAdamImpl<Base, Options, State, kDecoupled>::after_load(const at::Tensor& param, State& state) {
+  // The loaded master stands for the parameter as it is now: a write into
+  // the parameter after this load (weights loaded next) refreshes it.
+  state.master_version(param._version());
+}
 
-    const std::size_t n = list.size();
-    std::vector<State*> states(n);
-    std::vector<bool> created(n);
-    for (std::size_t i = 0; i < n; ++i) {  // creates state (first step): on this thread
-      const at::Tensor& p = list[i]->param;
-      const auto zeros = [&] { return at::zeros_like(p, p.options().dtype(state_st_torch), at::MemoryFormat::Preserve); };
-      bool fresh = false;
-      State& state = this->state_for(*list[i], [&](State& s) {
-        s.step(0);
-        s.exp_avg(zeros());
-        s.exp_avg_sq(zeros());
-      }, &fresh);
-      if (o.amsgrad() && !state.max_exp_avg_sq().defined()) state.max_exp_avg_sq(zeros());
-      states[i] = &state;
-      created[i] = fresh;
+template <class Base, class Options, class State, bool kDecoupled>
+sdk::Launch FusedAdamImpl<Base, Options, State, kDecoupled>::prepare_list(const sdk::ParamList& pl) {
+  const auto& list = pl.entries;
+  const c10::Device device = pl.device;
+  const Options& o = this->options_of(pl.group);
+  const double beta1 = std::get<0>(o.betas()), beta2 = std::get<1>(o.betas());
+  const fused::AdamHyper hyper = fused::make_adam_hyper(o.lr(), beta1, beta2, o.eps(), o.weight_decay(),
+                                                        o.amsgrad(), fused_.maximize(), kDecoupled);
+  const ScalarType st = pl.kernel_dtype();
+  const c10::ScalarType state_st_torch = state_dtype(list.front()->param, fused_);
+  const ScalarType state_st = to_scalar_type(state_st_torch);
+  const bool master = fused_.master_weights();
+  const bool on_cuda = device.is_cuda();
+
+  const std::size_t n = list.size();
+  std::vector<State*> states(n);
+  std::vector<std::size_t> stale_masters;  // written from outside since the last step
+  for (std::size_t i = 0; i < n; ++i) {  // creates state (first step): on this thread
+    const sdk::Entry& e = *list[i];
+    const at::Tensor& p = e.param;
+    const auto zeros = [&] { return at::zeros_like(p, p.options().dtype(state_st_torch), at::MemoryFormat::Preserve); };
+    State& state = this->state_for(e, [&](State& s) {
+      s.step(0);
+      s.exp_avg(zeros());
+      s.exp_avg_sq(zeros());
+    });
+    if (o.amsgrad() && !state.max_exp_avg_sq().defined()) {
+      this->undo_on_failure([&state] { state.max_exp_avg_sq(at::Tensor()); });
+      state.max_exp_avg_sq(zeros());
     }
-    std::vector<std::int64_t> numels(n);
+    if (master && this->prepare_master(e, state)) stale_masters.push_back(i);
+    if (on_cuda && !state.device_step().defined()) {
+      sdk::refuse_under_capture(e, name(), "its device step counter (made at the first step, and again at the "
+                                           "first after load())");
+      this->undo_on_failure([&state] { state.device_step(at::Tensor()); });
+      state.device_step(at::full({1}, static_cast<double>(state.step()), p.options().dtype(at::kDouble)));
+    }
+    states[i] = &state;
+  }
+  // The launch starts by refreshing stale masters (a copy, no throw).
+  auto refresh_masters = [list, states, stale_masters] {
+    for (const std::size_t i : stale_masters) sdk::refresh_master(list[i]->param, *states[i]);
+  };
 
-    if (device.is_cpu()) {
-      std::vector<void*> param(n), grad(n), m(n), v(n), vmax(n, nullptr), masters(n, nullptr);
-      std::vector<std::int64_t> steps(n);
-      if (master)  // may create the master copies: on this thread
-        for (std::size_t i = 0; i < n; ++i) masters[i] = master_for(impl, *list[i], name()).data_ptr();
-      sdk::parallel_entries(n, [&](std::size_t i) {
-        numels[i] = list[i]->param.numel();
-        param[i] = list[i]->param.data_ptr();
-        grad[i] = list[i]->grad.data_ptr();
-        m[i] = states[i]->exp_avg().data_ptr();
-        v[i] = states[i]->exp_avg_sq().data_ptr();
-        if (o.amsgrad()) vmax[i] = states[i]->max_exp_avg_sq().data_ptr();
-        steps[i] = states[i]->step() + 1;
-      });
-      // Two pow() per distinct step, not per tensor.
-      const auto scalars = sdk::per_tensor<std::int64_t, fused::AdamStepScalars>(steps, [&](std::int64_t step) {
-        return fused::adam_step_scalars(o.lr(), beta1, beta2, static_cast<double>(step));
-      });
-      const Plan plan(numels, cpu::kChunkSize);
-      const fused::cpu::AdamArgs args{cpu::plan_ref(plan), param.data(), grad.data(), m.data(), v.data(),
+  std::vector<std::int64_t> numels(n);
+  if (!on_cuda) {
+    std::vector<void*> param(n), grad(n), m(n), v(n), vmax(n, nullptr), masters(n, nullptr);
+    std::vector<std::int64_t> steps(n);
+    sdk::parallel_entries(n, [&](std::size_t i) {
+      numels[i] = list[i]->param.numel();
+      param[i] = list[i]->param.data_ptr();
+      grad[i] = list[i]->grad.data_ptr();
+      m[i] = states[i]->exp_avg().data_ptr();
+      v[i] = states[i]->exp_avg_sq().data_ptr();
+      if (o.amsgrad()) vmax[i] = states[i]->max_exp_avg_sq().data_ptr();
+      if (master) masters[i] = states[i]->master().data_ptr();
+      steps[i] = states[i]->step() + 1;
+    });
+    // Two pow() per distinct step, not per tensor.
+    auto scalars = sdk::per_tensor<std::int64_t, fused::AdamStepScalars>(steps, [&](std::int64_t step) {
+      return fused::adam_step_scalars(o.lr(), beta1, beta2, static_cast<double>(step));
+    });
+    auto plan = std::make_shared<const Plan>(numels, sdk::cpu::kChunkSize);
+    const float grad_factor = sdk::cpu_grad_factor(pl.signal);
+    return [=, param = std::move(param), grad = std::move(grad), m = std::move(m), v = std::move(v),
+            vmax = std::move(vmax), masters = std::move(masters), steps = std::move(steps),
+            scalars = std::move(scalars)] {
+      refresh_masters();
+      const fused::cpu::AdamArgs args{sdk::cpu::plan_ref(*plan), param.data(), grad.data(), m.data(), v.data(),
                                       vmax.data(), master ? masters.data() : nullptr, st, state_st,
-                                      scalars.data(), hyper, sdk::cpu_grad_factor(signal)};
+                                      scalars.data(), hyper, grad_factor};
       const fused::cpu::AdamFn kernel = fused::cpu::adam_kernel();
-      sdk::parallel_chunks(plan, [&](std::int64_t b, std::int64_t e) { kernel(args, b, e); });
-      sdk::parallel_entries(n, [&](std::size_t i) { states[i]->step(steps[i]); });
-      return;
-    }
+      sdk::parallel_chunks(*plan, [&](std::int64_t b, std::int64_t e) { kernel(args, b, e); });
+      sdk::parallel_entries(states.size(), [&](std::size_t i) { states[i]->step(steps[i]); });
+    };
+  }
 #if defined(AMPFUSE_WITH_CUDA)
-    const c10::cuda::CUDAGuard guard(device);
-    const auto stream = sdk::current_stream(device);
-    TensorListsView views;
-    views.lists.resize(fused::cuda::kAdamDepth);
-    std::vector<at::Tensor> empty_steps;
-    for (std::size_t i = 0; i < list.size(); ++i) {
-      const at::Tensor& p = list[i]->param;
-      at::Tensor& step = impl.device_steps[p.unsafeGetTensorImpl()];
-      // New state, or a counter left by a freed parameter at the same
-      // address: start from the state's step.
-      if (!step.defined() || created[i] || step.device() != p.device()) {
-        sdk::refuse_under_capture(*list[i], name(), "its device step counter (made at the first step, and again "
-                                                    "at the first after load())");
-        step = at::full({1}, static_cast<double>(states[i]->step()), p.options().dtype(at::kFloat));
-      }
-      numels[i] = p.numel();
-      if (p.numel() == 0) empty_steps.push_back(step);
-      views.lists[fused::cuda::kParam].push_back({p.data_ptr(), p.numel(), st});
-      views.lists[fused::cuda::kGrad].push_back({list[i]->grad.data_ptr(), p.numel(), st});
-      views.lists[fused::cuda::kExpAvg].push_back({states[i]->exp_avg().data_ptr(), p.numel(), state_st});
-      views.lists[fused::cuda::kExpAvgSq].push_back({states[i]->exp_avg_sq().data_ptr(), p.numel(), state_st});
-      views.lists[fused::cuda::kStep].push_back({step.data_ptr(), 1, ScalarType::Float32});
-      views.lists[fused::cuda::kMaxExpAvgSq].push_back(
-          {o.amsgrad() ? states[i]->max_exp_avg_sq().data_ptr() : nullptr, p.numel(), state_st});
-      views.lists[fused::cuda::kMaster].push_back(
-          {master ? master_for(impl, *list[i], name()).data_ptr() : nullptr, p.numel(), ScalarType::Float32});
-    }
-    const Plan plan(numels, cuda::kChunkSize);
-    std::vector<std::int64_t> words;
-    const cuda::LaunchMeta meta = sdk::make_launch_meta(views, plan, device, words);
-    const double* lr_device = nullptr;
-    if (fused.capturable()) {
-      auto& [lr_tensor, copied] = impl.lr_device[{pl.group, device.str()}];
-      if (sdk::stream_capturing(device)) {
-        // Under capture the device lr is authoritative: a copy of the host lr
-        // recorded here would overwrite lr_tensor() at every replay.
-        TORCH_CHECK(lr_tensor.defined(), name(), ": param group ", pl.group,
-                    ": capturable needs one step outside the CUDA graph capture (a warm-up step) first");
-      } else if (!lr_tensor.defined()) {
-        lr_tensor = at::full({1}, o.lr(), at::TensorOptions().dtype(at::kDouble).device(device));
-        copied = o.lr();
-      } else if (copied != o.lr()) {  // a scheduler changed the host lr: a fill kernel, no sync
-        lr_tensor.fill_(o.lr());
-        copied = o.lr();
-      }
-      lr_device = lr_tensor.data_ptr<double>();
-    }
-    const sdk::SignalPointers sig = sdk::signal_pointers(signal);
-    const fused::cuda::AdamCudaArgs args{state_st, master, hyper, o.lr(), beta1, beta2, o.weight_decay(), lr_device,
-                                         sig.found_inf, sig.inv_scale, sig.clip_coef,
-                                         impl.counters.get({pl.group, device, dtype}, meta.num_tensors)};
-    fused::cuda::adam(meta, st, args, stream);
+  const c10::cuda::CUDAGuard guard(device);
+  TensorListsView views;
+  views.lists.resize(fused::kAdamLists);
+  std::vector<at::Tensor> empty_steps;
+  for (std::size_t i = 0; i < n; ++i) {
+    const at::Tensor& p = list[i]->param;
+    State& s = *states[i];
+    numels[i] = p.numel();
+    if (p.numel() == 0) empty_steps.push_back(s.device_step());
+    views.lists[list_index(fused::AdamList::kParam)].push_back({p.data_ptr(), p.numel(), st});
+    views.lists[list_index(fused::AdamList::kGrad)].push_back({list[i]->grad.data_ptr(), p.numel(), st});
+    views.lists[list_index(fused::AdamList::kExpAvg)].push_back({s.exp_avg().data_ptr(), p.numel(), state_st});
+    views.lists[list_index(fused::AdamList::kExpAvgSq)].push_back({s.exp_avg_sq().data_ptr(), p.numel(), state_st});
+    // The fp64 counter travels as a pointer; its dtype tag is not read.
+    views.lists[list_index(fused::AdamList::kStep)].push_back({s.device_step().data_ptr(), 1, ScalarType::Float32});
+    views.lists[list_index(fused::AdamList::kMaxExpAvgSq)].push_back(
+        {o.amsgrad() ? s.max_exp_avg_sq().data_ptr() : nullptr, p.numel(), state_st});
+    views.lists[list_index(fused::AdamList::kMaster)].push_back(
+        {master ? s.master().data_ptr() : nullptr, p.numel(), ScalarType::Float32});
+  }
+  const Plan plan(numels, sdk::cuda::kChunkSize);
+  auto words = std::make_shared<std::vector<std::int64_t>>();  // what meta.host points into
+  const sdk::cuda::LaunchMeta meta = sdk::make_launch_meta(views, plan, device, *words);
+  const double* lr_device = nullptr;
+  if (fused_.capturable()) {
+    bool created = false;
+    lr_device = workspace_->lr.prepare(pl.group, device, o.lr(), name(), &created).template data_ptr<double>();
+    if (created) this->undo_on_failure([this, g = pl.group, device] { workspace_->lr.erase(g, device); });
+  }
+  const sdk::SignalPointers sig = sdk::signal_pointers(pl.signal);
+  const fused::cuda::AdamCudaArgs args{state_st, master, hyper, o.lr(), beta1, beta2, o.weight_decay(), lr_device,
+                                       sig.found_inf, sig.inv_scale, sig.clip_coef,
+                                       workspace_->counters.get({pl.group, device, pl.dtype}, meta.num_tensors)};
+  const ScaleSignal* signal = pl.signal;
+  const bool capturable = fused_.capturable();
+  const double lr = o.lr();
+  const std::size_t group = pl.group;
+  return [=, empty_steps = std::move(empty_steps)] {
+    const c10::cuda::CUDAGuard launch_guard(device);
+    if (capturable) workspace_->lr.refresh(group, device, lr);
+    refresh_masters();
+    fused::cuda::adam(meta, st, args, sdk::current_stream(device));
+    (void)words;  // meta.host points into it: kept alive until here
     // Zero-element parameters have no chunk: advance their counters here.
     sdk::advance_step_counters(empty_steps, signal);
+  };
+#else
+  TORCH_CHECK(false, name(), ": ampfuse was built without CUDA");
 #endif
 }
 
 template <class Base, class Options, class State, bool kDecoupled>
 FusedAdamImpl<Base, Options, State, kDecoupled>::FusedAdamImpl(
     const std::vector<torch::optim::OptimizerParamGroup>& param_groups, Options defaults, FusedAdamOptions fused)
-    : sdk::FusedOptimizer<Base, Options, State>(param_groups, std::move(defaults)), fused_(fused), impl_(std::make_unique<FusedAdamState>()) {}
+    : sdk::FusedOptimizer<Base, Options, State>(param_groups, std::move(defaults)),
+      fused_(fused),
+      workspace_(std::make_unique<FusedAdamWorkspace>()) {}
 
 template <class Base, class Options, class State, bool kDecoupled>
 FusedAdamImpl<Base, Options, State, kDecoupled>::FusedAdamImpl(std::vector<at::Tensor> params, Options defaults,
@@ -226,60 +248,19 @@ FusedAdamImpl<Base, Options, State, kDecoupled>::~FusedAdamImpl() = default;
 
 template <class Base, class Options, class State, bool kDecoupled>
 at::Tensor FusedAdamImpl<Base, Options, State, kDecoupled>::lr_tensor(std::size_t group, c10::Device device) const {
-  const auto it = impl_->lr_device.find({group, device.str()});
-  return it == impl_->lr_device.end() ? at::Tensor() : it->second.first;
+  return workspace_->lr.find(group, device);
 }
 
 template <class Base, class Options, class State, bool kDecoupled>
 void FusedAdamImpl<Base, Options, State, kDecoupled>::sync_state() {
-  for (const auto& entry : impl_->device_steps) {
-    auto it = this->state().find(const_cast<c10::TensorImpl*>(entry.first));
-    if (it != this->state().end())
-      static_cast<State&>(*it->second).step(static_cast<std::int64_t>(entry.second.template item<float>()));
+  for (auto& entry : this->state()) {
+    State& s = static_cast<State&>(*entry.second);
+    if (s.device_step().defined()) s.step(static_cast<std::int64_t>(s.device_step().template item<double>()));
   }
 }
 
-namespace {
-
-// Archive key of a parameter's fp32 master copy (ignored by torch::optim::Adam).
-std::string master_key(std::size_t group, std::size_t index) {
-  return "ampfuse_master_weights_" + std::to_string(group) + "_" + std::to_string(index);
-}
-
-}  // namespace
-
-template <class Base, class Options, class State, bool kDecoupled>
-void FusedAdamImpl<Base, Options, State, kDecoupled>::save(torch::serialize::OutputArchive& archive) const {
-  const_cast<FusedAdamImpl*>(this)->sync_state();
-  Base::save(archive);
-  const auto& groups = this->param_groups();
-  for (std::size_t g = 0; g < groups.size(); ++g)
-    for (std::size_t i = 0; i < groups[g].params().size(); ++i) {
-      const auto it = impl_->master.find(groups[g].params()[i].unsafeGetTensorImpl());
-      if (it != impl_->master.end()) archive.write(master_key(g, i), it->second);
-    }
-}
-
-template <class Base, class Options, class State, bool kDecoupled>
-void FusedAdamImpl<Base, Options, State, kDecoupled>::load(torch::serialize::InputArchive& archive) {
-  Base::load(archive);
-  impl_->device_steps.clear();  // restart from the loaded state's step
-  impl_->master.clear();        // restart from the loaded masters, or from the parameters
-  const auto& groups = this->param_groups();
-  for (std::size_t g = 0; g < groups.size(); ++g)
-    for (std::size_t i = 0; i < groups[g].params().size(); ++i) {
-      const at::Tensor& p = groups[g].params()[i];
-      at::Tensor saved;
-      if (!archive.try_read(master_key(g, i), saved)) continue;
-      TORCH_CHECK(saved.sizes() == p.sizes() && saved.scalar_type() == at::kFloat, optimizer_name(kDecoupled),
-                  ": param group ", g, ", param ", i, ": the checkpoint's master copy has shape ", saved.sizes(),
-                  " and dtype ", saved.scalar_type(), "; expected ", p.sizes(), " and Float");
-      impl_->master[p.unsafeGetTensorImpl()] = saved.to(p.device());
-    }
-}
-
-template class FusedAdamImpl<torch::optim::Adam, torch::optim::AdamOptions, torch::optim::AdamParamState, false>;
-template class FusedAdamImpl<torch::optim::AdamW, torch::optim::AdamWOptions, torch::optim::AdamWParamState, true>;
+template class FusedAdamImpl<torch::optim::Adam, torch::optim::AdamOptions, FusedAdamParamState, false>;
+template class FusedAdamImpl<torch::optim::AdamW, torch::optim::AdamWOptions, FusedAdamWParamState, true>;
 
 }  // namespace detail
 }  // namespace ampfuse

@@ -15,6 +15,7 @@
 #include <algorithm>
 #include <cmath>
 #include <map>
+#include <memory>
 #include <string>
 
 #include "ampfuse/tensor_ops.h"
@@ -200,7 +201,12 @@ void FusedLAMB::begin_step(const std::vector<const sdk::Entry*>& entries, const 
   }
 }
 
-void FusedLAMB::step_list(const sdk::ParamList& pl) {
+void FusedLAMB::after_load(const at::Tensor& param, FusedLAMBParamState& state) {
+  // The loaded master stands for the parameter as it is now (as FusedAdam's).
+  state.master_version(param._version());
+}
+
+sdk::Launch FusedLAMB::prepare_list(const sdk::ParamList& pl) {
   const FusedLAMBOptions& o = options_of(pl.group);
   const fused::LambHyper hyper = make_hyper(o);
   const c10::Device device = pl.device;
@@ -211,21 +217,23 @@ void FusedLAMB::step_list(const sdk::ParamList& pl) {
 
   std::vector<FusedLAMBParamState*> states;
   std::vector<std::int64_t> numels;
-  for (const sdk::Entry* e : list) {
-    const at::Tensor& p = e->param;
-    auto& state = state_for(*e, [&](FusedLAMBParamState& s) {
+  std::vector<std::size_t> stale_masters;  // written from outside since the last step
+  for (std::size_t i = 0; i < n; ++i) {
+    const sdk::Entry& e = *list[i];
+    const at::Tensor& p = e.param;
+    auto& state = state_for(e, [&](FusedLAMBParamState& s) {
       const auto fp32 = p.options().dtype(at::kFloat);
       s.step(at::zeros({1}, p.options().dtype(at::kDouble)));
       s.exp_avg(at::zeros_like(p, fp32, at::MemoryFormat::Preserve));
       s.exp_avg_sq(at::zeros_like(p, fp32, at::MemoryFormat::Preserve));
     });
-    if (master && !state.master().defined()) {
-      sdk::refuse_under_capture(*e, name(), "its fp32 master copy");
-      state.master(p.detach().to(at::kFloat, /*non_blocking=*/false, /*copy=*/true, at::MemoryFormat::Preserve));
-    }
+    if (master && prepare_master(e, state)) stale_masters.push_back(i);
     states.push_back(&state);
     numels.push_back(p.numel());
   }
+  auto refresh_masters = [list, states, stale_masters] {
+    for (const std::size_t i : stale_masters) sdk::refresh_master(list[i]->param, *states[i]);
+  };
   at::Tensor grad_sum_sq;
   for (const auto& [d, sum] : workspace_->grad_sum_sq)
     if (d == device) grad_sum_sq = sum;
@@ -241,56 +249,60 @@ void FusedLAMB::step_list(const sdk::ParamList& pl) {
       if (master) masters[i] = states[i]->master().data_ptr();
       steps[i] = *states[i]->step().data_ptr<double>() + 1.0;
     });
-    const auto scalars = sdk::per_tensor<double, fused::LambStepScalars>(
+    auto scalars = sdk::per_tensor<double, fused::LambStepScalars>(
         steps, [&](double step) { return fused::lamb_step_scalars(hyper, step); });
-    float factor = sdk::cpu_grad_factor(pl.signal);
-    if (grad_sum_sq.defined())
-      factor *= fused::lamb_clip_factor(hyper, static_cast<float>(std::sqrt(*grad_sum_sq.data_ptr<double>())) * factor);
-    const Plan plan(numels, sdk::cpu::kChunkSize);
-    std::vector<double> chunk_param_sq(static_cast<std::size_t>(plan.num_chunks()));
-    std::vector<double> chunk_update_sq(chunk_param_sq.size());
-    std::vector<float> neg_step(n, 0.f);
-    fused::cpu::LambArgs args{sdk::cpu::plan_ref(plan), param.data(), grad.data(), m.data(), v.data(),
-                              master ? masters.data() : nullptr, st, scalars.data(), hyper, factor,
-                              chunk_param_sq.data(), chunk_update_sq.data(), neg_step.data()};
-    const fused::cpu::LambFn moments = fused::cpu::lamb_moments_kernel();
-    sdk::parallel_chunks(plan, [&](std::int64_t b, std::int64_t e) { moments(args, b, e); });
-    // Per-tensor norms from the chunks' sums, in chunk order (deterministic).
-    for (std::size_t k = 0; k < plan.tensors().size(); ++k) {
-      double ps = 0.0, us = 0.0;
-      for (std::int64_t c = plan.chunk_offsets()[k]; c < plan.chunk_offsets()[k + 1]; ++c) {
-        ps += chunk_param_sq[c];
-        us += chunk_update_sq[c];
+    const float grad_factor = sdk::cpu_grad_factor(pl.signal);
+    auto plan = std::make_shared<const Plan>(numels, sdk::cpu::kChunkSize);
+    return [=, param = std::move(param), grad = std::move(grad), m = std::move(m), v = std::move(v),
+            masters = std::move(masters), steps = std::move(steps), scalars = std::move(scalars)] {
+      refresh_masters();
+      float factor = grad_factor;
+      if (grad_sum_sq.defined())
+        factor *= fused::lamb_clip_factor(hyper, static_cast<float>(std::sqrt(*grad_sum_sq.data_ptr<double>())) * factor);
+      std::vector<double> chunk_param_sq(static_cast<std::size_t>(plan->num_chunks()));
+      std::vector<double> chunk_update_sq(chunk_param_sq.size());
+      std::vector<float> neg_step(states.size(), 0.f);
+      const fused::cpu::LambArgs args{sdk::cpu::plan_ref(*plan), param.data(), grad.data(), m.data(), v.data(),
+                                      master ? masters.data() : nullptr, st, scalars.data(), hyper, factor,
+                                      chunk_param_sq.data(), chunk_update_sq.data(), neg_step.data()};
+      const fused::cpu::LambFn moments = fused::cpu::lamb_moments_kernel();
+      sdk::parallel_chunks(*plan, [&](std::int64_t b, std::int64_t e) { moments(args, b, e); });
+      // Per-tensor norms from the chunks' sums, in chunk order (deterministic).
+      for (std::size_t k = 0; k < plan->tensors().size(); ++k) {
+        double ps = 0.0, us = 0.0;
+        for (std::int64_t c = plan->chunk_offsets()[k]; c < plan->chunk_offsets()[k + 1]; ++c) {
+          ps += chunk_param_sq[c];
+          us += chunk_update_sq[c];
+        }
+        neg_step[plan->tensors()[k]] =
+            fused::lamb_neg_step(hyper, static_cast<float>(std::sqrt(ps)), static_cast<float>(std::sqrt(us)));
       }
-      neg_step[plan.tensors()[k]] =
-          fused::lamb_neg_step(hyper, static_cast<float>(std::sqrt(ps)), static_cast<float>(std::sqrt(us)));
-    }
-    const fused::cpu::LambFn apply = fused::cpu::lamb_apply_kernel();
-    sdk::parallel_chunks(plan, [&](std::int64_t b, std::int64_t e) { apply(args, b, e); });
-    sdk::parallel_entries(n, [&](std::size_t i) { *states[i]->step().data_ptr<double>() = steps[i]; });
-    return;
+      const fused::cpu::LambFn apply = fused::cpu::lamb_apply_kernel();
+      sdk::parallel_chunks(*plan, [&](std::int64_t b, std::int64_t e) { apply(args, b, e); });
+      sdk::parallel_entries(states.size(), [&](std::size_t i) { *states[i]->step().data_ptr<double>() = steps[i]; });
+    };
   }
 #if defined(AMPFUSE_WITH_CUDA)
   const c10::cuda::CUDAGuard guard(device);
   TensorListsView views;
-  views.lists.resize(fused::cuda::kLambDepth);
+  views.lists.resize(fused::kLambLists);
   std::vector<at::Tensor> empty_steps;
   for (std::size_t i = 0; i < n; ++i) {
     const at::Tensor& p = list[i]->param;
     FusedLAMBParamState& s = *states[i];
     if (p.numel() == 0) empty_steps.push_back(s.step());
-    views.lists[fused::cuda::kLambParam].push_back({p.data_ptr(), p.numel(), st});
-    views.lists[fused::cuda::kLambGrad].push_back({list[i]->grad.data_ptr(), p.numel(), st});
-    views.lists[fused::cuda::kLambExpAvg].push_back({s.exp_avg().data_ptr(), p.numel(), ScalarType::Float32});
-    views.lists[fused::cuda::kLambExpAvgSq].push_back({s.exp_avg_sq().data_ptr(), p.numel(), ScalarType::Float32});
+    views.lists[list_index(fused::LambList::kParam)].push_back({p.data_ptr(), p.numel(), st});
+    views.lists[list_index(fused::LambList::kGrad)].push_back({list[i]->grad.data_ptr(), p.numel(), st});
+    views.lists[list_index(fused::LambList::kExpAvg)].push_back({s.exp_avg().data_ptr(), p.numel(), ScalarType::Float32});
+    views.lists[list_index(fused::LambList::kExpAvgSq)].push_back({s.exp_avg_sq().data_ptr(), p.numel(), ScalarType::Float32});
     // The fp64 step travels as a pointer; its dtype tag is not read.
-    views.lists[fused::cuda::kLambStep].push_back({s.step().data_ptr(), 1, ScalarType::Float32});
-    views.lists[fused::cuda::kLambMaster].push_back(
+    views.lists[list_index(fused::LambList::kStep)].push_back({s.step().data_ptr(), 1, ScalarType::Float32});
+    views.lists[list_index(fused::LambList::kMaster)].push_back(
         {master ? s.master().data_ptr() : nullptr, p.numel(), ScalarType::Float32});
   }
   const Plan plan(numels, sdk::cuda::kChunkSize);
-  std::vector<std::int64_t> words;
-  const sdk::cuda::LaunchMeta meta = sdk::make_launch_meta(views, plan, device, words);
+  auto words = std::make_shared<std::vector<std::int64_t>>();  // what meta.host points into
+  const sdk::cuda::LaunchMeta meta = sdk::make_launch_meta(views, plan, device, *words);
   const auto opts = at::TensorOptions().device(device);
   at::Tensor chunk_sums = at::empty({std::max<std::int64_t>(2 * plan.num_chunks(), 1)}, opts.dtype(at::kDouble));
   at::Tensor norms = at::empty({std::max<std::int64_t>(2 * meta.num_tensors, 1)}, opts.dtype(at::kFloat));
@@ -304,9 +316,17 @@ void FusedLAMB::step_list(const sdk::ParamList& pl) {
                                       chunk_sums.data_ptr<double>(),
                                       norms.data_ptr<float>(),
                                       workspace_->counters.get({pl.group, device, pl.dtype}, meta.num_tensors)};
-  fused::cuda::lamb(meta, st, args, sdk::current_stream(device));
-  // Zero-element parameters have no chunk: advance their counters here.
-  sdk::advance_step_counters(empty_steps, pl.signal);
+  const ScaleSignal* signal = pl.signal;
+  return [=, empty_steps = std::move(empty_steps)] {
+    const c10::cuda::CUDAGuard launch_guard(device);
+    refresh_masters();
+    fused::cuda::lamb(meta, st, args, sdk::current_stream(device));
+    (void)words, (void)chunk_sums, (void)norms;  // the launch's memory: kept alive until here
+    // Zero-element parameters have no chunk: advance their counters here.
+    sdk::advance_step_counters(empty_steps, signal);
+  };
+#else
+  TORCH_CHECK(false, name(), ": ampfuse was built without CUDA");
 #endif
 }
 

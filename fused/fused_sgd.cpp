@@ -9,7 +9,7 @@
 #include <ATen/ops/zeros.h>
 #include <c10/util/Exception.h>
 
-#include <unordered_map>
+#include <memory>
 
 #include "ampfuse/tensor_ops.h"
 #include "fused/sgd_cpu.h"
@@ -25,14 +25,7 @@
 namespace ampfuse {
 namespace detail {
 
-struct FusedSgdState {
-  // CUDA parameters: the momentum buffer and its fp32 "initialized" flag on
-  // the device; published to the state by sync_state() once initialized.
-  struct DeviceBuffer {
-    at::Tensor buffer;
-    at::Tensor initialized;
-  };
-  std::unordered_map<const c10::TensorImpl*, DeviceBuffer> device_buffers;
+struct FusedSgdWorkspace {
 #if defined(AMPFUSE_WITH_CUDA)
   sdk::TicketCounters counters;
 #endif
@@ -42,120 +35,106 @@ struct FusedSgdState {
 
 FusedSGD::FusedSGD(const std::vector<torch::optim::OptimizerParamGroup>& param_groups,
                    torch::optim::SGDOptions defaults, FusedSGDOptions fused)
-    : FusedOptimizer(param_groups, std::move(defaults)), fused_(fused), impl_(std::make_unique<detail::FusedSgdState>()) {}
+    : FusedOptimizer(param_groups, std::move(defaults)),
+      fused_(fused),
+      workspace_(std::make_unique<detail::FusedSgdWorkspace>()) {}
 
 FusedSGD::FusedSGD(std::vector<at::Tensor> params, torch::optim::SGDOptions defaults, FusedSGDOptions fused)
     : FusedSGD({torch::optim::OptimizerParamGroup(std::move(params))}, std::move(defaults), fused) {}
 
 FusedSGD::~FusedSGD() = default;
 
-void FusedSGD::check_state(const at::Tensor& p, const torch::optim::SGDParamState& st, std::size_t g,
-                           std::size_t i) const {
+void FusedSGD::check_state(const at::Tensor& p, const FusedSGDParamState& st, std::size_t g, std::size_t i) const {
   sdk::check_state_tensor(st.momentum_buffer(), p, p.scalar_type(), name(), "momentum_buffer", g, i);
 }
 
-void FusedSGD::step_list(const sdk::ParamList& pl) {
-    const auto& list = pl.entries;
-    const c10::Device device = pl.device;
-    const auto& o = options_of(pl.group);
-    const fused::SgdHyper hyper =
-        fused::make_sgd_hyper(o.lr(), o.momentum(), o.dampening(), o.weight_decay(), o.nesterov(), fused_.maximize());
-    const bool momentum = o.momentum() != 0;
-    const ScaleSignal* signal = pl.signal;
-    const ScalarType st = pl.kernel_dtype();
-    std::vector<std::int64_t> numels;
-    for (const sdk::Entry* e : list) numels.push_back(e->param.numel());
-
-    if (device.is_cpu()) {
-      // On CPU the skip was decided on the host: this step is applied, so
-      // missing buffers are created now (filled by the kernel).
-      const std::size_t n = list.size();
-      std::vector<void*> param(n), grad(n), buf(n, nullptr);
-      std::vector<unsigned char> first(n, 0);
-      std::vector<torch::optim::SGDParamState*> states(n, nullptr);
-      if (momentum) {
-        for (std::size_t i = 0; i < n; ++i) {  // creates missing buffers: on this thread
-          states[i] = static_cast<torch::optim::SGDParamState*>(list[i]->state);  // found by validation
-          if (states[i] != nullptr && states[i]->momentum_buffer().defined()) continue;
-          const at::Tensor& p = list[i]->param;
-          if (states[i] == nullptr) {
-            auto fresh = std::make_unique<torch::optim::SGDParamState>();
-            states[i] = fresh.get();
-            this->state()[p.unsafeGetTensorImpl()] = std::move(fresh);
-          }
-          states[i]->momentum_buffer(at::empty_like(p, at::MemoryFormat::Preserve));
-          first[i] = 1;
-        }
-      }
-      sdk::parallel_entries(n, [&](std::size_t i) {
-        param[i] = list[i]->param.data_ptr();
-        grad[i] = list[i]->grad.data_ptr();
-        if (momentum) buf[i] = states[i]->momentum_buffer().data_ptr();
-      });
-      const Plan plan(numels, cpu::kChunkSize);
-      const fused::cpu::SgdArgs args{cpu::plan_ref(plan), param.data(), grad.data(), buf.data(), first.data(), st,
-                                     hyper, sdk::cpu_grad_factor(signal)};
-      const fused::cpu::SgdFn kernel = fused::cpu::sgd_kernel();
-      sdk::parallel_chunks(plan, [&](std::int64_t b, std::int64_t e) { kernel(args, b, e); });
-      return;
-    }
-#if defined(AMPFUSE_WITH_CUDA)
-    const c10::cuda::CUDAGuard guard(device);
-    const auto stream = sdk::current_stream(device);
-    TensorListsView views;
-    views.lists.resize(momentum ? 4 : 2);
-    for (const sdk::Entry* e : list) {
-      const at::Tensor& p = e->param;
-      views.lists[fused::cuda::kSgdParam].push_back({p.data_ptr(), p.numel(), st});
-      views.lists[fused::cuda::kSgdGrad].push_back({e->grad.data_ptr(), p.numel(), st});
-      if (!momentum) continue;
-      auto& record = impl_->device_buffers[p.unsafeGetTensorImpl()];
-      // Made on first use, or again when the one kept belongs to a freed
-      // parameter that had the same address; never inside a CUDA graph (its
-      // flag would be reset at every replay).
-      if (!record.buffer.defined() || record.buffer.sizes() != p.sizes() || record.buffer.device() != p.device() ||
-          record.buffer.scalar_type() != p.scalar_type()) {
-        sdk::refuse_under_capture(*e, name(), "its momentum buffer (made at the first step, and again at the first "
-                                              "after load())");
-        const auto* state = find_state(p);
-        const bool loaded = state != nullptr && state->momentum_buffer().defined();
-        record.buffer = loaded ? state->momentum_buffer() : at::empty_like(p, at::MemoryFormat::Preserve);
-        record.initialized = at::full({1}, loaded ? 1.0 : 0.0, p.options().dtype(at::kFloat));
-      }
-      views.lists[fused::cuda::kSgdMomentumBuffer].push_back({record.buffer.data_ptr(), p.numel(), st});
-      views.lists[fused::cuda::kSgdInitialized].push_back({record.initialized.data_ptr(), 1, ScalarType::Float32});
-    }
-    const Plan plan(numels, cuda::kChunkSize);
-    std::vector<std::int64_t> words;
-    const cuda::LaunchMeta meta = sdk::make_launch_meta(views, plan, device, words);
-    unsigned* counters = momentum ? impl_->counters.get({pl.group, device, pl.dtype}, meta.num_tensors) : nullptr;
-    const sdk::SignalPointers sig = sdk::signal_pointers(signal);
-    const fused::cuda::SgdCudaArgs args{hyper, sig.found_inf, sig.inv_scale, sig.clip_coef, counters};
-    fused::cuda::sgd(meta, st, args, stream);
-#endif
+bool FusedSGD::has_saved_state(const FusedSGDParamState& st) const {
+  return !st.momentum_initialized().defined() || st.momentum_initialized().item<float>() != 0.f;
 }
 
-void FusedSGD::sync_state() {
-  for (auto& group : param_groups()) {
-    for (auto& p : group.params()) {
-      auto it = impl_->device_buffers.find(p.unsafeGetTensorImpl());
-      if (it == impl_->device_buffers.end() || find_state(p) != nullptr) continue;
-      if (it->second.initialized.item<float>() == 0.f) continue;  // no step filled it yet
-      auto st = std::make_unique<torch::optim::SGDParamState>();
-      st->momentum_buffer(it->second.buffer);
-      state()[p.unsafeGetTensorImpl()] = std::move(st);
+sdk::Launch FusedSGD::prepare_list(const sdk::ParamList& pl) {
+  const auto& list = pl.entries;
+  const c10::Device device = pl.device;
+  const auto& o = options_of(pl.group);
+  const fused::SgdHyper hyper =
+      fused::make_sgd_hyper(o.lr(), o.momentum(), o.dampening(), o.weight_decay(), o.nesterov(), fused_.maximize());
+  const bool momentum = o.momentum() != 0;
+  const ScalarType st = pl.kernel_dtype();
+  const std::size_t n = list.size();
+  std::vector<std::int64_t> numels(n);
+  // Buffers a step has not filled yet: on CPU (the skip was decided on the
+  // host, so this step is applied) the kernel fills them; on CUDA their
+  // device flag says so.
+  std::vector<unsigned char> first(n, 0);
+  std::vector<FusedSGDParamState*> states(n, nullptr);
+  if (momentum) {
+    for (std::size_t i = 0; i < n; ++i) {  // creates missing buffers: on this thread
+      const sdk::Entry& e = *list[i];
+      const at::Tensor& p = e.param;
+      FusedSGDParamState& s = state_for(e, [](FusedSGDParamState&) {});
+      const bool fresh = !s.momentum_buffer().defined();
+      if (fresh) {
+        sdk::refuse_under_capture(e, name(), "its momentum buffer");
+        undo_on_failure([&s] { s.momentum_buffer(at::Tensor()); });
+        s.momentum_buffer(at::empty_like(p, at::MemoryFormat::Preserve));
+        first[i] = 1;
+      }
+      if (device.is_cuda() && !s.momentum_initialized().defined()) {
+        // A loaded buffer is filled; a fresh one waits for its first applied step.
+        sdk::refuse_under_capture(e, name(), "its momentum buffer's flag (made at the first step, and again at "
+                                             "the first after load())");
+        undo_on_failure([&s] { s.momentum_initialized(at::Tensor()); });
+        s.momentum_initialized(at::full({1}, fresh ? 0.0 : 1.0, p.options().dtype(at::kFloat)));
+      }
+      states[i] = &s;
     }
   }
-}
 
-void FusedSGD::save(torch::serialize::OutputArchive& archive) const {
-  const_cast<FusedSGD*>(this)->sync_state();
-  SGD::save(archive);
-}
-
-void FusedSGD::load(torch::serialize::InputArchive& archive) {
-  SGD::load(archive);
-  impl_->device_buffers.clear();  // rebuilt from the loaded buffers at the next step
+  if (device.is_cpu()) {
+    std::vector<void*> param(n), grad(n), buf(n, nullptr);
+    sdk::parallel_entries(n, [&](std::size_t i) {
+      numels[i] = list[i]->param.numel();
+      param[i] = list[i]->param.data_ptr();
+      grad[i] = list[i]->grad.data_ptr();
+      if (momentum) buf[i] = states[i]->momentum_buffer().data_ptr();
+    });
+    auto plan = std::make_shared<const Plan>(numels, sdk::cpu::kChunkSize);
+    const float grad_factor = sdk::cpu_grad_factor(pl.signal);
+    return [=, param = std::move(param), grad = std::move(grad), buf = std::move(buf), first = std::move(first)] {
+      const fused::cpu::SgdArgs args{sdk::cpu::plan_ref(*plan), param.data(), grad.data(), buf.data(), first.data(),
+                                     st, hyper, grad_factor};
+      const fused::cpu::SgdFn kernel = fused::cpu::sgd_kernel();
+      sdk::parallel_chunks(*plan, [&](std::int64_t b, std::int64_t e) { kernel(args, b, e); });
+    };
+  }
+#if defined(AMPFUSE_WITH_CUDA)
+  const c10::cuda::CUDAGuard guard(device);
+  TensorListsView views;
+  views.lists.resize(momentum ? 4 : 2);
+  for (std::size_t i = 0; i < n; ++i) {
+    const at::Tensor& p = list[i]->param;
+    numels[i] = p.numel();
+    views.lists[fused::cuda::kSgdParam].push_back({p.data_ptr(), p.numel(), st});
+    views.lists[fused::cuda::kSgdGrad].push_back({list[i]->grad.data_ptr(), p.numel(), st});
+    if (!momentum) continue;
+    views.lists[fused::cuda::kSgdMomentumBuffer].push_back({states[i]->momentum_buffer().data_ptr(), p.numel(), st});
+    views.lists[fused::cuda::kSgdInitialized].push_back(
+        {states[i]->momentum_initialized().data_ptr(), 1, ScalarType::Float32});
+  }
+  const Plan plan(numels, sdk::cuda::kChunkSize);
+  auto words = std::make_shared<std::vector<std::int64_t>>();  // what meta.host points into
+  const sdk::cuda::LaunchMeta meta = sdk::make_launch_meta(views, plan, device, *words);
+  unsigned* counters = momentum ? workspace_->counters.get({pl.group, device, pl.dtype}, meta.num_tensors) : nullptr;
+  const sdk::SignalPointers sig = sdk::signal_pointers(pl.signal);
+  const fused::cuda::SgdCudaArgs args{hyper, sig.found_inf, sig.inv_scale, sig.clip_coef, counters};
+  return [=] {
+    const c10::cuda::CUDAGuard launch_guard(device);
+    fused::cuda::sgd(meta, st, args, sdk::current_stream(device));
+    (void)words;  // meta.host points into it: kept alive until here
+  };
+#else
+  TORCH_CHECK(false, name(), ": ampfuse was built without CUDA");
+#endif
 }
 
 }  // namespace ampfuse

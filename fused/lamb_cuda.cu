@@ -25,7 +25,7 @@ __device__ __forceinline__ float lamb_grad_factor(const LambCudaArgs& args) {
 
 template <class Meta>
 __device__ __forceinline__ LambStepScalars step_scalars(const Meta& meta, std::int64_t slot, const LambHyper& h) {
-  return lamb_step_scalars(h, block_broadcast(static_cast<const double*>(meta.data(kLambStep, slot))) + 1.0);
+  return lamb_step_scalars(h, block_broadcast(static_cast<const double*>(meta.data(list_index(LambList::kStep), slot))) + 1.0);
 }
 
 template <class P, bool kMaster, class Meta>
@@ -34,11 +34,11 @@ __global__ void __launch_bounds__(kBlockSize) lamb_moments_kernel(Meta meta, Lam
   const BlockChunk c = locate_chunk(meta, blockIdx.x);
   const LambStepScalars s = step_scalars(meta, c.slot, args.hyper);
   const float factor = lamb_grad_factor(args);
-  const P* p = static_cast<const P*>(meta.data(kLambParam, c.slot)) + c.begin;
-  const P* g = static_cast<const P*>(meta.data(kLambGrad, c.slot)) + c.begin;
-  float* m = static_cast<float*>(meta.data(kLambExpAvg, c.slot)) + c.begin;
-  float* v = static_cast<float*>(meta.data(kLambExpAvgSq, c.slot)) + c.begin;
-  const float* master = kMaster ? static_cast<const float*>(meta.data(kLambMaster, c.slot)) + c.begin : nullptr;
+  const P* p = static_cast<const P*>(meta.data(list_index(LambList::kParam), c.slot)) + c.begin;
+  const P* g = static_cast<const P*>(meta.data(list_index(LambList::kGrad), c.slot)) + c.begin;
+  float* m = static_cast<float*>(meta.data(list_index(LambList::kExpAvg), c.slot)) + c.begin;
+  float* v = static_cast<float*>(meta.data(list_index(LambList::kExpAvgSq), c.slot)) + c.begin;
+  const float* master = kMaster ? static_cast<const float*>(meta.data(list_index(LambList::kMaster), c.slot)) + c.begin : nullptr;
   // fp64 sums, as on the CPU: p^2 of a large |p| stays finite, and the norms match.
   double p_sq = 0.0, u_sq = 0.0;
   for_each_element(c, [&](std::int64_t i) {
@@ -88,14 +88,14 @@ template <class P, bool kMaster, class Meta>
 __global__ void __launch_bounds__(kBlockSize) lamb_apply_kernel(Meta meta, LambCudaArgs args) {
   if (step_skipped(args.found_inf)) return;
   const BlockChunk c = locate_chunk(meta, blockIdx.x);
-  double* step_ptr = static_cast<double*>(meta.data(kLambStep, c.slot));
+  double* step_ptr = static_cast<double*>(meta.data(list_index(LambList::kStep), c.slot));
   const double old_step = block_broadcast(step_ptr);
   const LambStepScalars s = lamb_step_scalars(args.hyper, old_step + 1.0);
   const float neg_step = lamb_neg_step(args.hyper, args.norms[2 * c.slot], args.norms[2 * c.slot + 1]);
-  P* p = static_cast<P*>(meta.data(kLambParam, c.slot)) + c.begin;
-  const float* m = static_cast<const float*>(meta.data(kLambExpAvg, c.slot)) + c.begin;
-  const float* v = static_cast<const float*>(meta.data(kLambExpAvgSq, c.slot)) + c.begin;
-  float* master = kMaster ? static_cast<float*>(meta.data(kLambMaster, c.slot)) + c.begin : nullptr;
+  P* p = static_cast<P*>(meta.data(list_index(LambList::kParam), c.slot)) + c.begin;
+  const float* m = static_cast<const float*>(meta.data(list_index(LambList::kExpAvg), c.slot)) + c.begin;
+  const float* v = static_cast<const float*>(meta.data(list_index(LambList::kExpAvgSq), c.slot)) + c.begin;
+  float* master = kMaster ? static_cast<float*>(meta.data(list_index(LambList::kMaster), c.slot)) + c.begin : nullptr;
   for_each_element(c, [&](std::int64_t i) {
     float pf = kMaster ? master[i] : to_float(p[i]);
     const float u = lamb_direction<float, ScalarOps>(pf, m[i], v[i], args.hyper, s);
@@ -112,7 +112,7 @@ __global__ void __launch_bounds__(kBlockSize) lamb_apply_kernel(Meta meta, LambC
 void lamb(const sdk::cuda::LaunchMeta& meta, ScalarType dtype, const LambCudaArgs& args, sdk::cuda::Stream stream) {
   dispatch_dtype(dtype, [&](auto param_tag) {
     using P = decltype(param_tag);
-    launch_with_meta<kLambDepth>(meta, [&](auto m, dim3 grid) {
+    launch_with_meta<kLambLists>(meta, [&](auto m, dim3 grid) {
       if (args.master) {
         lamb_moments_kernel<P, true><<<grid, kBlockSize, 0, stream>>>(m, args);
         lamb_apply_kernel<P, true><<<grid, kBlockSize, 0, stream>>>(m, args);

@@ -6,12 +6,11 @@
 
 namespace ampfuse::fused::cuda {
 
-/// Lists of the launch metadata, in this order (kLambMaster holds null
-/// pointers without master weights). State is fp32; step counters fp64.
-enum LambList : int { kLambParam = 0, kLambGrad, kLambExpAvg, kLambExpAvgSq, kLambStep, kLambMaster, kLambDepth };
+// The launch metadata's lists are LambList's (fused/lamb_math.h). State is
+// fp32; step counters fp64.
 
 struct LambCudaArgs {
-  bool master;               ///< update an fp32 master copy (list kLambMaster), write it back rounded
+  bool master;               ///< update an fp32 master copy (list LambList::kMaster), write it back rounded
   LambHyper hyper;
   const float* found_inf;    ///< skip when != 0; null: never skip
   const float* inv_scale;    ///< null: 1

@@ -21,9 +21,19 @@
 #include <cmath>
 
 #include "ampfuse/config.h"
+#include "ampfuse/multi_tensor.h"
 #include "ampfuse/sdk/math.h"
 
 namespace ampfuse::fused {
+
+/// FusedLAMB's tensor lists, numbered once for the CPU kernels, the CUDA
+/// kernels and the adapter. The CPU kernels take the first kLambCpuLists
+/// (their step counters are read on the host); the CUDA kernels take all of
+/// them, the fp64 step counters last. kMaster holds null pointers without
+/// master weights.
+enum class LambList : int { kParam, kGrad, kExpAvg, kExpAvgSq, kMaster, kStep };
+constexpr int kLambCpuLists = 5;
+constexpr int kLambLists = 6;
 
 struct LambHyper {
   float lr = 1e-3f;

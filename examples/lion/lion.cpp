@@ -9,6 +9,8 @@
 #include <ampfuse/sdk/cpu.h>
 #include <c10/util/Exception.h>
 
+#include <memory>
+
 #include "lion_cpu.h"
 
 #if defined(AMPFUSE_WITH_CUDA)
@@ -57,7 +59,7 @@ void FusedLion::check_state(const torch::Tensor& p, const LionParamState& s, std
   ampfuse::sdk::check_state_tensor(s.exp_avg(), p, p.scalar_type(), name(), "exp_avg", group, index);
 }
 
-void FusedLion::step_list(const ampfuse::sdk::ParamList& list) {
+ampfuse::sdk::Launch FusedLion::prepare_list(const ampfuse::sdk::ParamList& list) {
   const LionOptions& o = options_of(list.group);
   const LionHyper hyper = make_lion_hyper(o.lr(), std::get<0>(o.betas()), std::get<1>(o.betas()), o.weight_decay());
   const ampfuse::ScalarType dtype = list.kernel_dtype();
@@ -79,12 +81,16 @@ void FusedLion::step_list(const ampfuse::sdk::ParamList& list) {
   }
 
   if (list.device.is_cpu()) {
-    const ampfuse::Plan plan(numel, ampfuse::sdk::cpu::kChunkSize);
-    const cpu::LionCpuArgs args{ampfuse::sdk::cpu::plan_ref(plan), param.data(), grad.data(), exp_avg.data(),
-                                dtype, hyper, ampfuse::sdk::cpu_grad_factor(list.signal)};
-    const cpu::LionFn kernel = ampfuse::sdk::cpu::pick_isa(cpu::avx512::kLion, cpu::avx2::kLion, cpu::baseline::kLion);
-    ampfuse::sdk::parallel_chunks(plan, [&](std::int64_t begin, std::int64_t end) { kernel(args, begin, end); });
-    return;
+    auto plan = std::make_shared<const ampfuse::Plan>(numel, ampfuse::sdk::cpu::kChunkSize);
+    const float grad_factor = ampfuse::sdk::cpu_grad_factor(list.signal);
+    // The launch: everything that could throw is done; it only writes.
+    return [=] {
+      const cpu::LionCpuArgs args{ampfuse::sdk::cpu::plan_ref(*plan), param.data(), grad.data(), exp_avg.data(),
+                                  dtype, hyper, grad_factor};
+      const cpu::LionFn kernel =
+          ampfuse::sdk::cpu::pick_isa(cpu::avx512::kLion, cpu::avx2::kLion, cpu::baseline::kLion);
+      ampfuse::sdk::parallel_chunks(*plan, [&](std::int64_t begin, std::int64_t end) { kernel(args, begin, end); });
+    };
   }
 #if defined(AMPFUSE_WITH_CUDA)
   const c10::cuda::CUDAGuard guard(list.device);
@@ -96,11 +102,16 @@ void FusedLion::step_list(const ampfuse::sdk::ParamList& list) {
     views.lists[cuda::kExpAvg].push_back({exp_avg[i], numel[i], dtype});
   }
   const ampfuse::Plan plan(numel, ampfuse::sdk::cuda::kChunkSize);
-  std::vector<std::int64_t> words;  // the packed metadata; must outlive the launch call
-  const auto meta = ampfuse::sdk::make_launch_meta(views, plan, list.device, words);
+  auto words = std::make_shared<std::vector<std::int64_t>>();  // the packed metadata, which meta points into
+  const auto meta = ampfuse::sdk::make_launch_meta(views, plan, list.device, *words);
   const ampfuse::sdk::SignalPointers sig = ampfuse::sdk::signal_pointers(list.signal);
-  cuda::lion_step(meta, dtype, {hyper, sig.found_inf, sig.inv_scale, sig.clip_coef},
-                  ampfuse::sdk::current_stream(list.device));
+  const c10::Device device = list.device;
+  return [=] {
+    const c10::cuda::CUDAGuard launch_guard(device);
+    cuda::lion_step(meta, dtype, {hyper, sig.found_inf, sig.inv_scale, sig.clip_coef},
+                    ampfuse::sdk::current_stream(device));
+    (void)words;  // kept alive until the launch call returns
+  };
 #else
   TORCH_CHECK(false, name(), ": ampfuse was built without CUDA");
 #endif

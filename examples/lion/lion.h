@@ -53,7 +53,7 @@ class FusedLion : public ampfuse::sdk::FusedOptimizer<torch::optim::Optimizer, L
   const char* name() const override { return "FusedLion"; }
   void check_state(const torch::Tensor& param, const LionParamState& state, std::size_t group,
                    std::size_t index) const override;
-  void step_list(const ampfuse::sdk::ParamList& list) override;
+  ampfuse::sdk::Launch prepare_list(const ampfuse::sdk::ParamList& list) override;
 };
 
 }  // namespace lion

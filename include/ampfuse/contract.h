@@ -12,6 +12,13 @@
 
 namespace ampfuse {
 
+/// `device` as tensors name it: an index-less device (torch::kCUDA) is the
+/// current one of its type, and CPU is "cpu", never "cpu:0". Where the
+/// current device cannot be asked (no such backend, or no GPU), the device
+/// stays as named. Everything ampfuse keys by device (scale signals, an
+/// optimizer's per-device tensors) is keyed by this.
+c10::Device canonical_device(c10::Device device);
+
 /// The scaler's word for the grads of one optimizer on one device. Every
 /// defined field is an fp32 tensor of one element on that device.
 struct ScaleSignal {

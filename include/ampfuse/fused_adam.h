@@ -14,17 +14,19 @@
 // Anything else is refused, naming the group and the parameter, before
 // anything is written.
 //
-// Step counters: on CPU they are LibTorch's (AdamParamState::step). On CUDA
-// each parameter also has a device counter (so that a skipped step can be
-// decided on the device); AdamParamState::step is brought up to date by
-// save() and sync_state(), and is the source the device counters start from.
+// State: LibTorch's AdamParamState (AdamWParamState), extended by
+// FusedAdamParamState with what the fused step adds, all of it in state() so
+// that save(), load() and state().clear() see it. Step counters: on CPU they
+// are LibTorch's (step). On CUDA each parameter also has a device counter
+// (so that a skipped step can be decided on the device), fp64 so that it is
+// exact past 2^24 steps; it starts from step, and step catches up with it in
+// save() (the checkpoint holds the device count) and sync_state().
 
 #include <torch/arg.h>
 #include <torch/optim/adam.h>
 #include <torch/optim/adamw.h>
 
 #include <memory>
-#include <unordered_map>
 #include <vector>
 
 #include "ampfuse/contract.h"
@@ -55,9 +57,35 @@ struct FusedAdamOptions {
   TORCH_ARG(bool, capturable) = false;
 };
 
+/// The per-parameter state of FusedAdam (BaseState = AdamParamState) and
+/// FusedAdamW (AdamWParamState): LibTorch's, under the same checkpoint keys,
+/// and the fused step's own tensors.
+template <class BaseState>
+struct FusedAdamParamStateT : BaseState {
+  /// CUDA: the step counter the kernel reads and advances on the device,
+  /// fp64, one element. Not saved: the checkpoint's step is its value.
+  TORCH_ARG(at::Tensor, device_step);
+  /// master_weights: the fp32 master copy. Saved under the key "master",
+  /// which torch::optim::Adam ignores when it loads the checkpoint.
+  TORCH_ARG(at::Tensor, master);
+  /// The parameter's version counter when master last matched it; when the
+  /// parameter was written from outside since, the next step refreshes the
+  /// master from it.
+  TORCH_ARG(std::int64_t, master_version) = 0;
+
+ public:
+  std::unique_ptr<torch::optim::OptimizerParamState> clone() const override {
+    return std::make_unique<FusedAdamParamStateT>(*this);
+  }
+  void serialize(torch::serialize::OutputArchive& archive) const override;
+  void serialize(torch::serialize::InputArchive& archive) override;
+};
+using FusedAdamParamState = FusedAdamParamStateT<torch::optim::AdamParamState>;
+using FusedAdamWParamState = FusedAdamParamStateT<torch::optim::AdamWParamState>;
+
 namespace detail {
 
-struct FusedAdamState;
+struct FusedAdamWorkspace;
 
 /// What FusedAdam and FusedAdamW share; Base is torch::optim::Adam or AdamW.
 /// Built on the SDK's optimizer base, as any third-party optimizer is.
@@ -71,37 +99,37 @@ class FusedAdamImpl : public sdk::FusedOptimizer<Base, Options, State> {
 
   /// Copies device step counters into the state's step (syncs on CUDA).
   void sync_state();
-  void save(torch::serialize::OutputArchive& archive) const override;
-  void load(torch::serialize::InputArchive& archive) override;
 
   const FusedAdamOptions& fused_options() const { return fused_; }
 
   /// capturable on CUDA: the fp64 one-element tensor on `device` that the
   /// kernels read group `group`'s lr from (undefined before the group's first
   /// step on that device).
-  at::Tensor lr_tensor(std::size_t group, c10::Device device = c10::Device(c10::kCUDA, 0)) const;
+  /// An index-less device means the current one.
+  at::Tensor lr_tensor(std::size_t group, c10::Device device = c10::Device(c10::kCUDA)) const;
 
  protected:
   const char* name() const override;
   void check_state(const at::Tensor& param, const State& state, std::size_t group, std::size_t index) const override;
   void check_entries(const std::vector<sdk::Entry>& entries) const override;
-  void step_list(const sdk::ParamList& list) override;
+  sdk::Launch prepare_list(const sdk::ParamList& list) override;
+  void after_load(const at::Tensor& param, State& state) override;
 
  private:
   FusedAdamOptions fused_;
-  std::unique_ptr<FusedAdamState> impl_;
+  std::unique_ptr<FusedAdamWorkspace> workspace_;
 };
 
 }  // namespace detail
 
 class FusedAdam : public detail::FusedAdamImpl<torch::optim::Adam, torch::optim::AdamOptions,
-                                               torch::optim::AdamParamState, false> {
+                                               FusedAdamParamState, false> {
  public:
   using FusedAdamImpl::FusedAdamImpl;
 };
 
 class FusedAdamW : public detail::FusedAdamImpl<torch::optim::AdamW, torch::optim::AdamWOptions,
-                                                torch::optim::AdamWParamState, true> {
+                                                FusedAdamWParamState, true> {
  public:
   using FusedAdamImpl::FusedAdamImpl;
 };

@@ -75,6 +75,9 @@ struct FusedLAMBParamState : public torch::optim::OptimizerCloneableParamState<F
   TORCH_ARG(torch::Tensor, exp_avg_sq);
   /// fp32 master copy (master_weights only).
   TORCH_ARG(torch::Tensor, master);
+  /// The parameter's version counter when master last matched it (see
+  /// FusedOptimizer::prepare_master). Not saved.
+  TORCH_ARG(std::int64_t, master_version) = 0;
 
  public:
   void serialize(torch::serialize::InputArchive& archive) override;
@@ -98,7 +101,8 @@ class FusedLAMB : public sdk::FusedOptimizer<torch::optim::Optimizer, FusedLAMBO
                    std::size_t index) const override;
   void check_entries(const std::vector<sdk::Entry>& entries) const override;
   void begin_step(const std::vector<const sdk::Entry*>& entries, const StepSignals* signals) override;
-  void step_list(const sdk::ParamList& list) override;
+  sdk::Launch prepare_list(const sdk::ParamList& list) override;
+  void after_load(const at::Tensor& param, FusedLAMBParamState& state) override;
 
  private:
   std::unique_ptr<detail::FusedLambWorkspace> workspace_;

@@ -4,10 +4,12 @@
 // step, one parallel region per parameter group and dtype on CPU and one
 // kernel launch on CUDA, and the scaler contract (ampfuse/contract.h).
 //
-// The momentum buffer is created by the first step that is applied: a
-// skipped first step leaves no buffer (on CPU no state at all; on CUDA the
-// buffer's memory is reserved but only published to the state, by save() or
-// sync_state(), once a step has filled it).
+// The momentum buffer is filled by the first step that is applied: a skipped
+// first step leaves no buffer contents behind. On CPU the skip is known on
+// the host, so such a step makes no state at all; on CUDA the buffer is made
+// with a device flag, momentum_initialized, that the first applied step sets,
+// and save() leaves out a buffer whose flag is still 0 (a sync, as any save
+// from a GPU), so a checkpoint never holds an unfilled buffer.
 
 #include <torch/arg.h>
 #include <torch/optim/sgd.h>
@@ -26,33 +28,42 @@ struct FusedSGDOptions {
   TORCH_ARG(bool, maximize) = false;
 };
 
+/// FusedSGD's per-parameter state: torch::optim::SGD's, under the same
+/// checkpoint keys, and on CUDA the momentum buffer's device flag.
+struct FusedSGDParamState : torch::optim::SGDParamState {
+  /// CUDA with momentum: fp32, one element, non-zero once a step has filled
+  /// momentum_buffer. Not saved.
+  TORCH_ARG(at::Tensor, momentum_initialized);
+
+ public:
+  std::unique_ptr<torch::optim::OptimizerParamState> clone() const override {
+    return std::make_unique<FusedSGDParamState>(*this);
+  }
+};
+
 namespace detail {
-struct FusedSgdState;
+struct FusedSgdWorkspace;
 }
 
-class FusedSGD : public sdk::FusedOptimizer<torch::optim::SGD, torch::optim::SGDOptions, torch::optim::SGDParamState> {
+class FusedSGD : public sdk::FusedOptimizer<torch::optim::SGD, torch::optim::SGDOptions, FusedSGDParamState> {
  public:
   explicit FusedSGD(const std::vector<torch::optim::OptimizerParamGroup>& param_groups,
                     torch::optim::SGDOptions defaults, FusedSGDOptions fused = {});
   explicit FusedSGD(std::vector<at::Tensor> params, torch::optim::SGDOptions defaults, FusedSGDOptions fused = {});
   ~FusedSGD() override;
 
-  /// Publishes momentum buffers filled on the device into the state (syncs on CUDA).
-  void sync_state();
-  void save(torch::serialize::OutputArchive& archive) const override;
-  void load(torch::serialize::InputArchive& archive) override;
-
   const FusedSGDOptions& fused_options() const { return fused_; }
 
  protected:
   const char* name() const override { return "FusedSGD"; }
-  void check_state(const at::Tensor& param, const torch::optim::SGDParamState& state, std::size_t group,
+  void check_state(const at::Tensor& param, const FusedSGDParamState& state, std::size_t group,
                    std::size_t index) const override;
-  void step_list(const sdk::ParamList& list) override;
+  sdk::Launch prepare_list(const sdk::ParamList& list) override;
+  bool has_saved_state(const FusedSGDParamState& state) const override;
 
  private:
   FusedSGDOptions fused_;
-  std::unique_ptr<detail::FusedSgdState> impl_;
+  std::unique_ptr<detail::FusedSgdWorkspace> workspace_;
 };
 
 }  // namespace ampfuse

@@ -20,6 +20,14 @@ constexpr std::size_t element_size(ScalarType t) {
 
 const char* to_string(ScalarType t);
 
+/// The position of a list in a TensorListsView and in a kernel's metadata,
+/// from an optimizer's `enum class` of lists (one numbering shared by its CPU
+/// kernel, CUDA kernel and adapter).
+template <class List>
+AMPFUSE_HOST_DEVICE constexpr int list_index(List list) {
+  return static_cast<int>(list);
+}
+
 /// One tensor as a kernel sees it: contiguous storage of `numel` elements.
 struct TensorView {
   void* data = nullptr;

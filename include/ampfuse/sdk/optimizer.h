@@ -7,27 +7,35 @@
 // torch::optim::Optimizer itself, or an existing LibTorch optimizer whose
 // options, state and checkpoints should be shared, as FusedAdam shares
 // torch::optim::Adam's). It implements step() and the scaler contract's
-// step_with_signals() once for all:
-//   1. validates every group, parameter, grad, existing state and scale
+// step_with_signals() once for all, in two phases, so that a step that
+// throws changes nothing:
+//   1. validate every group, parameter, grad, existing state and scale
 //      signal, throwing an error that names the optimizer, the group and the
-//      parameter, before anything is written;
-//   2. on CPU, decides a skipped step on the host (reading a CPU found_inf is
-//      no device sync), so a skipped step creates no state either;
-//   3. groups the parameters with grads by (group, device, dtype), in
-//      parameter order, and calls step_list() once per list with the list's
-//      ScaleSignal (null without a scaler).
-// step_list() gets or creates per-parameter state (state_for), builds the
-// kernel's pointer lists and runs one CPU parallel region (parallel_chunks)
-// or one CUDA launch (make_launch_meta + the author's launcher). On CUDA
-// the kernel itself must return early when *found_inf != 0 (contract rule
-// 1), multiply grads by inv_scale and clip_coef (rule 2) and advance step
-// counters only when it applies (rule 4), without reading anything on the
-// host (rule 3); on CPU, step_list() is not called for a skipped step, and
-// cpu_grad_factor() gives inv_scale * clip_coef.
+//      parameter; on CPU, decide a skipped step on the host (reading a CPU
+//      found_inf is no device sync), so a skipped step creates no state;
+//   2. prepare: group the parameters with grads by (group, device, dtype), in
+//      parameter order, and call prepare_list() once per list with the list's
+//      ScaleSignal (null without a scaler). prepare_list() does everything
+//      that can throw (state allocation, metadata, the refusals under CUDA
+//      graph capture) and returns the list's Launch. If any list throws, the
+//      state made so far (state_for, and whatever undo_on_failure registered)
+//      is taken back and the error propagates: nothing was written;
+//   3. launch: run every list's Launch, which writes (kernels, counters) and
+//      throws nothing.
+// A Launch runs one CPU parallel region (parallel_chunks) or one CUDA launch
+// (make_launch_meta + the author's launcher). On CUDA the kernel itself must
+// return early when *found_inf != 0 (contract rule 1), multiply grads by
+// inv_scale and clip_coef (rule 2) and advance step counters only when it
+// applies (rule 4), without reading anything on the host (rule 3); on CPU,
+// prepare_list() is not called for a skipped step, and cpu_grad_factor()
+// gives inv_scale * clip_coef.
 //
-// Checkpoints: with Base = torch::optim::Optimizer, save()/load() write and
-// read Options and State with LibTorch's optimizer serialization (State and
-// Options implement serialize(), as LibTorch's own do).
+// State: every per-parameter tensor lives in the State object in state(),
+// so that save(), load() and state().clear() see it. Checkpoints are
+// LibTorch's optimizer format (State and Options implement serialize(), as
+// LibTorch's own do), written and read with State's serialize(): a State
+// derived from LibTorch's (FusedAdam's from AdamParamState) loads into the
+// LibTorch optimizer too.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -45,7 +53,7 @@
 #include <memory>
 #include <string>
 #include <tuple>
-#include <type_traits>
+#include <typeinfo>
 #include <utility>
 #include <vector>
 
@@ -69,7 +77,7 @@ struct Entry {
   c10::ScalarType dtype;   ///< param.scalar_type(), read once
   /// The parameter's state as validation found it (null when it had none);
   /// FusedOptimizer::state_for(entry, ...) uses it instead of a second lookup,
-  /// so check_entries, begin_step and step_list must not replace or erase a
+  /// so check_entries, begin_step and prepare_list must not replace or erase a
   /// stepped parameter's state (creating state for one that had none is fine).
   torch::optim::OptimizerParamState* state;
 };
@@ -202,6 +210,42 @@ bool stream_capturing(c10::Device device);
 /// where the state is made; a warm-up step outside the capture makes it.
 void refuse_under_capture(const Entry& e, const char* optimizer, const char* what);
 
+/// A list's second phase (see the top of this file): writes, throws nothing.
+using Launch = std::function<void()>;
+
+/// fp64 one-element tensors per (group, device) that kernels read on the
+/// device in place of a host value (FusedAdam's capturable lr), so that a
+/// captured CUDA graph replays with whatever was written into them. Devices
+/// are keyed as tensors name them (canonical_device).
+class DeviceScalars {
+ public:
+  /// The tensor of (group, device); undefined before the group's first step there.
+  at::Tensor find(std::size_t group, c10::Device device) const;
+
+  /// Prepare phase: the tensor of (group, device), made holding `value` when
+  /// missing (then *created is true). Throws, naming `optimizer` and the
+  /// group, when it is missing under CUDA graph capture: made inside the
+  /// graph, it would be made again at every replay.
+  at::Tensor prepare(std::size_t group, c10::Device device, double value, const char* optimizer, bool* created);
+  /// Launch phase: writes `value` into the tensor of (group, device) when it
+  /// differs from the value last written (a fill kernel, no sync), except
+  /// under capture, where the tensor is authoritative (a recorded fill would
+  /// overwrite it at every replay).
+  void refresh(std::size_t group, c10::Device device, double value);
+  /// Forgets (group, device) (undoes a prepare that created it).
+  void erase(std::size_t group, c10::Device device);
+
+ private:
+  struct Slot {
+    std::size_t group;
+    c10::Device device;
+    at::Tensor value;
+    double written;
+  };
+  Slot* slot(std::size_t group, c10::Device device);
+  std::vector<Slot> slots_;
+};
+
 /// One list of a step: the parameters with grads of one group on one
 /// device with one dtype, and that device's scale signal.
 struct ParamList {
@@ -214,6 +258,14 @@ struct ParamList {
   /// The storage type the kernels take (Float32, Float16 or BFloat16).
   ScalarType kernel_dtype() const { return to_scalar_type(dtype); }
 };
+
+/// In a Launch: an fp32 master copy kept in State takes the parameter's
+/// values (see FusedOptimizer::prepare_master).
+template <class S>
+void refresh_master(const at::Tensor& param, S& state) {
+  state.master().copy_(param);
+  state.master_version(param._version());
+}
 
 /// The optimizer base (see the top of this file).
 template <class Base, class Options, class State>
@@ -236,17 +288,34 @@ class FusedOptimizer : public Base, public ScalerAware {
   /// The contract step (GradScaler::step calls it).
   void step_with_signals(const StepSignals& signals) override { run_step(&signals); }
 
+  /// LibTorch's optimizer format, each state written by State::serialize;
+  /// a parameter whose state has_saved_state() refuses is left out.
   void save(torch::serialize::OutputArchive& archive) const override {
-    if constexpr (std::is_same_v<Base, torch::optim::Optimizer>)
-      torch::optim::serialize<State, Options>(archive, *this);
-    else
-      Base::save(archive);
+    archive.write("pytorch_version", c10::IValue("1.5.0"));
+    torch::serialize::OutputArchive state_archive(archive.compilation_unit());
+    for (const auto& [key, state] : this->state()) {
+      const State& s = static_cast<const State&>(*state);
+      if (!has_saved_state(s)) continue;
+      torch::serialize::OutputArchive one(archive.compilation_unit());
+      s.serialize(one);
+      state_archive.write(std::to_string(reinterpret_cast<std::size_t>(key)), one);
+    }
+    archive.write("state", state_archive);
+    torch::serialize::OutputArchive groups_archive(archive.compilation_unit());
+    torch::optim::detail::serialize<Options>(groups_archive, this->param_groups());
+    archive.write("param_groups", groups_archive);
   }
+  /// Reads LibTorch's optimizer format into State objects, then calls
+  /// after_load() for every parameter with state.
   void load(torch::serialize::InputArchive& archive) override {
-    if constexpr (std::is_same_v<Base, torch::optim::Optimizer>)
-      torch::optim::serialize<State, Options>(archive, *this);
-    else
-      Base::load(archive);
+    c10::IValue version;
+    TORCH_CHECK(archive.try_read("pytorch_version", version), name(),
+                ": the checkpoint has no pytorch_version: it predates LibTorch 1.5's optimizer format; load it into "
+                "the LibTorch optimizer and save it again");
+    torch::optim::serialize<State, Options>(archive, *this);
+    for (const auto& group : this->param_groups())
+      for (const at::Tensor& p : group.params())
+        if (State* s = find_state(p)) after_load(p, *s);
   }
 
  protected:
@@ -259,13 +328,24 @@ class FusedOptimizer : public Base, public ScalerAware {
                            std::size_t /*index*/) const {}
   /// Validates anything else about the step's parameters; throw to refuse.
   virtual void check_entries(const std::vector<Entry>& /*entries*/) const {}
-  /// Called once per step after validation, before the first step_list():
-  /// for optimizer-wide work such as a global gradient norm. `signals` is
-  /// null without a scaler; CPU entries are left out when the CPU step is
-  /// skipped.
+  /// Called once per step after validation, before the first prepare_list():
+  /// for optimizer-wide work such as a global gradient norm (it may launch
+  /// into workspaces, not into parameters or state). `signals` is null
+  /// without a scaler; CPU entries are left out when the CPU step is skipped.
   virtual void begin_step(const std::vector<const Entry*>& /*entries*/, const StepSignals* /*signals*/) {}
-  /// Updates one list (see the top of this file). Called after validation.
-  virtual void step_list(const ParamList& list) = 0;
+  /// Prepares one list and returns what launches it (see the top of this file).
+  virtual Launch prepare_list(const ParamList& list) = 0;
+  /// save() leaves out a parameter whose state this refuses (state that a
+  /// step made but has not filled yet, such as a CUDA momentum buffer before
+  /// its first applied step).
+  virtual bool has_saved_state(const State& /*state*/) const { return true; }
+  /// Called by load() for every parameter with state, after reading it.
+  virtual void after_load(const at::Tensor& /*param*/, State& /*state*/) {}
+
+  /// In prepare_list: how to take back a change made to state that existed
+  /// before the step (a field set on it), should a later list throw. State
+  /// made by state_for is taken back without it. Undone in reverse order.
+  void undo_on_failure(std::function<void()> undo) { undo_.push_back(std::move(undo)); }
 
   const Options& options_of(std::size_t group) const {
     return static_cast<const Options&>(this->param_groups()[group].options());
@@ -275,10 +355,11 @@ class FusedOptimizer : public Base, public ScalerAware {
     auto it = this->state().find(p.unsafeGetTensorImpl());
     return it == this->state().end() ? nullptr : static_cast<State*>(it->second.get());
   }
-  /// The state of p, made by init(State&) when p has none (then *created is
-  /// true). Refuses to make state while p's stream is being captured in a
-  /// CUDA graph: state created inside a graph would be re-created at every
-  /// replay, so a warm-up step must come first.
+  /// In prepare_list: the state of p, made by init(State&) when p has none
+  /// (then *created is true; a step that throws later erases it). Refuses to
+  /// make state while p's stream is being captured in a CUDA graph: state
+  /// created inside a graph would be re-created at every replay, so a
+  /// warm-up step must come first.
   template <class Init>
   State& state_for(const at::Tensor& p, Init&& init, bool* created = nullptr) {
     auto it = this->state().find(p.unsafeGetTensorImpl());
@@ -296,6 +377,28 @@ class FusedOptimizer : public Base, public ScalerAware {
     return state_for(e.param, std::forward<Init>(init), created);
   }
 
+  /// In prepare_list, for an fp32 master copy of a half or bf16 parameter
+  /// kept in State (fields `master`, and `master_version`: the parameter's
+  /// version counter when the two last agreed). Makes the master from the
+  /// parameter when missing. Returns true when the parameter was written from
+  /// outside since (weights loaded, a layer re-initialized: its version
+  /// moved), so that the launch must call sdk::refresh_master first; the master
+  /// would otherwise undo that write. Refuses both under CUDA graph capture.
+  template <class S>
+  bool prepare_master(const Entry& e, S& state) {
+    if (!state.master().defined()) {
+      refuse_under_capture(e, name(), "its fp32 master copy");
+      undo_on_failure([&state] { state.master(at::Tensor()); });
+      state.master(e.param.detach().to(at::kFloat, /*non_blocking=*/false, /*copy=*/true, at::MemoryFormat::Preserve));
+      state.master_version(e.param._version());
+      return false;
+    }
+    if (state.master_version() == e.param._version()) return false;
+    refuse_under_capture(e, name(), "the refresh of its fp32 master copy (the parameter was written from outside "
+                                    "since the last step)");
+    return true;
+  }
+
  private:
   template <class Init>
   State& create_state(const at::Tensor& p, Init&& init) {
@@ -305,7 +408,9 @@ class FusedOptimizer : public Base, public ScalerAware {
     auto st = std::make_unique<State>();
     init(*st);  // before inserting: a throwing init leaves no empty state behind
     State& ref = *st;
-    this->state()[p.unsafeGetTensorImpl()] = std::move(st);
+    void* key = p.unsafeGetTensorImpl();
+    this->state()[key] = std::move(st);
+    undo_.push_back([this, key] { this->state().erase(key); });
     return ref;
   }
 
@@ -314,7 +419,10 @@ class FusedOptimizer : public Base, public ScalerAware {
     const std::vector<Entry> entries = validate_params(
         *this, name(), signals, [&](const at::Tensor& p, std::size_t g, std::size_t i) -> torch::optim::OptimizerParamState* {
           State* st = find_state(p);
-          if (st != nullptr) check_state(p, *st, g, i);
+          if (st == nullptr) return nullptr;
+          TORCH_CHECK(typeid(*st) == typeid(State), name(), ": param group ", g, ", param ", i,
+                      ": its state is not a ", name(), " state (was it put into state() by hand?)");
+          check_state(p, *st, g, i);
           return st;
         });
     check_entries(entries);
@@ -323,11 +431,25 @@ class FusedOptimizer : public Base, public ScalerAware {
     for (const Entry& e : entries)
       if (!(skip_cpu && e.device.is_cpu())) stepped.push_back(&e);
     begin_step(stepped, signals);
-    for (auto& [key, list] : group_lists(stepped)) {
-      const auto& [group, device, dtype] = key;
-      step_list(ParamList{group, device, dtype, std::move(list), signals ? &signals->at(device) : nullptr});
+    std::vector<Launch> launches;
+    undo_.clear();
+    try {
+      for (auto& [key, list] : group_lists(stepped)) {
+        const auto& [group, device, dtype] = key;
+        launches.push_back(
+            prepare_list(ParamList{group, device, dtype, std::move(list), signals ? &signals->at(device) : nullptr}));
+      }
+    } catch (...) {
+      for (auto it = undo_.rbegin(); it != undo_.rend(); ++it) (*it)();
+      undo_.clear();
+      throw;
     }
+    undo_.clear();
+    for (const Launch& launch : launches)
+      if (launch) launch();
   }
+
+  std::vector<std::function<void()>> undo_;
 };
 
 }  // namespace ampfuse::sdk

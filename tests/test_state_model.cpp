@@ -1,0 +1,321 @@
+// The SDK's state model and step phases, for every built-in optimizer on CPU
+// and CUDA (skipped without a device): all-or-nothing steps (a failure while
+// preparing the last list leaves every parameter, grad and state
+// bit-identical), state that lives in state() (so clear() and checkpoints
+// see it), master copies that follow writes made from outside, exact device
+// step counters, and the per-(group, device) device scalars.
+
+#include <ampfuse/fused_adam.h>
+#include <ampfuse/fused_lamb.h>
+#include <ampfuse/fused_sgd.h>
+#include <ampfuse/grad_scaler.h>
+
+#include <cmath>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "tests/common.h"
+
+namespace {
+
+using ampfuse_test::bitwise_equal;
+using ::testing::HasSubstr;
+
+class StateModelTest : public ::testing::TestWithParam<std::string> {
+ protected:
+  void SetUp() override {
+    device_ = torch::Device(GetParam());
+    AMPFUSE_SKIP_WITHOUT(device_);
+    ampfuse_test::seed_for_test();
+  }
+  torch::Tensor param(std::vector<std::int64_t> shape, torch::Dtype dtype) const {
+    return torch::randn(shape, torch::TensorOptions().device(device_)).to(dtype).requires_grad_();
+  }
+  torch::Device device_{torch::kCPU};
+};
+
+/// Throws from prepare_list of the `fail_at`-th list of a step (1-based;
+/// 0: never), after the optimizer prepared it: what a failure in the last
+/// list's preparation (an allocation, a refusal under capture) does.
+template <class Opt>
+class FailingPrepare : public Opt {
+ public:
+  using Opt::Opt;
+  int fail_at = 0;
+
+ protected:
+  ampfuse::sdk::Launch prepare_list(const ampfuse::sdk::ParamList& list) override {
+    ampfuse::sdk::Launch launch = Opt::prepare_list(list);
+    if (++seen_ == fail_at) throw std::runtime_error("injected failure while preparing list " + std::to_string(seen_));
+    return launch;
+  }
+
+ public:
+  void reset() { seen_ = 0; }
+
+ private:
+  int seen_ = 0;
+};
+
+// Every tensor of every state, in parameter order, cloned (undefined kept).
+template <class Base>
+std::vector<torch::Tensor> snapshot(const ampfuse::FusedAdamParamStateT<Base>& s) {
+  return {torch::tensor(s.step()), s.exp_avg(), s.exp_avg_sq(), s.max_exp_avg_sq(), s.master(), s.device_step()};
+}
+std::vector<torch::Tensor> snapshot(const ampfuse::FusedSGDParamState& s) {
+  return {s.momentum_buffer(), s.momentum_initialized()};
+}
+std::vector<torch::Tensor> snapshot(const ampfuse::FusedLAMBParamState& s) {
+  return {s.step(), s.exp_avg(), s.exp_avg_sq(), s.master()};
+}
+
+template <class State>
+std::vector<torch::Tensor> snapshot(torch::optim::Optimizer& opt) {
+  std::vector<torch::Tensor> out;
+  for (auto& group : opt.param_groups())
+    for (auto& p : group.params()) {
+      out.push_back(p.detach().clone());
+      out.push_back(p.grad().defined() ? p.grad().clone() : torch::Tensor());
+      auto it = opt.state().find(p.unsafeGetTensorImpl());
+      if (it == opt.state().end()) {
+        out.emplace_back();  // no state: a marker that differs from any state
+        continue;
+      }
+      out.push_back(torch::ones({1}));
+      for (const auto& t : snapshot(static_cast<const State&>(*it->second)))
+        out.push_back(t.defined() ? t.clone() : t);
+    }
+  return out;
+}
+
+::testing::AssertionResult same_snapshots(const std::vector<torch::Tensor>& a, const std::vector<torch::Tensor>& b) {
+  if (a.size() != b.size()) return ::testing::AssertionFailure() << "snapshot sizes " << a.size() << " vs " << b.size();
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    if (a[i].defined() != b[i].defined())
+      return ::testing::AssertionFailure() << "tensor " << i << " is " << (a[i].defined() ? "" : "un")
+                                           << "defined before and " << (b[i].defined() ? "" : "un")
+                                           << "defined after";
+    if (a[i].defined()) {
+      auto r = bitwise_equal(a[i], b[i]);
+      if (!r) return r << " (tensor " << i << " of the snapshot)";
+    }
+  }
+  return ::testing::AssertionSuccess();
+}
+
+void fill_grads(torch::optim::Optimizer& opt) {
+  for (auto& group : opt.param_groups())
+    for (auto& p : group.params()) p.mutable_grad() = torch::randn_like(p);
+}
+
+// A warm-up step, then a group whose parameters have no state yet, then a
+// step whose last list fails while being prepared: nothing may change, not
+// even the state made for the lists prepared before it. The step after it
+// runs as if the failed one never happened.
+template <class Opt, class State>
+void expect_all_or_nothing(Opt& opt, std::vector<torch::Tensor> new_group) {
+  fill_grads(opt);
+  opt.step();
+  opt.add_param_group(torch::optim::OptimizerParamGroup(new_group, opt.param_groups()[0].options().clone()));
+  fill_grads(opt);
+  const std::size_t states_before = opt.state().size();
+  const auto before = snapshot<State>(opt);
+  opt.fail_at = static_cast<int>(opt.param_groups().size());  // one dtype per group: the last list
+  opt.reset();
+  try {
+    opt.step();
+    ADD_FAILURE() << "the injected failure did not propagate";
+  } catch (const std::runtime_error& e) {
+    EXPECT_THAT(e.what(), HasSubstr("injected failure"));
+  }
+  EXPECT_EQ(opt.state().size(), states_before) << "state made by the failed step was left behind";
+  EXPECT_TRUE(same_snapshots(before, snapshot<State>(opt)));
+  opt.fail_at = 0;
+  opt.step();
+  EXPECT_EQ(opt.state().size(), states_before + new_group.size());
+}
+
+TEST_P(StateModelTest, FusedAdamFailureWhilePreparingTheLastListChangesNothing) {
+  FailingPrepare<ampfuse::FusedAdam> opt(
+      std::vector<torch::optim::OptimizerParamGroup>{
+          torch::optim::OptimizerParamGroup({param({33}, torch::kHalf), param({4, 5}, torch::kHalf)}),
+          torch::optim::OptimizerParamGroup({param({70000}, torch::kBFloat16), param({0}, torch::kBFloat16)})},
+      torch::optim::AdamOptions(1e-2).amsgrad(true), ampfuse::FusedAdamOptions().master_weights(true));
+  expect_all_or_nothing<decltype(opt), ampfuse::FusedAdamParamState>(
+      opt, {param({17}, torch::kHalf), param({3, 3}, torch::kHalf)});
+}
+
+TEST_P(StateModelTest, FusedAdamWFailureWhilePreparingTheLastListChangesNothing) {
+  FailingPrepare<ampfuse::FusedAdamW> opt(
+      std::vector<torch::optim::OptimizerParamGroup>{
+          torch::optim::OptimizerParamGroup({param({129}, torch::kFloat)}),
+          torch::optim::OptimizerParamGroup({param({5}, torch::kFloat), param({65537}, torch::kFloat)})},
+      torch::optim::AdamWOptions(1e-3).weight_decay(0.1));
+  expect_all_or_nothing<decltype(opt), ampfuse::FusedAdamWParamState>(opt, {param({8}, torch::kFloat)});
+}
+
+TEST_P(StateModelTest, FusedSGDFailureWhilePreparingTheLastListChangesNothing) {
+  FailingPrepare<ampfuse::FusedSGD> opt(
+      std::vector<torch::optim::OptimizerParamGroup>{
+          torch::optim::OptimizerParamGroup({param({129}, torch::kFloat), param({3}, torch::kFloat)}),
+          torch::optim::OptimizerParamGroup({param({1000}, torch::kFloat)})},
+      torch::optim::SGDOptions(0.1).momentum(0.9).nesterov(true));
+  expect_all_or_nothing<decltype(opt), ampfuse::FusedSGDParamState>(opt, {param({31}, torch::kFloat)});
+}
+
+TEST_P(StateModelTest, FusedLAMBFailureWhilePreparingTheLastListChangesNothing) {
+  FailingPrepare<ampfuse::FusedLAMB> opt(
+      std::vector<torch::optim::OptimizerParamGroup>{
+          torch::optim::OptimizerParamGroup({param({129}, torch::kHalf)}),
+          torch::optim::OptimizerParamGroup({param({66000}, torch::kHalf), param({2, 2}, torch::kHalf)})},
+      ampfuse::FusedLAMBOptions(1e-2).weight_decay(0.01).master_weights(true).max_grad_norm(1.0));
+  expect_all_or_nothing<decltype(opt), ampfuse::FusedLAMBParamState>(opt, {param({9}, torch::kHalf)});
+}
+
+// With master_weights, a value written into the parameter from outside
+// (weights loaded, a layer re-initialized) must survive the next step: the
+// master is refreshed from it, not written back over it. With lr 0 the
+// step leaves the master as it is, so the parameter must keep the new value.
+template <class Opt>
+void expect_master_follows_external_writes(Opt& opt, torch::Tensor p) {
+  fill_grads(opt);
+  opt.step();
+  const torch::Tensor written = torch::randn_like(p) * 3;
+  {
+    torch::NoGradGuard no_grad;
+    p.copy_(written);  // moves p's version counter, as torch::load and nn::init do
+  }
+  opt.param_groups()[0].options().set_lr(0.0);
+  fill_grads(opt);
+  opt.step();
+  EXPECT_TRUE(bitwise_equal(p.detach(), written)) << "the master copy undid a write made from outside";
+
+  // state().clear() starts over: a fresh master from the parameter, even for
+  // a write the version counter cannot show (through .data()).
+  const torch::Tensor unseen = torch::randn_like(p);
+  p.data().copy_(unseen);
+  opt.state().clear();
+  fill_grads(opt);
+  opt.step();
+  EXPECT_TRUE(bitwise_equal(p.detach(), unseen)) << "state().clear() kept the old master copies";
+}
+
+TEST_P(StateModelTest, FusedAdamMasterCopiesFollowExternalWrites) {
+  for (auto dtype : {torch::kHalf, torch::kBFloat16}) {
+    SCOPED_TRACE(ampfuse_test::dtype_name(dtype));
+    auto p = param({1000}, dtype);
+    ampfuse::FusedAdam opt({p}, torch::optim::AdamOptions(1e-2), ampfuse::FusedAdamOptions().master_weights(true));
+    expect_master_follows_external_writes(opt, p);
+  }
+}
+
+TEST_P(StateModelTest, FusedLAMBMasterCopiesFollowExternalWrites) {
+  for (auto dtype : {torch::kHalf, torch::kBFloat16}) {
+    SCOPED_TRACE(ampfuse_test::dtype_name(dtype));
+    auto p = param({1000}, dtype);
+    ampfuse::FusedLAMB opt({p}, ampfuse::FusedLAMBOptions(1e-2).master_weights(true));
+    expect_master_follows_external_writes(opt, p);
+  }
+}
+
+// Loading the optimizer after the weights keeps the checkpoint's master (it
+// stands for the weights as loaded); writing the weights after loading the
+// optimizer refreshes it.
+TEST_P(StateModelTest, FusedAdamLoadedMasterStandsForTheParameterAsItIsAtLoad) {
+  auto p = param({257}, torch::kHalf);
+  const auto fused = ampfuse::FusedAdamOptions().master_weights(true);
+  ampfuse::FusedAdam opt({p}, torch::optim::AdamOptions(1e-2), fused);
+  for (int i = 0; i < 3; ++i) {
+    fill_grads(opt);
+    opt.step();
+  }
+  std::stringstream archive;
+  torch::save(opt, archive);
+  const torch::Tensor saved_master =
+      static_cast<ampfuse::FusedAdamParamState&>(*opt.state().begin()->second).master().clone();
+
+  auto q = param({257}, torch::kHalf);
+  ampfuse::FusedAdam resumed({q}, torch::optim::AdamOptions(1e-2), fused);
+  {
+    torch::NoGradGuard no_grad;
+    q.copy_(p);  // the weights first, then the optimizer
+  }
+  torch::load(resumed, archive);
+  auto& st = static_cast<ampfuse::FusedAdamParamState&>(*resumed.state().begin()->second);
+  EXPECT_TRUE(bitwise_equal(st.master().cpu(), saved_master.cpu()));
+  resumed.param_groups()[0].options().set_lr(0.0);
+  fill_grads(resumed);
+  resumed.step();
+  EXPECT_TRUE(bitwise_equal(st.master().cpu(), saved_master.cpu())) << "a loaded master was refreshed from the weights";
+}
+
+TEST_P(StateModelTest, StateOfAnotherTypeIsRefusedNamingTheParameter) {
+  auto p = param({10}, torch::kFloat);
+  ampfuse::FusedAdam opt({p}, torch::optim::AdamOptions(1e-2));
+  opt.state()[p.unsafeGetTensorImpl()] = std::make_unique<torch::optim::AdamParamState>();
+  fill_grads(opt);
+  const auto before = p.detach().clone();
+  try {
+    opt.step();
+    ADD_FAILURE() << "a torch::optim::AdamParamState was taken for a FusedAdam state";
+  } catch (const c10::Error& e) {
+    EXPECT_THAT(e.what_without_backtrace(), HasSubstr("FusedAdam: param group 0, param 0: its state is not a"));
+  }
+  EXPECT_TRUE(bitwise_equal(p.detach(), before));
+}
+
+#if defined(AMPFUSE_WITH_CUDA)
+// The device step counter is fp64: exact past 2^24, where fp32 stops counting.
+TEST_P(StateModelTest, DeviceStepCountersAreExactPast2To24) {
+  if (!device_.is_cuda()) GTEST_SKIP() << "CPU counters are LibTorch's int64 step";
+  auto p = param({100}, torch::kFloat);
+  ampfuse::FusedAdam opt({p}, torch::optim::AdamOptions(1e-3));
+  fill_grads(opt);
+  opt.step();
+  const std::int64_t start = (std::int64_t{1} << 24) + 1;
+  auto& st = static_cast<ampfuse::FusedAdamParamState&>(*opt.state().begin()->second);
+  st.device_step().fill_(static_cast<double>(start));
+  for (int i = 0; i < 3; ++i) {
+    fill_grads(opt);
+    opt.step();
+  }
+  opt.sync_state();
+  EXPECT_EQ(st.step(), start + 3);
+}
+
+TEST_P(StateModelTest, CapturableLrIsFoundByAnIndexlessDevice) {
+  if (!device_.is_cuda()) GTEST_SKIP() << "capturable is for CUDA";
+  auto p = param({100}, torch::kFloat);
+  ampfuse::FusedAdam opt({p}, torch::optim::AdamOptions(1e-3), ampfuse::FusedAdamOptions().capturable(true));
+  fill_grads(opt);
+  opt.step();
+  ASSERT_TRUE(opt.lr_tensor(0, torch::kCUDA).defined());
+  EXPECT_TRUE(opt.lr_tensor(0, torch::Device(torch::kCUDA, 0)).defined());
+}
+#endif
+
+// The per-(group, device) device scalars, on whatever device this is.
+TEST_P(StateModelTest, DeviceScalarsAreKeyedAsTensorsNameDevices) {
+  ampfuse::sdk::DeviceScalars scalars;
+  bool created = false;
+  torch::Tensor t = scalars.prepare(1, device_, 0.5, "Test", &created);
+  EXPECT_TRUE(created);
+  EXPECT_EQ(t.scalar_type(), torch::kDouble);
+  EXPECT_EQ(t.item<double>(), 0.5);
+  const torch::Device indexless(device_.type());
+  EXPECT_TRUE(scalars.find(1, indexless).defined());
+  EXPECT_FALSE(scalars.find(0, device_).defined());
+  scalars.prepare(1, indexless, 0.5, "Test", &created);
+  EXPECT_FALSE(created) << "an index-less device was taken for another one";
+  scalars.refresh(1, device_, 0.25);
+  EXPECT_EQ(scalars.find(1, device_).item<double>(), 0.25);
+  scalars.erase(1, indexless);
+  EXPECT_FALSE(scalars.find(1, device_).defined());
+}
+
+INSTANTIATE_TEST_SUITE_P(All, StateModelTest, ::testing::Values("cpu", "cuda"),
+                         [](const ::testing::TestParamInfo<std::string>& info) { return info.param; });
+
+}  // namespace
