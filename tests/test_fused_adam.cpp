@@ -10,6 +10,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <limits>
+#include <sstream>
 
 #include "contract/cpu/kernels.h"
 #include "tests/common.h"
@@ -128,32 +129,54 @@ class FusedAdamTest : public ampfuse_test::DeviceIsaTest<AdamCase> {
 
 };
 
+// Against torch::optim in float64, the reference: after 100 steps ours is
+// at least as accurate as torch::optim in fp32 (within twice its error, plus
+// 1e-6). A direct fp32-to-fp32 comparison cannot have a fixed tolerance:
+// two correct fp32 runs drift apart in proportion to how far the parameters
+// travel (lr 1e-2 over 100 steps with amsgrad moved them 6e-6 apart, ours
+// being the closer of the two to float64).
 TEST_P(FusedAdamTest, MatchesTorchOptimOverHundredSteps) {
   for (int round = 0; round < 3; ++round) {
     const int num_groups = 1 + static_cast<int>(rng_() % 3);
-    std::vector<std::vector<torch::Tensor>> ours, ref;
+    std::vector<std::vector<torch::Tensor>> ours, ref32, ref64;
     std::vector<Hyper> hypers;
     for (int g = 0; g < num_groups; ++g) {
       ours.push_back(make_params(random_shapes(1 + static_cast<int>(rng_() % 4))));
-      ref.push_back(copies(ours.back(), torch::kFloat));
+      ref32.push_back(copies(ours.back(), torch::kFloat));
+      ref64.push_back(copies(ours.back(), torch::kDouble));
       hypers.push_back(random_hyper(rng_));
     }
     const bool maximize = round == 2;
     auto opt = make_ours(ours, hypers, maximize);
-    auto ref_opt = make_reference(ref, hypers);
+    auto opt32 = make_reference(ref32, hypers);
+    auto opt64 = make_reference(ref64, hypers);
     for (int step = 0; step < 100; ++step) {
       for (int g = 0; g < num_groups; ++g)
         for (std::size_t i = 0; i < ours[g].size(); ++i) {
           auto grad = torch::randn_like(ours[g][i]);
           ours[g][i].mutable_grad() = grad.clone();
-          // LibTorch has no maximize: the reference descends on -g.
-          ref[g][i].mutable_grad() = maximize ? -grad : grad.clone();
+          // LibTorch has no maximize: the references descend on -g.
+          ref32[g][i].mutable_grad() = maximize ? -grad : grad.clone();
+          ref64[g][i].mutable_grad() = (maximize ? -grad : grad).to(torch::kDouble);
         }
       opt->step();
-      ref_opt->step();
+      opt32->step();
+      opt64->step();
     }
     SCOPED_TRACE("round " + std::to_string(round) + (maximize ? " (maximize)" : ""));
-    for (int g = 0; g < num_groups; ++g) expect_close(ours[g], ref[g], 1e-5, 1e-6, "group " + std::to_string(g));
+    for (int g = 0; g < num_groups; ++g) {
+      const Hyper& h = hypers[g];
+      for (std::size_t i = 0; i < ours[g].size(); ++i) {
+        if (ours[g][i].numel() == 0) continue;
+        const auto exact = ref64[g][i].detach();
+        const double ours_error = (ours[g][i].detach().to(torch::kDouble) - exact).abs().max().item<double>();
+        const double fp32_error = (ref32[g][i].detach().to(torch::kDouble) - exact).abs().max().item<double>();
+        EXPECT_LE(ours_error, 1e-6 + 2 * fp32_error)
+            << "group " << g << " (lr " << h.lr << ", betas " << h.beta1 << " " << h.beta2 << ", eps " << h.eps
+            << ", weight_decay " << h.weight_decay << (h.amsgrad ? ", amsgrad" : "") << "), tensor " << i
+            << ": max error against float64 " << ours_error << ", torch::optim in fp32 " << fp32_error;
+      }
+    }
   }
 }
 
