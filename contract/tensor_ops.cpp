@@ -34,9 +34,9 @@ ScalarType to_scalar_type(c10::ScalarType t) {
   }
 }
 
-std::string cpu_isa() { return cpu::kernels().isa; }
+std::string cpu_isa() { return sdk::cpu::to_string(sdk::cpu::current_isa()); }
 
-std::int64_t cpu_chunk_size() { return cpu::kChunkSize; }
+std::int64_t cpu_chunk_size() { return sdk::cpu::kChunkSize; }
 
 namespace {
 
@@ -232,12 +232,12 @@ void check_non_finite(const TensorListsView& views, c10::Device device, const at
     const cpu::Kernels& k = cpu::kernels();
     bool any_non_finite = false;
     double total = 0.0;
-    for (const Group& g : make_groups(views, cpu::kChunkSize)) {
+    for (const Group& g : make_groups(views, sdk::cpu::kChunkSize)) {
       const std::vector<void*> ptrs = data_pointers(*g.view);
       const std::int64_t num_chunks = g.plan.num_chunks();
       std::vector<unsigned char> chunk_non_finite(static_cast<std::size_t>(num_chunks));
       std::vector<double> chunk_sum_sq(sum_sq ? static_cast<std::size_t>(num_chunks) : 0);
-      const cpu::CheckArgs args{cpu::plan_ref(g.plan), ptrs.data(), g.dtype, chunk_non_finite.data(),
+      const cpu::CheckArgs args{sdk::cpu::plan_ref(g.plan), ptrs.data(), g.dtype, chunk_non_finite.data(),
                                 sum_sq ? chunk_sum_sq.data() : nullptr};
       at::parallel_for(0, num_chunks, 1, [&](std::int64_t b, std::int64_t e) { k.check(args, b, e); });
       for (unsigned char f : chunk_non_finite) any_non_finite |= f != 0;
@@ -274,10 +274,10 @@ void scale(const TensorListsView& views, c10::Device device, const at::Tensor& s
     const cpu::Kernels& k = cpu::kernels();
     const float s = *scale.data_ptr<float>();
     bool any_non_finite = false;
-    for (const Group& g : make_groups(views, cpu::kChunkSize)) {
+    for (const Group& g : make_groups(views, sdk::cpu::kChunkSize)) {
       const std::vector<void*> ptrs = data_pointers(*g.view);
       std::vector<unsigned char> chunk_non_finite(found_inf ? static_cast<std::size_t>(g.plan.num_chunks()) : 0);
-      const cpu::ScaleArgs args{cpu::plan_ref(g.plan), ptrs.data(), g.dtype, s,
+      const cpu::ScaleArgs args{sdk::cpu::plan_ref(g.plan), ptrs.data(), g.dtype, s,
                                 found_inf ? chunk_non_finite.data() : nullptr};
       at::parallel_for(0, g.plan.num_chunks(), 1, [&](std::int64_t b, std::int64_t e) { k.scale(args, b, e); });
       for (unsigned char f : chunk_non_finite) any_non_finite |= f != 0;

@@ -10,7 +10,7 @@
 namespace ampfuse::fused::cpu {
 
 struct AdamArgs {
-  ampfuse::cpu::PlanRef plan;
+  sdk::cpu::PlanRef plan;
   // By the caller's tensor index; max_exp_avg_sq is null unless amsgrad.
   void* const* param;
   void* const* grad;

@@ -9,7 +9,7 @@
 namespace ampfuse::fused::cpu {
 
 struct SgdArgs {
-  ampfuse::cpu::PlanRef plan;
+  sdk::cpu::PlanRef plan;
   void* const* param;  ///< by tensor index
   void* const* grad;
   void* const* momentum_buffer;  ///< null when momentum is 0

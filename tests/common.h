@@ -109,12 +109,12 @@ class DeviceIsaTest : public ::testing::TestWithParam<Param> {
     if (!c.isa.empty()) {
       const auto isas = ampfuse::cpu::available_isas();
       if (std::find(isas.begin(), isas.end(), c.isa) == isas.end()) GTEST_SKIP() << "this CPU lacks " << c.isa;
-      ampfuse::cpu::force_isa(c.isa);
+      ampfuse::sdk::cpu::force_isa(c.isa.c_str());
     }
     seed_ = seed_for_test();
     rng_.seed(seed_);
   }
-  void TearDown() override { ampfuse::cpu::force_isa(""); }
+  void TearDown() override { ampfuse::sdk::cpu::force_isa(""); }
 
   torch::Device device_{torch::kCPU};
   std::uint64_t seed_ = 0;

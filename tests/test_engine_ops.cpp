@@ -49,7 +49,7 @@ class EngineOps : public ampfuse_test::DeviceIsaTest<EngineCase> {
   // Sizes: 0, 1, odd, around the CPU vector widths (8, 16) and the chunk
   // size, plus a misaligned view (storage offset 1) and a random one.
   std::vector<torch::Tensor> make_list() {
-    const std::int64_t chunk = ampfuse::cpu::kChunkSize;
+    const std::int64_t chunk = ampfuse::sdk::cpu::kChunkSize;
     std::vector<std::int64_t> sizes = {0, 1, 3, 7, 8, 9, 15, 16, 17, 31, 33, 0, chunk - 1, chunk, chunk + 1, 100003};
     std::shuffle(sizes.begin(), sizes.end(), rng_);
     sizes.push_back(static_cast<std::int64_t>(rng_() % 5000));
@@ -202,7 +202,7 @@ TEST_P(EngineOps, FindsNonFiniteAtEveryPosition) {
   // Streams longer than the prefetch distance (256 elements), up to a whole
   // chunk and one past it: an inf at both ends of every stream (for vector
   // widths 8 and 16), at the leftovers and at the tail.
-  const std::int64_t chunk = ampfuse::cpu::kChunkSize;
+  const std::int64_t chunk = ampfuse::sdk::cpu::kChunkSize;
   for (std::int64_t n : {std::int64_t{4097}, chunk - 1, chunk, chunk + 17}) {
     auto list = std::vector<torch::Tensor>{torch::randn({n}, opts()), torch::randn({300}, opts())};
     std::vector<std::int64_t> places = {n - 1, n - 2};

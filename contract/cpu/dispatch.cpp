@@ -4,14 +4,16 @@
 #include <cstdlib>
 #include <cstring>
 #include <stdexcept>
+#include <string>
+#include <vector>
 
 #include "contract/cpu/kernels.h"
 
-namespace ampfuse::cpu {
+namespace ampfuse::sdk::cpu {
 namespace {
 
 struct Target {
-  const Kernels* kernels;
+  Isa isa;
   bool (*supported)();
 };
 
@@ -32,73 +34,89 @@ bool has_avx2() {
 }
 bool always() { return true; }
 
-std::vector<Target> compiled_targets() {
-  std::vector<Target> t;
+// Compiled in, best first.
+constexpr Target kTargets[] = {
 #if defined(AMPFUSE_CPU_HAS_AVX512)
-  t.push_back({&avx512::kKernels, &has_avx512});
+    {Isa::kAvx512, &has_avx512},
 #endif
 #if defined(AMPFUSE_CPU_HAS_AVX2)
-  t.push_back({&avx2::kKernels, &has_avx2});
+    {Isa::kAvx2, &has_avx2},
 #endif
-  t.push_back({&baseline::kKernels, &always});
-  return t;
-}
+    {Isa::kBaseline, &always},
+};
 
 // The best supported target, or the one named by AMPFUSE_CPU_ISA (as
 // ATEN_CPU_CAPABILITY does for ATen) when it is compiled in and supported.
-const Kernels* best() {
+Isa best() {
   const char* wanted = std::getenv("AMPFUSE_CPU_ISA");
   if (wanted != nullptr && *wanted != '\0')
-    for (const Target& t : compiled_targets())
-      if (t.supported() && std::strcmp(wanted, t.kernels->isa) == 0) return t.kernels;
-  for (const Target& t : compiled_targets())
-    if (t.supported()) return t.kernels;
-  return &baseline::kKernels;
+    for (const Target& t : kTargets)
+      if (t.supported() && std::strcmp(wanted, to_string(t.isa)) == 0) return t.isa;
+  for (const Target& t : kTargets)
+    if (t.supported()) return t.isa;
+  return Isa::kBaseline;
 }
 
-std::atomic<const Kernels*> g_forced{nullptr};
-
-}  // namespace
-
-const Kernels& kernels() {
-  static const Kernels* const automatic = best();
-  const Kernels* forced = g_forced.load(std::memory_order_acquire);
-  return forced ? *forced : *automatic;
-}
-
-std::vector<std::string> available_isas() {
+std::vector<std::string> supported_isa_names() {
   std::vector<std::string> names;
-  for (const Target& t : compiled_targets())
-    if (t.supported()) names.emplace_back(t.kernels->isa);
+  for (const Target& t : kTargets)
+    if (t.supported()) names.emplace_back(to_string(t.isa));
   return names;
 }
 
-void force_isa(const std::string& name) {
-  if (name.empty()) {
-    g_forced.store(nullptr, std::memory_order_release);
+constexpr int kAutomatic = -1;
+std::atomic<int> g_forced{kAutomatic};
+
+}  // namespace
+
+const char* to_string(Isa isa) {
+  switch (isa) {
+    case Isa::kAvx512: return "avx512";
+    case Isa::kAvx2: return "avx2";
+    case Isa::kBaseline: break;
+  }
+  return "baseline";
+}
+
+Isa current_isa() {
+  static const Isa automatic = best();
+  const int forced = g_forced.load(std::memory_order_acquire);
+  return forced == kAutomatic ? automatic : static_cast<Isa>(forced);
+}
+
+void force_isa(const char* name) {
+  if (name == nullptr || *name == '\0') {
+    g_forced.store(kAutomatic, std::memory_order_release);
     return;
   }
-  for (const Target& t : compiled_targets()) {
-    if (name == t.kernels->isa) {
-      if (!t.supported()) throw std::invalid_argument("ampfuse: CPU instruction set " + name + " is not supported here");
-      g_forced.store(t.kernels, std::memory_order_release);
+  for (const Target& t : kTargets) {
+    if (std::strcmp(name, to_string(t.isa)) == 0) {
+      if (!t.supported())
+        throw std::invalid_argument(std::string("ampfuse: CPU instruction set ") + name + " is not supported here");
+      g_forced.store(static_cast<int>(t.isa), std::memory_order_release);
       return;
     }
   }
-  throw std::invalid_argument("ampfuse: CPU instruction set " + name + " is not compiled in");
+  throw std::invalid_argument(std::string("ampfuse: CPU instruction set ") + name + " is not compiled in");
 }
-
-}  // namespace ampfuse::cpu
-
-namespace ampfuse::sdk::cpu {
 
 PlanRef plan_ref(const Plan& plan) {
   return {plan.tensors().data(), plan.numels().data(), plan.chunk_offsets().data(),
           static_cast<std::int64_t>(plan.tensors().size()), plan.chunk_size()};
 }
 
-const char* isa() { return ::ampfuse::cpu::kernels().isa; }
-
-void force_isa(const char* name) { ::ampfuse::cpu::force_isa(name); }
-
 }  // namespace ampfuse::sdk::cpu
+
+namespace ampfuse::cpu {
+
+const Kernels& kernels() {
+#if defined(AMPFUSE_CPU_HAS_AVX512) && defined(AMPFUSE_CPU_HAS_AVX2)
+  return *sdk::cpu::pick_isa(&avx512::kKernels, &avx2::kKernels, &baseline::kKernels);
+#else
+  return baseline::kKernels;
+#endif
+}
+
+std::vector<std::string> available_isas() { return sdk::cpu::supported_isa_names(); }
+
+}  // namespace ampfuse::cpu

@@ -14,11 +14,8 @@
 
 namespace ampfuse::cpu {
 
-using sdk::cpu::PlanRef;
-using sdk::cpu::plan_ref;
-
 struct CheckArgs {
-  PlanRef plan;
+  sdk::cpu::PlanRef plan;
   void* const* data;  ///< by original tensor index
   ScalarType dtype;
   unsigned char* chunk_non_finite;  ///< out, one per chunk: 1 when the chunk holds inf or NaN
@@ -26,7 +23,7 @@ struct CheckArgs {
 };
 
 struct ScaleArgs {
-  PlanRef plan;
+  sdk::cpu::PlanRef plan;
   void* const* data;
   ScalarType dtype;
   float scale;
@@ -37,22 +34,16 @@ using CheckFn = void (*)(const CheckArgs&, std::int64_t chunk_begin, std::int64_
 using ScaleFn = void (*)(const ScaleArgs&, std::int64_t chunk_begin, std::int64_t chunk_end);
 
 struct Kernels {
-  const char* isa;
   int vector_width;  ///< fp32 lanes per block
   CheckFn check;
   ScaleFn scale;
 };
 
-/// The kernels of the best instruction set this CPU supports, or of the one
-/// set by force_isa().
+/// The engine's kernels for sdk::cpu::current_isa() (chosen by pick_isa).
 const Kernels& kernels();
-/// Names of the instruction sets compiled in and supported here, best first.
+/// Names of the instruction sets compiled in and supported here, best first
+/// (what sdk::cpu::force_isa accepts).
 std::vector<std::string> available_isas();
-/// Tests run every compiled target: force one ("avx512", "avx2", "baseline"),
-/// or "" for automatic. Throws if the name is not available.
-void force_isa(const std::string& name);
-
-using sdk::cpu::kChunkSize;
 
 namespace avx512 { extern const Kernels kKernels; }
 namespace avx2 { extern const Kernels kKernels; }

@@ -121,10 +121,10 @@ int main(int argc, char** argv) {
   int threads = static_cast<int>(std::thread::hardware_concurrency());
   if (const char* env = std::getenv("LION_BENCH_THREADS")) threads = std::atoi(env);
   at::set_num_threads(threads);  // for both contenders
-  std::cout << "threads: " << at::get_num_threads() << " (both contenders), cpu isa: " << ampfuse::sdk::cpu::isa()
+  std::cout << "threads: " << at::get_num_threads() << " (both contenders), cpu isa: " << ampfuse::sdk::cpu::to_string(ampfuse::sdk::cpu::current_isa())
             << "\n";
   benchmark::AddCustomContext("threads", std::to_string(at::get_num_threads()));
-  benchmark::AddCustomContext("cpu_isa", ampfuse::sdk::cpu::isa());
+  benchmark::AddCustomContext("cpu_isa", ampfuse::sdk::cpu::to_string(ampfuse::sdk::cpu::current_isa()));
   register_all(torch::kCPU);
   if (torch::cuda::is_available()) register_all(torch::kCUDA);
   benchmark::Initialize(&argc, argv);

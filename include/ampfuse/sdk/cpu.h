@@ -31,24 +31,35 @@ PlanRef plan_ref(const Plan& plan);
 /// Elements per CPU chunk (what ampfuse's own kernels use).
 constexpr std::int64_t kChunkSize = 64 * 1024;
 
-/// The instruction set ampfuse's CPU kernels use on this machine: "avx512",
-/// "avx2" or "baseline" (AMPFUSE_CPU_ISA in the environment forces one).
-const char* isa();
+/// The instruction sets a CPU kernel is built for (ampfuse_add_cpu_kernel
+/// compiles one copy per set).
+enum class Isa : std::uint8_t { kBaseline, kAvx2, kAvx512 };
 
-/// Forces the instruction set isa() returns ("avx512", "avx2", "baseline"),
-/// so that tests run every build of a kernel; "" restores the automatic
-/// choice. Throws std::invalid_argument when the set is not compiled in or
-/// this CPU lacks it.
+/// "baseline", "avx2" or "avx512": the names AMPFUSE_CPU_ISA and force_isa take.
+const char* to_string(Isa isa);
+
+/// The instruction set CPU kernels use on this machine: the best one that is
+/// compiled in and supported, unless AMPFUSE_CPU_ISA in the environment or
+/// force_isa names another.
+Isa current_isa();
+
+/// Forces the instruction set current_isa() returns ("avx512", "avx2",
+/// "baseline"), so that tests run every build of a kernel; "" restores the
+/// automatic choice. Throws std::invalid_argument when the set is not
+/// compiled in or this CPU lacks it.
 void force_isa(const char* name);
 
-/// Of three builds of one kernel, the one for isa(). On x86-64
+/// Of three builds of one kernel, the one for current_isa(): the one
+/// dispatcher of ampfuse's kernels and third-party ones. On x86-64
 /// ampfuse_add_cpu_kernel compiles all three; elsewhere only the baseline,
 /// and the other two arguments are not used (pass the baseline thrice).
 template <class Fn>
 Fn pick_isa(Fn avx512, Fn avx2, Fn baseline) {
-  const char* name = isa();
-  if (name[0] == 'a' && name[3] == '5') return avx512;  // "avx512"
-  if (name[0] == 'a') return avx2;                      // "avx2"
+  switch (current_isa()) {
+    case Isa::kAvx512: return avx512;
+    case Isa::kAvx2: return avx2;
+    case Isa::kBaseline: break;
+  }
   return baseline;
 }
 
