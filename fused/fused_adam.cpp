@@ -119,7 +119,8 @@ sdk::Launch FusedAdamImpl<Base, Options, State, kDecoupled>::prepare_list(const 
 
   const std::size_t n = list.size();
   std::vector<State*> states(n);
-  std::vector<std::size_t> stale_masters;  // written from outside since the last step
+  // Master copies of parameters written from outside since the last step.
+  std::vector<std::pair<const at::Tensor*, State*>> stale_masters;
   for (std::size_t i = 0; i < n; ++i) {  // creates state (first step): on this thread
     const sdk::Entry& e = *list[i];
     const at::Tensor& p = e.param;
@@ -133,7 +134,7 @@ sdk::Launch FusedAdamImpl<Base, Options, State, kDecoupled>::prepare_list(const 
       this->undo_on_failure([&state] { state.max_exp_avg_sq(at::Tensor()); });
       state.max_exp_avg_sq(zeros());
     }
-    if (master && this->prepare_master(e, state)) stale_masters.push_back(i);
+    if (master && this->prepare_master(e, state)) stale_masters.emplace_back(&p, &state);
     if (on_cuda && !state.device_step().defined()) {
       sdk::refuse_under_capture(e, name(), "its device step counter (made at the first step, and again at the "
                                            "first after load())");
@@ -143,8 +144,8 @@ sdk::Launch FusedAdamImpl<Base, Options, State, kDecoupled>::prepare_list(const 
     states[i] = &state;
   }
   // The launch starts by refreshing stale masters (a copy, no throw).
-  auto refresh_masters = [list, states, stale_masters] {
-    for (const std::size_t i : stale_masters) sdk::refresh_master(list[i]->param, *states[i]);
+  auto refresh_masters = [stale_masters = std::move(stale_masters)] {
+    for (const auto& [param, state] : stale_masters) sdk::refresh_master(*param, *state);
   };
 
   std::vector<std::int64_t> numels(n);
@@ -167,7 +168,8 @@ sdk::Launch FusedAdamImpl<Base, Options, State, kDecoupled>::prepare_list(const 
     });
     auto plan = std::make_shared<const Plan>(numels, sdk::cpu::kChunkSize);
     const float grad_factor = sdk::cpu_grad_factor(pl.signal);
-    return [=, param = std::move(param), grad = std::move(grad), m = std::move(m), v = std::move(v),
+    return [=, states = std::move(states), refresh_masters = std::move(refresh_masters), param = std::move(param),
+            grad = std::move(grad), m = std::move(m), v = std::move(v),
             vmax = std::move(vmax), masters = std::move(masters), steps = std::move(steps),
             scalars = std::move(scalars)] {
       refresh_masters();

@@ -217,7 +217,8 @@ sdk::Launch FusedLAMB::prepare_list(const sdk::ParamList& pl) {
 
   std::vector<FusedLAMBParamState*> states;
   std::vector<std::int64_t> numels;
-  std::vector<std::size_t> stale_masters;  // written from outside since the last step
+  // Master copies of parameters written from outside since the last step.
+  std::vector<std::pair<const at::Tensor*, FusedLAMBParamState*>> stale_masters;
   for (std::size_t i = 0; i < n; ++i) {
     const sdk::Entry& e = *list[i];
     const at::Tensor& p = e.param;
@@ -227,12 +228,12 @@ sdk::Launch FusedLAMB::prepare_list(const sdk::ParamList& pl) {
       s.exp_avg(at::zeros_like(p, fp32, at::MemoryFormat::Preserve));
       s.exp_avg_sq(at::zeros_like(p, fp32, at::MemoryFormat::Preserve));
     });
-    if (master && prepare_master(e, state)) stale_masters.push_back(i);
+    if (master && prepare_master(e, state)) stale_masters.emplace_back(&p, &state);
     states.push_back(&state);
     numels.push_back(p.numel());
   }
-  auto refresh_masters = [list, states, stale_masters] {
-    for (const std::size_t i : stale_masters) sdk::refresh_master(list[i]->param, *states[i]);
+  auto refresh_masters = [stale_masters = std::move(stale_masters)] {
+    for (const auto& [param, state] : stale_masters) sdk::refresh_master(*param, *state);
   };
   at::Tensor grad_sum_sq;
   for (const auto& [d, sum] : workspace_->grad_sum_sq)
@@ -253,7 +254,8 @@ sdk::Launch FusedLAMB::prepare_list(const sdk::ParamList& pl) {
         steps, [&](double step) { return fused::lamb_step_scalars(hyper, step); });
     const float grad_factor = sdk::cpu_grad_factor(pl.signal);
     auto plan = std::make_shared<const Plan>(numels, sdk::cpu::kChunkSize);
-    return [=, param = std::move(param), grad = std::move(grad), m = std::move(m), v = std::move(v),
+    return [=, states = std::move(states), refresh_masters = std::move(refresh_masters), param = std::move(param),
+            grad = std::move(grad), m = std::move(m), v = std::move(v),
             masters = std::move(masters), steps = std::move(steps), scalars = std::move(scalars)] {
       refresh_masters();
       float factor = grad_factor;
