@@ -56,8 +56,8 @@ __global__ void __launch_bounds__(kBlockSize) adam_kernel(Meta meta, AdamCudaArg
     const bool aligned = is_aligned16(p) && is_aligned16(g) && is_aligned16(m) && is_aligned16(v) &&
                          (!kAmsgrad || is_aligned16(vmax));
     if (aligned) {
-      const std::int64_t num_vec = c.size / V::kSize;
-      for (; i < num_vec; i += blockDim.x) {
+      const VectorSplit split = vector_split(c.size, V::kSize);
+      for (; i < split.num_vec; i += blockDim.x) {
         V pv = reinterpret_cast<V*>(p)[i], mv = reinterpret_cast<V*>(m)[i], vv = reinterpret_cast<V*>(v)[i];
         const V gv = reinterpret_cast<const V*>(g)[i];
         V xv;
@@ -69,7 +69,7 @@ __global__ void __launch_bounds__(kBlockSize) adam_kernel(Meta meta, AdamCudaArg
         reinterpret_cast<V*>(v)[i] = vv;
         if (kAmsgrad) reinterpret_cast<V*>(vmax)[i] = xv;
       }
-      i = num_vec * V::kSize + threadIdx.x;
+      i = split.tail_begin + threadIdx.x;
     }
   }
   for (; i < c.size; i += blockDim.x) update(i, p[i], g[i], m[i], v[i], kAmsgrad ? vmax + i : nullptr);

@@ -32,8 +32,8 @@ __global__ void __launch_bounds__(kBlockSize) sgd_kernel(Meta meta, SgdCudaArgs 
   std::int64_t i = threadIdx.x;
   const bool aligned = is_aligned16(p) && is_aligned16(g) && (!kMomentum || is_aligned16(buf));
   if (aligned) {
-    const std::int64_t num_vec = c.size / V::kSize;
-    for (; i < num_vec; i += blockDim.x) {
+    const VectorSplit split = vector_split(c.size, V::kSize);
+    for (; i < split.num_vec; i += blockDim.x) {
       V pv = reinterpret_cast<V*>(p)[i];
       const V gv = reinterpret_cast<const V*>(g)[i];
       V bv;
@@ -43,7 +43,7 @@ __global__ void __launch_bounds__(kBlockSize) sgd_kernel(Meta meta, SgdCudaArgs 
       reinterpret_cast<V*>(p)[i] = pv;
       if (kMomentum) reinterpret_cast<V*>(buf)[i] = bv;
     }
-    i = num_vec * V::kSize + threadIdx.x;
+    i = split.tail_begin + threadIdx.x;
   }
   for (; i < c.size; i += blockDim.x) update(p[i], g[i], kMomentum ? buf + i : nullptr);
 

@@ -22,14 +22,14 @@ __device__ __forceinline__ void for_each_element_read(const T* p, std::int64_t n
   std::int64_t i = threadIdx.x;
   std::int64_t tail = 0;
   if (is_aligned16(p)) {
-    const std::int64_t num_vec = n / V::kSize;
+    const VectorSplit split = vector_split(n, V::kSize);
     const V* pv = reinterpret_cast<const V*>(p);
-    for (; i < num_vec; i += blockDim.x) {
+    for (; i < split.num_vec; i += blockDim.x) {
       const V v = pv[i];
 #pragma unroll
       for (int k = 0; k < V::kSize; ++k) f(to_float(v.v[k]));
     }
-    tail = num_vec * V::kSize;
+    tail = split.tail_begin;
     i = tail + threadIdx.x;
   }
   for (; i < n; i += blockDim.x) f(to_float(p[i]));
@@ -89,15 +89,15 @@ __global__ void __launch_bounds__(kBlockSize) scale_kernel(Meta meta, const floa
   using V = Vec16<T>;
   std::int64_t i = threadIdx.x;
   if (is_aligned16(p)) {
-    const std::int64_t num_vec = c.size / V::kSize;
+    const VectorSplit split = vector_split(c.size, V::kSize);
     V* pv = reinterpret_cast<V*>(p);
-    for (; i < num_vec; i += blockDim.x) {
+    for (; i < split.num_vec; i += blockDim.x) {
       V v = pv[i];
 #pragma unroll
       for (int k = 0; k < V::kSize; ++k) v.v[k] = scaled(v.v[k]);
       pv[i] = v;
     }
-    i = num_vec * V::kSize + threadIdx.x;
+    i = split.tail_begin + threadIdx.x;
   }
   for (; i < c.size; i += blockDim.x) p[i] = scaled(p[i]);
   if (kCheck && __syncthreads_or(non_finite) && threadIdx.x == 0) *found_inf = 1.f;

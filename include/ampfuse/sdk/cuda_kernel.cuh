@@ -9,13 +9,14 @@
 // your launch lambda with it; in the kernel, locate_chunk gives the block's
 // tensor and range, meta.data(list, slot) each list's pointer, and
 // for_each_element runs a per-element functor over the range (one element
-// per thread and iteration; Vec16 and is_aligned16 are there for a kernel
-// that wants 16-byte loads, as FusedAdam's does); block_broadcast hands a
-// per-tensor value read once to the whole block; step_skipped and
-// signal_grad_factor apply the scaler contract. to_float / from_float convert storage
-// to opmath and back; block_sum reduces across a block (CUB);
-// once_per_tensor_after_reads updates per-tensor values (step counters)
-// after every block of the tensor has read them.
+// per thread and iteration; Vec16, is_aligned16 and vector_split are there
+// for a kernel that wants 16-byte loads, as FusedAdam's does; the index math
+// lives in ampfuse/sdk/chunk_math.h, host-and-device, so that tests can run
+// it on the CPU); block_broadcast hands a per-tensor value read once to the
+// whole block; step_skipped and signal_grad_factor apply the scaler contract.
+// to_float / from_float convert storage to opmath and back; block_sum reduces
+// across a block (CUB); once_per_tensor_after_reads updates per-tensor
+// values (step counters) after every block of the tensor has read them.
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -27,6 +28,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "ampfuse/sdk/chunk_math.h"
 #include "ampfuse/sdk/cuda.h"
 
 namespace ampfuse::sdk::cuda {
@@ -86,25 +88,6 @@ InlineMeta<Depth> make_inline_meta(const LaunchMeta& m) {
   return im;
 }
 
-/// The part of one tensor a block works on.
-struct BlockChunk {
-  std::int64_t slot;   ///< index among the launch's (non-empty) tensors
-  std::int64_t begin;  ///< first element
-  std::int64_t size;
-};
-
-template <class Meta>
-__device__ __forceinline__ BlockChunk locate_chunk(const Meta& meta, std::int64_t chunk) {
-  std::int64_t lo = 0, hi = meta.num_tensors;  // last slot whose first chunk <= chunk
-  while (hi - lo > 1) {
-    const std::int64_t mid = lo + (hi - lo) / 2;
-    if (meta.chunk_offset(mid) <= chunk) lo = mid; else hi = mid;
-  }
-  const std::int64_t begin = (chunk - meta.chunk_offset(lo)) * meta.chunk_size;
-  const std::int64_t rest = meta.numel(lo) - begin;
-  return {lo, begin, rest < meta.chunk_size ? rest : meta.chunk_size};
-}
-
 /// Runs fn() once per tensor, after every block of that tensor has passed
 /// this point; blocks call it after reading a per-tensor value (a step
 /// counter, an "initialized" flag) that fn() then updates. Each block takes a
@@ -141,10 +124,6 @@ struct alignas(16) Vec16 {
   static constexpr int kSize = 16 / sizeof(T);
   T v[kSize];
 };
-
-__device__ __forceinline__ bool is_aligned16(const void* p) {
-  return (reinterpret_cast<std::uintptr_t>(p) & 15u) == 0;
-}
 
 template <ScalarType ST> struct StorageOf;
 template <> struct StorageOf<ScalarType::Float32> { using type = float; };
