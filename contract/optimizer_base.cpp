@@ -3,6 +3,7 @@
 
 #include "ampfuse/sdk/optimizer.h"
 
+#include <ATen/ops/_foreach_add.h>
 #include <ATen/ops/full.h>
 #include <ATen/ops/zeros.h>
 #include <c10/util/Exception.h>
@@ -275,12 +276,13 @@ void DeviceScalars::erase(std::size_t group, c10::Device device) {
 
 void advance_step_counters(const std::vector<at::Tensor>& steps, const ScaleSignal* signal) {
   if (steps.empty()) return;
+  // One foreach launch for all of them, not one per parameter.
   if (!signal) {
-    for (const at::Tensor& step : steps) step.add_(1);
+    at::_foreach_add_(steps, at::Scalar(1));
     return;
   }
-  const at::Tensor applied = (signal->found_inf == 0).to(steps.front().scalar_type());
-  for (const at::Tensor& step : steps) step.add_(applied);
+  // found_inf has one element; the foreach overload takes a 0-dim tensor.
+  at::_foreach_add_(steps, (signal->found_inf == 0).to(steps.front().scalar_type()).reshape({}));
 }
 
 SignalPointers signal_pointers(const ScaleSignal* signal) {

@@ -5,6 +5,7 @@
 
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty_like.h>
+#include <ATen/ops/zeros_like.h>
 #include <ATen/ops/full.h>
 #include <ATen/ops/zeros.h>
 #include <c10/util/Exception.h>
@@ -76,7 +77,10 @@ sdk::Launch FusedSGD::prepare_list(const sdk::ParamList& pl) {
       if (fresh) {
         sdk::refuse_under_capture(e, name(), "its momentum buffer");
         undo_on_failure([&s] { s.momentum_buffer(at::Tensor()); });
-        s.momentum_buffer(at::empty_like(p, at::MemoryFormat::Preserve));
+        // On CPU this step fills it; on CUDA it may be skipped on the device,
+        // and a state never shows uninitialized memory.
+        s.momentum_buffer(device.is_cpu() ? at::empty_like(p, at::MemoryFormat::Preserve)
+                                          : at::zeros_like(p, at::MemoryFormat::Preserve));
         first[i] = 1;
       }
       if (device.is_cuda() && !s.momentum_initialized().defined()) {

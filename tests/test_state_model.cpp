@@ -315,6 +315,24 @@ TEST_P(StateModelTest, DeviceScalarsAreKeyedAsTensorsNameDevices) {
   EXPECT_FALSE(scalars.find(1, device_).defined());
 }
 
+// Zero-element parameters' counters, which no kernel chunk covers: advanced
+// by one, or on the device by (found_inf == 0), in one foreach launch.
+TEST_P(StateModelTest, AdvanceStepCountersOfZeroElementParameters) {
+  const auto opts = torch::TensorOptions().dtype(torch::kDouble).device(device_);
+  std::vector<torch::Tensor> steps = {torch::full({1}, 3.0, opts), torch::full({1}, 16777216.0, opts)};
+  ampfuse::sdk::advance_step_counters(steps, nullptr);
+  EXPECT_EQ(steps[0].item<double>(), 4.0);
+  EXPECT_EQ(steps[1].item<double>(), 16777217.0);
+  const auto f32 = torch::TensorOptions().dtype(torch::kFloat).device(device_);
+  ampfuse::ScaleSignal skipped{torch::ones({1}, f32), torch::full({1}, 2.0f, f32), {}};
+  ampfuse::sdk::advance_step_counters(steps, &skipped);
+  EXPECT_EQ(steps[0].item<double>(), 4.0) << "a skipped step advanced a counter";
+  ampfuse::ScaleSignal applied{torch::ones({1}, f32), torch::zeros({1}, f32), {}};
+  ampfuse::sdk::advance_step_counters(steps, &applied);
+  EXPECT_EQ(steps[0].item<double>(), 5.0);
+  EXPECT_EQ(steps[1].item<double>(), 16777218.0);
+}
+
 INSTANTIATE_TEST_SUITE_P(All, StateModelTest, ::testing::Values("cpu", "cuda"),
                          [](const ::testing::TestParamInfo<std::string>& info) { return info.param; });
 
