@@ -7,6 +7,7 @@
 #include <c10/cuda/CUDAGraphsC10Utils.h>
 #include <c10/cuda/CUDAStream.h>
 #include <c10/util/Exception.h>
+#include <cuda_runtime_api.h>
 
 #include <algorithm>
 #include <iterator>
@@ -36,6 +37,17 @@ constexpr std::size_t kCapacity = 32;
 std::mutex g_mutex;
 std::list<Entry>& g_entries = *new std::list<Entry>();
 std::int64_t g_uploads = 0;
+
+// InlineMeta is about 32 KB of kernel arguments whatever the list's length,
+// which a driver older than CUDA 12.1 refuses (its limit is 4 KB): there,
+// every list's metadata goes to the device instead.
+bool large_kernel_arguments() {
+  static const bool supported = [] {
+    int version = 0;
+    return cudaDriverGetVersion(&version) == cudaSuccess && version >= 12010;
+  }();
+  return supported;
+}
 
 }  // namespace
 
@@ -93,16 +105,17 @@ const std::int64_t* device_meta(const std::vector<std::int64_t>& words, c10::Dev
   return g_entries.front().on_device.data_ptr<std::int64_t>();
 }
 
-cuda::LaunchMeta make_launch_meta(const TensorListsView& views, const Plan& plan, c10::Device device,
+sdk::cuda::LaunchMeta make_launch_meta(const TensorListsView& views, const Plan& plan, c10::Device device,
                                   std::vector<std::int64_t>& words) {
-  words = cuda::pack_meta(views, plan);
-  cuda::LaunchMeta m;
+  words = sdk::cuda::pack_meta(views, plan);
+  sdk::cuda::LaunchMeta m;
   m.depth = views.depth();
   m.num_tensors = static_cast<std::int64_t>(plan.tensors().size());
   m.chunk_size = plan.chunk_size();
   m.num_chunks = plan.num_chunks();
   m.host = words.data();
-  if (m.num_tensors > cuda::inline_capacity(m.depth)) m.device = device_meta(words, device);
+  if (!large_kernel_arguments() || m.num_tensors > sdk::cuda::inline_capacity(m.depth))
+    m.device = device_meta(words, device);
   return m;
 }
 

@@ -28,7 +28,7 @@ const std::int64_t* device_meta(const std::vector<std::int64_t>& words, c10::Dev
 /// Launch metadata of `views` over `plan`: packed into `words` (which must
 /// outlive the launch call) and, when too long for kernel arguments, on the
 /// device through device_meta().
-cuda::LaunchMeta make_launch_meta(const TensorListsView& views, const Plan& plan, c10::Device device,
+sdk::cuda::LaunchMeta make_launch_meta(const TensorListsView& views, const Plan& plan, c10::Device device,
                                   std::vector<std::int64_t>& words);
 
 /// Number of uploads so far (for tests and benchmarks).

@@ -142,7 +142,7 @@ template <class Launch>
 void for_each_cuda_group(const TensorListsView& views, c10::Device device, Launch&& launch) {
   const c10::cuda::CUDAGuard guard(device);
   const auto stream = c10::cuda::getCurrentCUDAStream(device.index()).stream();
-  for (const Group& g : make_groups(views, cuda::kChunkSize)) {
+  for (const Group& g : make_groups(views, sdk::cuda::kChunkSize)) {
     std::vector<std::int64_t> words;
     launch(g, detail::make_launch_meta(*g.view, g.plan, device, words), stream);
   }
@@ -255,7 +255,7 @@ void check_non_finite(const TensorListsView& views, c10::Device device, const at
     return;
   }
 #if defined(AMPFUSE_WITH_CUDA)
-  for_each_cuda_group(views, device, [&](const Group& g, const cuda::LaunchMeta& meta, cuda::Stream stream) {
+  for_each_cuda_group(views, device, [&](const Group& g, const sdk::cuda::LaunchMeta& meta, sdk::cuda::Stream stream) {
     at::Tensor workspace;
     if (sum_sq)
       workspace = at::empty({static_cast<std::int64_t>(cuda::check_workspace_bytes(meta.num_chunks))},
@@ -286,7 +286,7 @@ void scale(const TensorListsView& views, c10::Device device, const at::Tensor& s
     return;
   }
 #if defined(AMPFUSE_WITH_CUDA)
-  for_each_cuda_group(views, device, [&](const Group& g, const cuda::LaunchMeta& meta, cuda::Stream stream) {
+  for_each_cuda_group(views, device, [&](const Group& g, const sdk::cuda::LaunchMeta& meta, sdk::cuda::Stream stream) {
     cuda::scale(meta, g.dtype, scale.data_ptr<float>(), found_inf ? found_inf->data_ptr<float>() : nullptr, stream);
   });
 #endif

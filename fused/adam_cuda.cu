@@ -35,7 +35,8 @@ __global__ void __launch_bounds__(kBlockSize) adam_kernel(Meta meta, AdamCudaArg
   S* m = static_cast<S*>(meta.data(list_index(AdamList::kExpAvg), c.slot)) + c.begin;
   S* v = static_cast<S*>(meta.data(list_index(AdamList::kExpAvgSq), c.slot)) + c.begin;
   S* vmax = kAmsgrad ? static_cast<S*>(meta.data(list_index(AdamList::kMaxExpAvgSq), c.slot)) + c.begin : nullptr;
-  float* master = kWithMaster ? static_cast<float*>(meta.data(list_index(AdamList::kMaster), c.slot)) + c.begin : nullptr;
+  float* master =
+      kWithMaster ? static_cast<float*>(meta.data(list_index(AdamList::kMaster), c.slot)) + c.begin : nullptr;
 
   auto update = [&](std::int64_t i, P& pe, P ge, S& me, S& ve, S* vmaxe) {
     float pf = kWithMaster ? master[i] : to_float(pe);
@@ -80,8 +81,8 @@ __global__ void __launch_bounds__(kBlockSize) adam_kernel(Meta meta, AdamCudaArg
 
 }  // namespace
 
-void adam(const ampfuse::cuda::LaunchMeta& meta, ScalarType dtype, const AdamCudaArgs& args,
-          ampfuse::cuda::Stream stream) {
+void adam(const sdk::cuda::LaunchMeta& meta, ScalarType dtype, const AdamCudaArgs& args,
+          sdk::cuda::Stream stream) {
   dispatch_dtype(dtype, [&](auto param_tag) {
     using P = decltype(param_tag);
     dispatch_dtype(args.state_dtype, [&](auto state_tag) {

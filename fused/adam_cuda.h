@@ -25,7 +25,7 @@ struct AdamCudaArgs {
 /// advances each tensor's fp64 step counter (list AdamList::kStep) by one, after every
 /// block of that tensor has read it (ticket in `counters`).
 /// dtype: of param and grad.
-void adam(const ampfuse::cuda::LaunchMeta& meta, ScalarType dtype, const AdamCudaArgs& args,
-          ampfuse::cuda::Stream stream);
+void adam(const sdk::cuda::LaunchMeta& meta, ScalarType dtype, const AdamCudaArgs& args,
+          sdk::cuda::Stream stream);
 
 }  // namespace ampfuse::fused::cuda

@@ -259,8 +259,10 @@ sdk::Launch FusedLAMB::prepare_list(const sdk::ParamList& pl) {
             masters = std::move(masters), steps = std::move(steps), scalars = std::move(scalars)] {
       refresh_masters();
       float factor = grad_factor;
-      if (grad_sum_sq.defined())
-        factor *= fused::lamb_clip_factor(hyper, static_cast<float>(std::sqrt(*grad_sum_sq.data_ptr<double>())) * factor);
+      if (grad_sum_sq.defined()) {
+        const float global_norm = static_cast<float>(std::sqrt(*grad_sum_sq.data_ptr<double>()));
+        factor *= fused::lamb_clip_factor(hyper, global_norm * factor);
+      }
       std::vector<double> chunk_param_sq(static_cast<std::size_t>(plan->num_chunks()));
       std::vector<double> chunk_update_sq(chunk_param_sq.size());
       std::vector<float> neg_step(states.size(), 0.f);
@@ -295,8 +297,10 @@ sdk::Launch FusedLAMB::prepare_list(const sdk::ParamList& pl) {
     if (p.numel() == 0) empty_steps.push_back(s.step());
     views.lists[list_index(fused::LambList::kParam)].push_back({p.data_ptr(), p.numel(), st});
     views.lists[list_index(fused::LambList::kGrad)].push_back({list[i]->grad.data_ptr(), p.numel(), st});
-    views.lists[list_index(fused::LambList::kExpAvg)].push_back({s.exp_avg().data_ptr(), p.numel(), ScalarType::Float32});
-    views.lists[list_index(fused::LambList::kExpAvgSq)].push_back({s.exp_avg_sq().data_ptr(), p.numel(), ScalarType::Float32});
+    views.lists[list_index(fused::LambList::kExpAvg)].push_back(
+        {s.exp_avg().data_ptr(), p.numel(), ScalarType::Float32});
+    views.lists[list_index(fused::LambList::kExpAvgSq)].push_back(
+        {s.exp_avg_sq().data_ptr(), p.numel(), ScalarType::Float32});
     // The fp64 step travels as a pointer; its dtype tag is not read.
     views.lists[list_index(fused::LambList::kStep)].push_back({s.step().data_ptr(), 1, ScalarType::Float32});
     views.lists[list_index(fused::LambList::kMaster)].push_back(

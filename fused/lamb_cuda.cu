@@ -25,7 +25,8 @@ __device__ __forceinline__ float lamb_grad_factor(const LambCudaArgs& args) {
 
 template <class Meta>
 __device__ __forceinline__ LambStepScalars step_scalars(const Meta& meta, std::int64_t slot, const LambHyper& h) {
-  return lamb_step_scalars(h, block_broadcast(static_cast<const double*>(meta.data(list_index(LambList::kStep), slot))) + 1.0);
+  const auto* step = static_cast<const double*>(meta.data(list_index(LambList::kStep), slot));
+  return lamb_step_scalars(h, block_broadcast(step) + 1.0);
 }
 
 template <class P, bool kMaster, class Meta>
@@ -38,7 +39,8 @@ __global__ void __launch_bounds__(kBlockSize) lamb_moments_kernel(Meta meta, Lam
   const P* g = static_cast<const P*>(meta.data(list_index(LambList::kGrad), c.slot)) + c.begin;
   float* m = static_cast<float*>(meta.data(list_index(LambList::kExpAvg), c.slot)) + c.begin;
   float* v = static_cast<float*>(meta.data(list_index(LambList::kExpAvgSq), c.slot)) + c.begin;
-  const float* master = kMaster ? static_cast<const float*>(meta.data(list_index(LambList::kMaster), c.slot)) + c.begin : nullptr;
+  const float* master =
+      kMaster ? static_cast<const float*>(meta.data(list_index(LambList::kMaster), c.slot)) + c.begin : nullptr;
   // fp64 sums, as on the CPU: p^2 of a large |p| stays finite, and the norms match.
   double p_sq = 0.0, u_sq = 0.0;
   for_each_element(c, [&](std::int64_t i) {

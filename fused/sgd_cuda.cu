@@ -52,8 +52,8 @@ __global__ void __launch_bounds__(kBlockSize) sgd_kernel(Meta meta, SgdCudaArgs 
 
 }  // namespace
 
-void sgd(const ampfuse::cuda::LaunchMeta& meta, ScalarType dtype, const SgdCudaArgs& args,
-         ampfuse::cuda::Stream stream) {
+void sgd(const sdk::cuda::LaunchMeta& meta, ScalarType dtype, const SgdCudaArgs& args,
+         sdk::cuda::Stream stream) {
   dispatch_dtype(dtype, [&](auto tag) {
     using T = decltype(tag);
     if (args.hyper.momentum != 0.f) {

@@ -22,7 +22,7 @@ struct SgdCudaArgs {
 /// created by this step as a copy of the gradient, and the flag set to 1 once
 /// every block of the tensor has read it: a skipped first step leaves no
 /// buffer contents behind (PyTorch's fused SGD leaves uninitialized memory).
-void sgd(const ampfuse::cuda::LaunchMeta& meta, ScalarType dtype, const SgdCudaArgs& args,
-         ampfuse::cuda::Stream stream);
+void sgd(const sdk::cuda::LaunchMeta& meta, ScalarType dtype, const SgdCudaArgs& args,
+         sdk::cuda::Stream stream);
 
 }  // namespace ampfuse::fused::cuda

@@ -119,8 +119,8 @@ std::size_t check_workspace_bytes(std::int64_t num_chunks) {
   return static_cast<std::size_t>(num_chunks) * sizeof(double) + sizeof(unsigned);
 }
 
-void check_non_finite(const LaunchMeta& meta, ScalarType dtype, float* found_inf, SumSq sum_sq, void* workspace,
-                      Stream stream) {
+void check_non_finite(const sdk::cuda::LaunchMeta& meta, ScalarType dtype, float* found_inf, SumSq sum_sq,
+                      void* workspace, sdk::cuda::Stream stream) {
   using namespace detail;
   if (meta.num_chunks == 0) return;
   CheckWorkspace ws{nullptr, nullptr};
@@ -140,7 +140,8 @@ void check_non_finite(const LaunchMeta& meta, ScalarType dtype, float* found_inf
   });
 }
 
-void scale(const LaunchMeta& meta, ScalarType dtype, const float* scale, float* found_inf, Stream stream) {
+void scale(const sdk::cuda::LaunchMeta& meta, ScalarType dtype, const float* scale, float* found_inf,
+           sdk::cuda::Stream stream) {
   using namespace detail;
   dispatch_dtype(dtype, [&](auto tag) {
     using T = decltype(tag);

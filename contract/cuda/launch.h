@@ -13,12 +13,6 @@
 
 namespace ampfuse::cuda {
 
-using sdk::cuda::Stream;
-using sdk::cuda::kChunkSize;
-using sdk::cuda::LaunchMeta;
-using sdk::cuda::pack_meta;
-using sdk::cuda::inline_capacity;
-
 /// Number of CUDA devices; 0 when the runtime reports any error (no driver here).
 int device_count();
 
@@ -36,12 +30,13 @@ struct SumSq {
 /// otherwise); when sum_sq is wanted, adds the sum of squares to it, reduced
 /// in a fixed order (deterministic). One launch, plus a 4-byte memset of the
 /// workspace counter when the sum is asked for.
-void check_non_finite(const LaunchMeta& meta, ScalarType dtype, float* found_inf, SumSq sum_sq, void* workspace,
-                      Stream stream);
+void check_non_finite(const sdk::cuda::LaunchMeta& meta, ScalarType dtype, float* found_inf, SumSq sum_sq,
+                      void* workspace, sdk::cuda::Stream stream);
 
 /// In place: x = x * (*scale), computed in fp32, rounded to the storage type.
 /// When found_inf is not null, also *found_inf = 1 if any value (before
 /// scaling) is inf or NaN, in the same pass.
-void scale(const LaunchMeta& meta, ScalarType dtype, const float* scale, float* found_inf, Stream stream);
+void scale(const sdk::cuda::LaunchMeta& meta, ScalarType dtype, const float* scale, float* found_inf,
+           sdk::cuda::Stream stream);
 
 }  // namespace ampfuse::cuda

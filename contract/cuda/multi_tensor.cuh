@@ -7,5 +7,4 @@
 
 namespace ampfuse::cuda::detail {
 using namespace ::ampfuse::sdk::cuda;
-using sdk::cuda::kMaxKernelArgBytes;
 }  // namespace ampfuse::cuda::detail
