@@ -3,9 +3,9 @@
 // through the SDK's pick_isa, as a third-party optimizer's do.
 
 #include "ampfuse/sdk/cpu.h"
-#include "fused/adam_cpu.h"
-#include "fused/lamb_cpu.h"
-#include "fused/sgd_cpu.h"
+#include "fused/adam/adam_cpu.h"
+#include "fused/lamb/lamb_cpu.h"
+#include "fused/sgd/sgd_cpu.h"
 
 namespace ampfuse::fused::cpu {
 using sdk::cpu::pick_isa;

@@ -13,7 +13,7 @@
 #include <cmath>
 
 #include "ampfuse/tensor_ops.h"
-#include "contract/tensor_ops_views.h"
+#include "contract/torch/tensor_ops_views.h"
 #include "scaler/update_scale.h"
 
 #if defined(AMPFUSE_WITH_CUDA)

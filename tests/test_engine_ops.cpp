@@ -338,7 +338,7 @@ TEST(EngineDeterminism, SumOfSquaresDoesNotDependOnThreads) {
 }  // namespace
 
 #if defined(AMPFUSE_WITH_CUDA)
-#include "contract/meta_cache.h"
+#include "contract/torch/meta_cache.h"
 
 namespace {
 

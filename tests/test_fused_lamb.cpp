@@ -49,7 +49,7 @@ class FusedLambTest : public ampfuse_test::DeviceIsaTest<LambCase> {
   }
 };
 
-// LAMB in float64 (apex FusedLAMB semantics, see fused/lamb_math.h).
+// LAMB in float64 (apex FusedLAMB semantics, see fused/lamb/lamb_math.h).
 struct ReferenceLamb {
   std::vector<torch::Tensor> p, m, v;
   /// Per element, the largest |p| along the run: fp32 rounding accumulates

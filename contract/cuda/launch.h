@@ -1,6 +1,6 @@
 #pragma once
 // Torch-free host entry points of the CUDA multi-tensor engine. The torch
-// adapter (contract/tensor_ops.cpp) validates tensors, builds the metadata and
+// adapter (contract/torch/tensor_ops.cpp) validates tensors, builds the metadata and
 // calls these with raw pointers and a stream. Every CUDA call is checked;
 // failures throw std::runtime_error naming the call.
 

@@ -12,8 +12,8 @@
 #include <cstring>
 
 #include "contract/cpu/kernels.h"
-#include "contract/meta_cache.h"
-#include "contract/tensor_ops_views.h"
+#include "contract/torch/meta_cache.h"
+#include "contract/torch/tensor_ops_views.h"
 
 #if defined(AMPFUSE_WITH_CUDA)
 #include <c10/cuda/CUDAGuard.h>

@@ -5,7 +5,7 @@
 #include <cstdint>
 
 #include "contract/cpu/kernels.h"
-#include "fused/adam_math.h"
+#include "fused/adam/adam_math.h"
 
 namespace ampfuse::fused::cpu {
 

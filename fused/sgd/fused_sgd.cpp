@@ -13,14 +13,14 @@
 #include <memory>
 
 #include "ampfuse/tensor_ops.h"
-#include "fused/sgd_cpu.h"
+#include "fused/sgd/sgd_cpu.h"
 
 #if defined(AMPFUSE_WITH_CUDA)
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
 #include "contract/cuda/launch.h"
-#include "fused/sgd_cuda.h"
+#include "fused/sgd/sgd_cuda.h"
 #endif
 
 namespace ampfuse {

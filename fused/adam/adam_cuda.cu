@@ -3,7 +3,7 @@
 #include <type_traits>
 
 #include "contract/cuda/multi_tensor.cuh"
-#include "fused/adam_cuda.h"
+#include "fused/adam/adam_cuda.h"
 
 namespace ampfuse::fused::cuda {
 namespace {

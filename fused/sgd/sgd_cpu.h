@@ -4,7 +4,7 @@
 #include <cstdint>
 
 #include "contract/cpu/kernels.h"
-#include "fused/sgd_math.h"
+#include "fused/sgd/sgd_math.h"
 
 namespace ampfuse::fused::cpu {
 

@@ -18,7 +18,7 @@
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime_api.h>
 
-#include "contract/meta_cache.h"
+#include "contract/torch/meta_cache.h"
 #endif
 
 namespace ampfuse::sdk {

@@ -5,7 +5,7 @@
 #include <cstdint>
 
 #include "ampfuse/sdk/cpu.h"
-#include "fused/lamb_math.h"
+#include "fused/lamb/lamb_math.h"
 
 namespace ampfuse::fused::cpu {
 

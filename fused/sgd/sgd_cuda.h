@@ -2,7 +2,7 @@
 // FusedSGD's CUDA launcher. No LibTorch here.
 
 #include "contract/cuda/launch.h"
-#include "fused/sgd_math.h"
+#include "fused/sgd/sgd_math.h"
 
 namespace ampfuse::fused::cuda {
 

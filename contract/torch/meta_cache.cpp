@@ -1,4 +1,4 @@
-#include "contract/meta_cache.h"
+#include "contract/torch/meta_cache.h"
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>

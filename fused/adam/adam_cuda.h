@@ -2,7 +2,7 @@
 // FusedAdam's CUDA launcher. No LibTorch here.
 
 #include "contract/cuda/launch.h"
-#include "fused/adam_math.h"
+#include "fused/adam/adam_math.h"
 
 namespace ampfuse::fused::cuda {
 

@@ -2,11 +2,11 @@
 // FusedLAMB's CUDA launchers. No LibTorch here.
 
 #include "ampfuse/sdk/cuda.h"
-#include "fused/lamb_math.h"
+#include "fused/lamb/lamb_math.h"
 
 namespace ampfuse::fused::cuda {
 
-// The launch metadata's lists are LambList's (fused/lamb_math.h). State is
+// The launch metadata's lists are LambList's (fused/lamb/lamb_math.h). State is
 // fp32; step counters fp64.
 
 struct LambCudaArgs {

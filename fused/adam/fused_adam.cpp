@@ -14,14 +14,14 @@
 
 #include "ampfuse/tensor_ops.h"
 #include "contract/cpu/kernels.h"
-#include "fused/adam_cpu.h"
+#include "fused/adam/adam_cpu.h"
 
 #if defined(AMPFUSE_WITH_CUDA)
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
 #include "contract/cuda/launch.h"
-#include "fused/adam_cuda.h"
+#include "fused/adam/adam_cuda.h"
 #endif
 
 namespace ampfuse {

@@ -4,7 +4,7 @@
 #include <cmath>
 
 #include "ampfuse/sdk/cuda_kernel.cuh"
-#include "fused/lamb_cuda.h"
+#include "fused/lamb/lamb_cuda.h"
 
 namespace ampfuse::fused::cuda {
 namespace {

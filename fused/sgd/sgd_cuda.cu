@@ -1,7 +1,7 @@
 // FusedSGD on CUDA: one launch per parameter group and dtype.
 
 #include "contract/cuda/multi_tensor.cuh"
-#include "fused/sgd_cuda.h"
+#include "fused/sgd/sgd_cuda.h"
 
 namespace ampfuse::fused::cuda {
 namespace {

@@ -19,13 +19,13 @@
 #include <string>
 
 #include "ampfuse/tensor_ops.h"
-#include "fused/lamb_cpu.h"
+#include "fused/lamb/lamb_cpu.h"
 
 #if defined(AMPFUSE_WITH_CUDA)
 #include <c10/cuda/CUDAGuard.h>
 #include <cuda_runtime_api.h>
 
-#include "fused/lamb_cuda.h"
+#include "fused/lamb/lamb_cuda.h"
 #endif
 
 namespace ampfuse {
