@@ -95,16 +95,6 @@ void register_ceiling(const std::string& op, const ParamSet& set, torch::Device 
   }
 }
 
-namespace {
-
-std::vector<torch::Tensor> detached(const std::vector<torch::Tensor>& v) {
-  std::vector<torch::Tensor> out;
-  for (const auto& t : v) out.push_back(t.detach());
-  return out;
-}
-
-}  // namespace
-
 void register_adam(torch::Device device) {
   const std::string dev = device.is_cuda() ? "@cuda" : "";
   auto fopts = torch::TensorOptions().dtype(torch::kFloat).device(device);

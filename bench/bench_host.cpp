@@ -23,12 +23,6 @@ const ParamSet& host_set() {
   return set;
 }
 
-std::vector<torch::Tensor> detached(const std::vector<torch::Tensor>& v) {
-  std::vector<torch::Tensor> out;
-  for (const auto& t : v) out.push_back(t.detach());
-  return out;
-}
-
 }  // namespace
 
 void register_host(torch::Device device) {

@@ -92,6 +92,13 @@ inline std::vector<torch::Tensor>& tensors_for(const ParamSet& set, torch::Devic
   return it->second;
 }
 
+/// The tensors without autograd, as ATen's fused ops take parameters.
+inline std::vector<torch::Tensor> detached(const std::vector<torch::Tensor>& v) {
+  std::vector<torch::Tensor> out;
+  for (const auto& t : v) out.push_back(t.detach());
+  return out;
+}
+
 inline std::int64_t total_numel(const ParamSet& set) {
   std::int64_t n = 0;
   for (auto v : set.numels) n += v;
