@@ -156,6 +156,32 @@ TEST_P(StateModelTest, FusedAdamWFailureWhilePreparingTheLastListChangesNothing)
   expect_all_or_nothing<decltype(opt), ampfuse::FusedAdamWParamState>(opt, {param({8}, torch::kFloat)});
 }
 
+// Fields a step adds to state that existed before it (amsgrad switched on,
+// a master copy that is missing) are taken back too, not only new states.
+TEST_P(StateModelTest, FusedAdamFailureTakesBackFieldsAddedToExistingState) {
+  auto a = param({33}, torch::kHalf), b = param({70000}, torch::kHalf);
+  FailingPrepare<ampfuse::FusedAdam> opt(
+      std::vector<torch::optim::OptimizerParamGroup>{torch::optim::OptimizerParamGroup({a}),
+                                                     torch::optim::OptimizerParamGroup({b})},
+      torch::optim::AdamOptions(1e-2), ampfuse::FusedAdamOptions().master_weights(true));
+  fill_grads(opt);
+  opt.step();
+  for (auto& group : opt.param_groups()) static_cast<torch::optim::AdamOptions&>(group.options()).amsgrad(true);
+  static_cast<ampfuse::FusedAdamParamState&>(*opt.state().at(a.unsafeGetTensorImpl())).master(torch::Tensor());
+  fill_grads(opt);
+  const auto before = snapshot<ampfuse::FusedAdamParamState>(opt);
+  opt.fail_at = 2;
+  opt.reset();
+  EXPECT_THROW(opt.step(), std::runtime_error);
+  EXPECT_TRUE(same_snapshots(before, snapshot<ampfuse::FusedAdamParamState>(opt)));
+  opt.fail_at = 0;
+  opt.step();
+  for (const auto& [key, state] : opt.state()) {
+    const auto& st = static_cast<const ampfuse::FusedAdamParamState&>(*state);
+    EXPECT_TRUE(st.max_exp_avg_sq().defined() && st.master().defined());
+  }
+}
+
 TEST_P(StateModelTest, FusedSGDFailureWhilePreparingTheLastListChangesNothing) {
   FailingPrepare<ampfuse::FusedSGD> opt(
       std::vector<torch::optim::OptimizerParamGroup>{
@@ -249,6 +275,45 @@ TEST_P(StateModelTest, FusedAdamLoadedMasterStandsForTheParameterAsItIsAtLoad) {
   fill_grads(resumed);
   resumed.step();
   EXPECT_TRUE(bitwise_equal(st.master().cpu(), saved_master.cpu())) << "a loaded master was refreshed from the weights";
+
+  // Weights written after the optimizer was loaded win over its master.
+  torch::load(resumed, archive);
+  const torch::Tensor written = torch::randn_like(q);
+  {
+    torch::NoGradGuard no_grad;
+    q.copy_(written);
+  }
+  resumed.param_groups()[0].options().set_lr(0.0);
+  fill_grads(resumed);
+  resumed.step();
+  EXPECT_TRUE(bitwise_equal(q.detach(), written)) << "a loaded master undid weights written after the load";
+}
+
+// A checkpoint of an earlier ampfuse kept the master copies under top-level
+// keys, one per parameter: they are still read.
+TEST_P(StateModelTest, FusedAdamReadsMasterCopiesOfEarlierCheckpoints) {
+  auto p = param({129}, torch::kBFloat16);
+  const auto fused = ampfuse::FusedAdamOptions().master_weights(true);
+  ampfuse::FusedAdam opt({p}, torch::optim::AdamOptions(1e-2), fused);
+  fill_grads(opt);
+  opt.step();
+  auto& st = static_cast<ampfuse::FusedAdamParamState&>(*opt.state().begin()->second);
+  const torch::Tensor master = st.master().clone();
+  st.master(torch::Tensor());  // the earlier format: nothing in the state
+  torch::serialize::OutputArchive out;
+  opt.save(out);
+  out.write("ampfuse_master_weights_0_0", master);
+  std::stringstream archive;
+  out.save_to(archive);
+
+  auto q = param({129}, torch::kBFloat16);
+  ampfuse::FusedAdam resumed({q}, torch::optim::AdamOptions(1e-2), fused);
+  torch::serialize::InputArchive in;
+  in.load_from(archive);
+  resumed.load(in);
+  const auto& loaded = static_cast<const ampfuse::FusedAdamParamState&>(*resumed.state().begin()->second);
+  ASSERT_TRUE(loaded.master().defined()) << "the earlier checkpoint's master copy was not read";
+  EXPECT_TRUE(bitwise_equal(loaded.master().cpu(), master.cpu()));
 }
 
 TEST_P(StateModelTest, StateOfAnotherTypeIsRefusedNamingTheParameter) {

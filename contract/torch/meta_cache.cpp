@@ -51,7 +51,7 @@ bool large_kernel_arguments() {
 
 }  // namespace
 
-const std::int64_t* device_meta(const std::vector<std::int64_t>& words, c10::Device device) {
+at::Tensor device_meta(const std::vector<std::int64_t>& words, c10::Device device) {
   const c10::cuda::CUDAStream current = c10::cuda::getCurrentCUDAStream(device.index());
   const bool capturing = c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None;
   std::lock_guard<std::mutex> lock(g_mutex);
@@ -81,7 +81,7 @@ const std::int64_t* device_meta(const std::vector<std::int64_t>& words, c10::Dev
     }
     if (capturing) it->captured = true;
     g_entries.splice(g_entries.begin(), g_entries, it);
-    return g_entries.front().on_device.data_ptr<std::int64_t>();
+    return g_entries.front().on_device;
   }
   // An upload inside a capture would cache graph-pool memory that only a
   // replay fills: refuse it, and ask for the warm-up step that uploads eagerly.
@@ -102,21 +102,23 @@ const std::int64_t* device_meta(const std::vector<std::int64_t>& words, c10::Dev
     g_entries.erase(std::next(victim).base());
   }
   ++g_uploads;
-  return g_entries.front().on_device.data_ptr<std::int64_t>();
+  return on_device;
 }
 
-sdk::cuda::LaunchMeta make_launch_meta(const TensorListsView& views, const Plan& plan, c10::Device device,
-                                  std::vector<std::int64_t>& words) {
-  words = sdk::cuda::pack_meta(views, plan);
-  sdk::cuda::LaunchMeta m;
+void make_launch_meta(const TensorListsView& views, const Plan& plan, c10::Device device, sdk::ListMeta& out) {
+  out.words = sdk::cuda::pack_meta(views, plan);
+  sdk::cuda::LaunchMeta& m = out.launch;
   m.depth = views.depth();
   m.num_tensors = static_cast<std::int64_t>(plan.tensors().size());
   m.chunk_size = plan.chunk_size();
   m.num_chunks = plan.num_chunks();
-  m.host = words.data();
-  if (!large_kernel_arguments() || m.num_tensors > sdk::cuda::inline_capacity(m.depth))
-    m.device = device_meta(words, device);
-  return m;
+  m.host = out.words.data();
+  m.device = nullptr;
+  out.on_device = at::Tensor();
+  if (!large_kernel_arguments() || m.num_tensors > sdk::cuda::inline_capacity(m.depth)) {
+    out.on_device = device_meta(out.words, device);
+    m.device = out.on_device.data_ptr<std::int64_t>();
+  }
 }
 
 std::int64_t device_meta_uploads() {

@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "ampfuse/sdk/optimizer.h"
 #include "contract/cuda/launch.h"
 
 namespace ampfuse::detail {
@@ -23,13 +24,14 @@ namespace ampfuse::detail {
 /// Valid as long as the entry stays in the cache, which holds the 32 most
 /// recently used lists, and for the life of the process every entry a CUDA
 /// graph captured (a replay reads it, however many other lists ran since).
-const std::int64_t* device_meta(const std::vector<std::int64_t>& words, c10::Device device);
+/// The returned tensor holds the memory: a caller that launches later (after
+/// other lists were prepared, which may evict the entry) keeps it until then.
+at::Tensor device_meta(const std::vector<std::int64_t>& words, c10::Device device);
 
-/// Launch metadata of `views` over `plan`: packed into `words` (which must
-/// outlive the launch call) and, when too long for kernel arguments, on the
-/// device through device_meta().
-sdk::cuda::LaunchMeta make_launch_meta(const TensorListsView& views, const Plan& plan, c10::Device device,
-                                  std::vector<std::int64_t>& words);
+/// Launch metadata of `views` over `plan`: packed into out.words and, when
+/// too long for kernel arguments (or for the driver's), on the device through
+/// device_meta(), held in out.on_device. out.launch points into both.
+void make_launch_meta(const TensorListsView& views, const Plan& plan, c10::Device device, sdk::ListMeta& out);
 
 /// Number of uploads so far (for tests and benchmarks).
 std::int64_t device_meta_uploads();

@@ -295,9 +295,10 @@ SignalPointers signal_pointers(const ScaleSignal* signal) {
 }
 
 #if defined(AMPFUSE_WITH_CUDA)
-cuda::LaunchMeta make_launch_meta(const TensorListsView& views, const Plan& plan, c10::Device device,
-                                  std::vector<std::int64_t>& words) {
-  return detail::make_launch_meta(views, plan, device, words);
+std::shared_ptr<const ListMeta> make_launch_meta(const TensorListsView& views, const Plan& plan, c10::Device device) {
+  auto meta = std::make_shared<ListMeta>();
+  detail::make_launch_meta(views, plan, device, *meta);
+  return meta;
 }
 
 cuda::Stream current_stream(c10::Device device) { return c10::cuda::getCurrentCUDAStream(device.index()).stream(); }

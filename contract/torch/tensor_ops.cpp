@@ -143,8 +143,9 @@ void for_each_cuda_group(const TensorListsView& views, c10::Device device, Launc
   const c10::cuda::CUDAGuard guard(device);
   const auto stream = c10::cuda::getCurrentCUDAStream(device.index()).stream();
   for (const Group& g : make_groups(views, sdk::cuda::kChunkSize)) {
-    std::vector<std::int64_t> words;
-    launch(g, detail::make_launch_meta(*g.view, g.plan, device, words), stream);
+    sdk::ListMeta meta;
+    detail::make_launch_meta(*g.view, g.plan, device, meta);
+    launch(g, meta.launch, stream);
   }
 }
 #endif

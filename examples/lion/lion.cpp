@@ -102,15 +102,14 @@ ampfuse::sdk::Launch FusedLion::prepare_list(const ampfuse::sdk::ParamList& list
     views.lists[cuda::kExpAvg].push_back({exp_avg[i], numel[i], dtype});
   }
   const ampfuse::Plan plan(numel, ampfuse::sdk::cuda::kChunkSize);
-  auto words = std::make_shared<std::vector<std::int64_t>>();  // the packed metadata, which meta points into
-  const auto meta = ampfuse::sdk::make_launch_meta(views, plan, list.device, *words);
+  // The packed metadata, held by the Launch until the kernel is queued.
+  const auto meta = ampfuse::sdk::make_launch_meta(views, plan, list.device);
   const ampfuse::sdk::SignalPointers sig = ampfuse::sdk::signal_pointers(list.signal);
   const c10::Device device = list.device;
   return [=] {
     const c10::cuda::CUDAGuard launch_guard(device);
-    cuda::lion_step(meta, dtype, {hyper, sig.found_inf, sig.inv_scale, sig.clip_coef},
+    cuda::lion_step(meta->launch, dtype, {hyper, sig.found_inf, sig.inv_scale, sig.clip_coef},
                     ampfuse::sdk::current_stream(device));
-    (void)words;  // kept alive until the launch call returns
   };
 #else
   TORCH_CHECK(false, name(), ": ampfuse was built without CUDA");

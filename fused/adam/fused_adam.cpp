@@ -86,6 +86,10 @@ void FusedAdamImpl<Base, Options, State, kDecoupled>::check_state(const at::Tens
   sdk::check_state_tensor(st.exp_avg_sq(), p, dtype, name(), "exp_avg_sq", g, i);
   sdk::check_state_tensor(st.max_exp_avg_sq(), p, dtype, name(), "max_exp_avg_sq", g, i);
   sdk::check_state_tensor(st.master(), p, at::kFloat, name(), "master", g, i);
+  const at::Tensor& step = st.device_step();
+  TORCH_CHECK(!step.defined() || (step.numel() == 1 && step.scalar_type() == at::kDouble && step.device() == p.device()),
+              name(), ": param group ", g, ", param ", i,
+              ": state device_step must be a Double tensor of one element on the parameter's device");
 }
 
 template <class Base, class Options, class State, bool kDecoupled>
@@ -94,6 +98,28 @@ void FusedAdamImpl<Base, Options, State, kDecoupled>::check_entries(const std::v
   for (const sdk::Entry& e : entries)
     TORCH_CHECK(e.dtype != at::kFloat, name(), ": param group ", e.group, ", param ", e.index,
                 ": master_weights asked for on a Float parameter; it is for Half and BFloat16 parameters");
+}
+
+template <class Base, class Options, class State, bool kDecoupled>
+void FusedAdamImpl<Base, Options, State, kDecoupled>::load(torch::serialize::InputArchive& archive) {
+  sdk::FusedOptimizer<Base, Options, State>::load(archive);
+  // Checkpoints written before the master copy moved into the state keep it
+  // under a top-level key per parameter.
+  const auto& groups = this->param_groups();
+  for (std::size_t g = 0; g < groups.size(); ++g)
+    for (std::size_t i = 0; i < groups[g].params().size(); ++i) {
+      const at::Tensor& p = groups[g].params()[i];
+      State* s = this->find_state(p);
+      at::Tensor saved;
+      if (s == nullptr || s->master().defined() ||
+          !archive.try_read("ampfuse_master_weights_" + std::to_string(g) + "_" + std::to_string(i), saved))
+        continue;
+      TORCH_CHECK(saved.sizes() == p.sizes() && saved.scalar_type() == at::kFloat, name(), ": param group ", g,
+                  ", param ", i, ": the checkpoint's master copy has shape ", saved.sizes(), " and dtype ",
+                  saved.scalar_type(), "; expected ", p.sizes(), " and Float");
+      s->master(saved.to(p.device()));
+      s->master_version(p._version());
+    }
 }
 
 template <class Base, class Options, class State, bool kDecoupled>
@@ -203,8 +229,7 @@ sdk::Launch FusedAdamImpl<Base, Options, State, kDecoupled>::prepare_list(const 
         {master ? s.master().data_ptr() : nullptr, p.numel(), ScalarType::Float32});
   }
   const Plan plan(numels, sdk::cuda::kChunkSize);
-  auto words = std::make_shared<std::vector<std::int64_t>>();  // what meta.host points into
-  const sdk::cuda::LaunchMeta meta = sdk::make_launch_meta(views, plan, device, *words);
+  const auto meta = sdk::make_launch_meta(views, plan, device);  // held by the Launch
   const double* lr_device = nullptr;
   if (fused_.capturable()) {
     bool created = false;
@@ -214,7 +239,7 @@ sdk::Launch FusedAdamImpl<Base, Options, State, kDecoupled>::prepare_list(const 
   const sdk::SignalPointers sig = sdk::signal_pointers(pl.signal);
   const fused::cuda::AdamCudaArgs args{state_st, master, hyper, o.lr(), beta1, beta2, o.weight_decay(), lr_device,
                                        sig.found_inf, sig.inv_scale, sig.clip_coef,
-                                       workspace_->counters.get({pl.group, device, pl.dtype}, meta.num_tensors)};
+                                       workspace_->counters.get({pl.group, device, pl.dtype}, meta->launch.num_tensors)};
   const ScaleSignal* signal = pl.signal;
   const bool capturable = fused_.capturable();
   const double lr = o.lr();
@@ -223,8 +248,7 @@ sdk::Launch FusedAdamImpl<Base, Options, State, kDecoupled>::prepare_list(const 
     const c10::cuda::CUDAGuard launch_guard(device);
     if (capturable) workspace_->lr.refresh(group, device, lr);
     refresh_masters();
-    fused::cuda::adam(meta, st, args, sdk::current_stream(device));
-    (void)words;  // meta.host points into it: kept alive until here
+    fused::cuda::adam(meta->launch, st, args, sdk::current_stream(device));
     // Zero-element parameters have no chunk: advance their counters here.
     sdk::advance_step_counters(empty_steps, signal);
   };

@@ -307,11 +307,10 @@ sdk::Launch FusedLAMB::prepare_list(const sdk::ParamList& pl) {
         {master ? s.master().data_ptr() : nullptr, p.numel(), ScalarType::Float32});
   }
   const Plan plan(numels, sdk::cuda::kChunkSize);
-  auto words = std::make_shared<std::vector<std::int64_t>>();  // what meta.host points into
-  const sdk::cuda::LaunchMeta meta = sdk::make_launch_meta(views, plan, device, *words);
+  const auto meta = sdk::make_launch_meta(views, plan, device);  // held by the Launch
   const auto opts = at::TensorOptions().device(device);
   at::Tensor chunk_sums = at::empty({std::max<std::int64_t>(2 * plan.num_chunks(), 1)}, opts.dtype(at::kDouble));
-  at::Tensor norms = at::empty({std::max<std::int64_t>(2 * meta.num_tensors, 1)}, opts.dtype(at::kFloat));
+  at::Tensor norms = at::empty({std::max<std::int64_t>(2 * meta->launch.num_tensors, 1)}, opts.dtype(at::kFloat));
   const sdk::SignalPointers sig = sdk::signal_pointers(pl.signal);
   const fused::cuda::LambCudaArgs args{master,
                                       hyper,
@@ -321,13 +320,13 @@ sdk::Launch FusedLAMB::prepare_list(const sdk::ParamList& pl) {
                                       grad_sum_sq.defined() ? grad_sum_sq.data_ptr<double>() : nullptr,
                                       chunk_sums.data_ptr<double>(),
                                       norms.data_ptr<float>(),
-                                      workspace_->counters.get({pl.group, device, pl.dtype}, meta.num_tensors)};
+                                      workspace_->counters.get({pl.group, device, pl.dtype}, meta->launch.num_tensors)};
   const ScaleSignal* signal = pl.signal;
   return [=, empty_steps = std::move(empty_steps)] {
     const c10::cuda::CUDAGuard launch_guard(device);
     refresh_masters();
-    fused::cuda::lamb(meta, st, args, sdk::current_stream(device));
-    (void)words, (void)chunk_sums, (void)norms;  // the launch's memory: kept alive until here
+    fused::cuda::lamb(meta->launch, st, args, sdk::current_stream(device));
+    (void)chunk_sums, (void)norms;  // the launch's workspaces: kept alive until here
     // Zero-element parameters have no chunk: advance their counters here.
     sdk::advance_step_counters(empty_steps, signal);
   };

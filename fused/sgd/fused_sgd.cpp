@@ -47,6 +47,10 @@ FusedSGD::~FusedSGD() = default;
 
 void FusedSGD::check_state(const at::Tensor& p, const FusedSGDParamState& st, std::size_t g, std::size_t i) const {
   sdk::check_state_tensor(st.momentum_buffer(), p, p.scalar_type(), name(), "momentum_buffer", g, i);
+  const at::Tensor& flag = st.momentum_initialized();
+  TORCH_CHECK(!flag.defined() || (flag.numel() == 1 && flag.scalar_type() == at::kFloat && flag.device() == p.device()),
+              name(), ": param group ", g, ", param ", i,
+              ": state momentum_initialized must be a Float tensor of one element on the parameter's device");
 }
 
 bool FusedSGD::has_saved_state(const FusedSGDParamState& st) const {
@@ -126,15 +130,13 @@ sdk::Launch FusedSGD::prepare_list(const sdk::ParamList& pl) {
         {states[i]->momentum_initialized().data_ptr(), 1, ScalarType::Float32});
   }
   const Plan plan(numels, sdk::cuda::kChunkSize);
-  auto words = std::make_shared<std::vector<std::int64_t>>();  // what meta.host points into
-  const sdk::cuda::LaunchMeta meta = sdk::make_launch_meta(views, plan, device, *words);
-  unsigned* counters = momentum ? workspace_->counters.get({pl.group, device, pl.dtype}, meta.num_tensors) : nullptr;
+  const auto meta = sdk::make_launch_meta(views, plan, device);  // held by the Launch
+  unsigned* counters = momentum ? workspace_->counters.get({pl.group, device, pl.dtype}, meta->launch.num_tensors) : nullptr;
   const sdk::SignalPointers sig = sdk::signal_pointers(pl.signal);
   const fused::cuda::SgdCudaArgs args{hyper, sig.found_inf, sig.inv_scale, sig.clip_coef, counters};
   return [=] {
     const c10::cuda::CUDAGuard launch_guard(device);
-    fused::cuda::sgd(meta, st, args, sdk::current_stream(device));
-    (void)words;  // meta.host points into it: kept alive until here
+    fused::cuda::sgd(meta->launch, st, args, sdk::current_stream(device));
   };
 #else
   TORCH_CHECK(false, name(), ": ampfuse was built without CUDA");

@@ -42,8 +42,8 @@ struct FusedAdamOptions {
   TORCH_ARG(bool, maximize) = false;
   /// fp16/bf16 parameters only: keep an fp32 master copy and fp32 moments,
   /// update the master in fp32 and write it back, rounded, to the parameter.
-  /// The master copies are saved by save() under extra keys, which
-  /// torch::optim::Adam ignores when it loads the checkpoint.
+  /// The master copy is part of the parameter's state (FusedAdamParamState),
+  /// saved under the state key "master", which torch::optim::Adam ignores.
   TORCH_ARG(bool, master_weights) = false;
   /// Keep the moments in bf16 (half the state memory; ~3 significant digits).
   TORCH_ARG(bool, bf16_moments) = false;
@@ -99,6 +99,9 @@ class FusedAdamImpl : public sdk::FusedOptimizer<Base, Options, State> {
 
   /// Copies device step counters into the state's step (syncs on CUDA).
   void sync_state();
+  /// LibTorch's format (sdk::FusedOptimizer::load), and master copies that a
+  /// checkpoint of an earlier ampfuse kept under top-level keys.
+  void load(torch::serialize::InputArchive& archive) override;
 
   const FusedAdamOptions& fused_options() const { return fused_; }
 

@@ -176,11 +176,23 @@ void parallel_chunks(const Plan& plan, F&& fn) {
 void advance_step_counters(const std::vector<at::Tensor>& steps, const ScaleSignal* signal);
 
 #if defined(AMPFUSE_WITH_CUDA)
-/// Launch metadata of `views` over `plan` for a kernel on `device`: packed
-/// into `words` (which must outlive the launch call) and, when too long for
-/// kernel arguments, uploaded once and cached while the list is unchanged.
-cuda::LaunchMeta make_launch_meta(const TensorListsView& views, const Plan& plan, c10::Device device,
-                                  std::vector<std::int64_t>& words);
+/// A list's launch metadata and the memory it points into: the packed words
+/// and, for a list too long for kernel arguments, the device copy. A Launch
+/// holds it (make_launch_meta's shared_ptr) until its kernel is queued: the
+/// device copy comes from a cache that preparing later lists may evict.
+struct ListMeta {
+  cuda::LaunchMeta launch;  ///< what the launcher takes; points into the two below
+  std::vector<std::int64_t> words;
+  at::Tensor on_device;     ///< the uploaded copy, undefined when the words travel as kernel arguments
+  ListMeta() = default;
+  ListMeta(const ListMeta&) = delete;  // launch points into this object's own members
+  ListMeta& operator=(const ListMeta&) = delete;
+};
+
+/// Launch metadata of `views` over `plan` for a kernel on `device`, packed
+/// and, when too long for kernel arguments (or when the driver takes only
+/// small ones), uploaded once and cached while the list is unchanged.
+std::shared_ptr<const ListMeta> make_launch_meta(const TensorListsView& views, const Plan& plan, c10::Device device);
 
 /// The current CUDA stream of `device`, for a launcher.
 cuda::Stream current_stream(c10::Device device);
@@ -306,16 +318,23 @@ class FusedOptimizer : public Base, public ScalerAware {
     archive.write("param_groups", groups_archive);
   }
   /// Reads LibTorch's optimizer format into State objects, then calls
-  /// after_load() for every parameter with state.
+  /// after_load() for every parameter whose state the checkpoint replaced.
   void load(torch::serialize::InputArchive& archive) override {
     c10::IValue version;
     TORCH_CHECK(archive.try_read("pytorch_version", version), name(),
                 ": the checkpoint has no pytorch_version: it predates LibTorch 1.5's optimizer format; load it into "
                 "the LibTorch optimizer and save it again");
-    torch::optim::serialize<State, Options>(archive, *this);
+    std::vector<const State*> before;
     for (const auto& group : this->param_groups())
-      for (const at::Tensor& p : group.params())
-        if (State* s = find_state(p)) after_load(p, *s);
+      for (const at::Tensor& p : group.params()) before.push_back(find_state(p));
+    torch::optim::serialize<State, Options>(archive, *this);
+    std::size_t k = 0;
+    for (const auto& group : this->param_groups())
+      for (const at::Tensor& p : group.params()) {
+        State* s = find_state(p);
+        if (s != nullptr && s != before[k]) after_load(p, *s);
+        ++k;
+      }
   }
 
  protected:
@@ -339,7 +358,7 @@ class FusedOptimizer : public Base, public ScalerAware {
   /// step made but has not filled yet, such as a CUDA momentum buffer before
   /// its first applied step).
   virtual bool has_saved_state(const State& /*state*/) const { return true; }
-  /// Called by load() for every parameter with state, after reading it.
+  /// Called by load() for every parameter whose state it read from the checkpoint.
   virtual void after_load(const at::Tensor& /*param*/, State& /*state*/) {}
 
   /// In prepare_list: how to take back a change made to state that existed
