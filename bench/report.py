@@ -185,6 +185,8 @@ def readme_rows(table):
     rows = []
     for (op, pset), (ours, lines) in table.items():
         cells = []
+        if op.startswith("Host") and num_params(pset):
+            cells.append(f"{ours['seconds'] * 1e9 / num_params(pset):.0f} ns per parameter")
         for contender, _, _, ratio, kind in lines:
             cells.append(f"{ratio * 100:.0f}% of {contender}" if kind == "ceiling" else f"{ratio:.2f}x {contender}")
         rows.append(f"| {op} | {pset} | {'; '.join(cells)} |")
