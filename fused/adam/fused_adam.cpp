@@ -145,8 +145,6 @@ sdk::Launch FusedAdamImpl<Base, Options, State, kDecoupled>::prepare_list(const 
 
   const std::size_t n = list.size();
   std::vector<State*> states(n);
-  // Master copies of parameters written from outside since the last step.
-  std::vector<std::pair<const at::Tensor*, State*>> stale_masters;
   for (std::size_t i = 0; i < n; ++i) {  // creates state (first step): on this thread
     const sdk::Entry& e = *list[i];
     const at::Tensor& p = e.param;
@@ -160,7 +158,7 @@ sdk::Launch FusedAdamImpl<Base, Options, State, kDecoupled>::prepare_list(const 
       this->undo_on_failure([&state] { state.max_exp_avg_sq(at::Tensor()); });
       state.max_exp_avg_sq(zeros());
     }
-    if (master && this->prepare_master(e, state)) stale_masters.emplace_back(&p, &state);
+    if (master) this->prepare_master(e, state);
     if (on_cuda && !state.device_step().defined()) {
       sdk::refuse_under_capture(e, name(), "its device step counter (made at the first step, and again at the "
                                            "first after load())");
@@ -170,9 +168,6 @@ sdk::Launch FusedAdamImpl<Base, Options, State, kDecoupled>::prepare_list(const 
     states[i] = &state;
   }
   // The launch starts by refreshing stale masters (a copy, no throw).
-  auto refresh_masters = [stale_masters = std::move(stale_masters)] {
-    for (const auto& [param, state] : stale_masters) sdk::refresh_master(*param, *state);
-  };
 
   std::vector<std::int64_t> numels(n);
   if (!on_cuda) {
@@ -194,11 +189,10 @@ sdk::Launch FusedAdamImpl<Base, Options, State, kDecoupled>::prepare_list(const 
     });
     auto plan = std::make_shared<const Plan>(numels, sdk::cpu::kChunkSize);
     const float grad_factor = sdk::cpu_grad_factor(pl.signal);
-    return [=, states = std::move(states), refresh_masters = std::move(refresh_masters), param = std::move(param),
+    return [=, states = std::move(states), param = std::move(param),
             grad = std::move(grad), m = std::move(m), v = std::move(v),
             vmax = std::move(vmax), masters = std::move(masters), steps = std::move(steps),
             scalars = std::move(scalars)] {
-      refresh_masters();
       const fused::cpu::AdamArgs args{sdk::cpu::plan_ref(*plan), param.data(), grad.data(), m.data(), v.data(),
                                       vmax.data(), master ? masters.data() : nullptr, st, state_st,
                                       scalars.data(), hyper, grad_factor};
@@ -247,7 +241,6 @@ sdk::Launch FusedAdamImpl<Base, Options, State, kDecoupled>::prepare_list(const 
   return [=, empty_steps = std::move(empty_steps)] {
     const c10::cuda::CUDAGuard launch_guard(device);
     if (capturable) workspace_->lr.refresh(group, device, lr);
-    refresh_masters();
     fused::cuda::adam(meta->launch, st, args, sdk::current_stream(device));
     // Zero-element parameters have no chunk: advance their counters here.
     sdk::advance_step_counters(empty_steps, signal);

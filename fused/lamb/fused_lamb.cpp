@@ -217,8 +217,6 @@ sdk::Launch FusedLAMB::prepare_list(const sdk::ParamList& pl) {
 
   std::vector<FusedLAMBParamState*> states;
   std::vector<std::int64_t> numels;
-  // Master copies of parameters written from outside since the last step.
-  std::vector<std::pair<const at::Tensor*, FusedLAMBParamState*>> stale_masters;
   for (std::size_t i = 0; i < n; ++i) {
     const sdk::Entry& e = *list[i];
     const at::Tensor& p = e.param;
@@ -228,13 +226,10 @@ sdk::Launch FusedLAMB::prepare_list(const sdk::ParamList& pl) {
       s.exp_avg(at::zeros_like(p, fp32, at::MemoryFormat::Preserve));
       s.exp_avg_sq(at::zeros_like(p, fp32, at::MemoryFormat::Preserve));
     });
-    if (master && prepare_master(e, state)) stale_masters.emplace_back(&p, &state);
+    if (master) prepare_master(e, state);
     states.push_back(&state);
     numels.push_back(p.numel());
   }
-  auto refresh_masters = [stale_masters = std::move(stale_masters)] {
-    for (const auto& [param, state] : stale_masters) sdk::refresh_master(*param, *state);
-  };
   at::Tensor grad_sum_sq;
   for (const auto& [d, sum] : workspace_->grad_sum_sq)
     if (d == device) grad_sum_sq = sum;
@@ -254,10 +249,9 @@ sdk::Launch FusedLAMB::prepare_list(const sdk::ParamList& pl) {
         steps, [&](double step) { return fused::lamb_step_scalars(hyper, step); });
     const float grad_factor = sdk::cpu_grad_factor(pl.signal);
     auto plan = std::make_shared<const Plan>(numels, sdk::cpu::kChunkSize);
-    return [=, states = std::move(states), refresh_masters = std::move(refresh_masters), param = std::move(param),
+    return [=, states = std::move(states), param = std::move(param),
             grad = std::move(grad), m = std::move(m), v = std::move(v),
             masters = std::move(masters), steps = std::move(steps), scalars = std::move(scalars)] {
-      refresh_masters();
       float factor = grad_factor;
       if (grad_sum_sq.defined()) {
         const float global_norm = static_cast<float>(std::sqrt(*grad_sum_sq.data_ptr<double>()));
@@ -324,7 +318,6 @@ sdk::Launch FusedLAMB::prepare_list(const sdk::ParamList& pl) {
   const ScaleSignal* signal = pl.signal;
   return [=, empty_steps = std::move(empty_steps)] {
     const c10::cuda::CUDAGuard launch_guard(device);
-    refresh_masters();
     fused::cuda::lamb(meta->launch, st, args, sdk::current_stream(device));
     (void)chunk_sums, (void)norms;  // the launch's workspaces: kept alive until here
     // Zero-element parameters have no chunk: advance their counters here.

@@ -271,8 +271,8 @@ struct ParamList {
   ScalarType kernel_dtype() const { return to_scalar_type(dtype); }
 };
 
-/// In a Launch: an fp32 master copy kept in State takes the parameter's
-/// values (see FusedOptimizer::prepare_master).
+/// An fp32 master copy kept in State takes the parameter's values (the
+/// launch phase does it for FusedOptimizer::prepare_master).
 template <class S>
 void refresh_master(const at::Tensor& param, S& state) {
   state.master().copy_(param);
@@ -399,23 +399,25 @@ class FusedOptimizer : public Base, public ScalerAware {
   /// In prepare_list, for an fp32 master copy of a half or bf16 parameter
   /// kept in State (fields `master`, and `master_version`: the parameter's
   /// version counter when the two last agreed). Makes the master from the
-  /// parameter when missing. Returns true when the parameter was written from
-  /// outside since (weights loaded, a layer re-initialized: its version
-  /// moved), so that the launch must call sdk::refresh_master first; the master
-  /// would otherwise undo that write. Refuses both under CUDA graph capture.
+  /// parameter when missing. When the parameter was written from outside
+  /// since (weights loaded, a layer re-initialized: its version moved), the
+  /// step refreshes the master from it once every list is prepared, before the
+  /// first launch; the master would otherwise undo that write. Refuses both
+  /// under CUDA graph capture.
   template <class S>
-  bool prepare_master(const Entry& e, S& state) {
+  void prepare_master(const Entry& e, S& state) {
     if (!state.master().defined()) {
       refuse_under_capture(e, name(), "its fp32 master copy");
       undo_on_failure([&state] { state.master(at::Tensor()); });
       state.master(e.param.detach().to(at::kFloat, /*non_blocking=*/false, /*copy=*/true, at::MemoryFormat::Preserve));
       state.master_version(e.param._version());
-      return false;
+      return;
     }
-    if (state.master_version() == e.param._version()) return false;
+    if (state.master_version() == e.param._version()) return;
     refuse_under_capture(e, name(), "the refresh of its fp32 master copy (the parameter was written from outside "
                                     "since the last step)");
-    return true;
+    const at::Tensor& param = e.param;  // the step's entries outlive its launch phase
+    stale_masters_.emplace_back([&param, &state] { refresh_master(param, state); });
   }
 
  private:
@@ -452,6 +454,7 @@ class FusedOptimizer : public Base, public ScalerAware {
     begin_step(stepped, signals);
     std::vector<Launch> launches;
     undo_.clear();
+    stale_masters_.clear();
     try {
       for (auto& [key, list] : group_lists(stepped)) {
         const auto& [group, device, dtype] = key;
@@ -461,14 +464,18 @@ class FusedOptimizer : public Base, public ScalerAware {
     } catch (...) {
       for (auto it = undo_.rbegin(); it != undo_.rend(); ++it) (*it)();
       undo_.clear();
+      stale_masters_.clear();
       throw;
     }
     undo_.clear();
+    for (const auto& refresh : stale_masters_) refresh();
+    stale_masters_.clear();
     for (const Launch& launch : launches)
       if (launch) launch();
   }
 
   std::vector<std::function<void()>> undo_;
+  std::vector<std::function<void()>> stale_masters_;  ///< the refreshes prepare_master asked for
 };
 
 }  // namespace ampfuse::sdk
