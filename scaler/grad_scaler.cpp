@@ -10,8 +10,10 @@
 #include <torch/optim/lbfgs.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 
+#include "ampfuse/sdk/optimizer.h"
 #include "ampfuse/tensor_ops.h"
 #include "contract/torch/tensor_ops_views.h"
 #include "scaler/update_scale.h"
@@ -59,6 +61,34 @@ std::vector<TensorListsView> checked_views(const DeviceGrads& grads, const char*
   return views;
 }
 
+// One parameter's grad as a GradsPlan records it: identities and the data
+// address (a new grad may be allocated where a freed one was), not read
+// through.
+struct GradKey {
+  const c10::TensorImpl* grad = nullptr;  // null: no grad
+  const void* data = nullptr;
+  std::int64_t numel = 0;
+  c10::ScalarType dtype = c10::ScalarType::Undefined;
+  bool operator==(const GradKey& o) const {
+    return grad == o.grad && data == o.data && numel == o.numel && dtype == o.dtype;
+  }
+};
+
+GradKey grad_key(const at::Tensor& p) {
+  GradKey k;
+  if (!p.defined()) return k;
+  const at::Tensor& g = p.grad();
+  if (!g.defined()) return k;
+  k.grad = g.unsafeGetTensorImpl();
+  k.numel = k.grad->numel();
+  k.dtype = g.scalar_type();
+  const c10::StorageImpl* storage = k.grad->unsafe_storage().unsafeGetStorageImpl();
+  if (storage != nullptr)
+    k.data = static_cast<const char*>(storage->data()) +
+             k.grad->storage_offset() * static_cast<std::int64_t>(k.grad->itemsize());
+  return k;
+}
+
 at::TensorOptions f32_on(c10::Device device) { return at::TensorOptions().dtype(at::kFloat).device(device); }
 
 // t on `device`, asynchronously where that is safe: a copy to a CUDA device
@@ -72,6 +102,46 @@ constexpr const char* kScaleFix =
     "This may indicate your script did not use scaler.scale(loss or outputs) earlier in the iteration.";
 
 }  // namespace
+
+// An optimizer's grads by device, checked, with their views, kept while
+// every parameter has the same grad (same TensorImpl and data address).
+// In-place changes to a grad's metadata (resize_, set_) are not looked for.
+struct GradScaler::GradsPlan {
+  std::vector<std::pair<const void*, std::size_t>> groups;  // each group's params(): data() and size()
+  std::vector<GradKey> keys;                                // per parameter, in group order
+  DeviceGrads grads;
+  std::vector<TensorListsView> views;
+};
+
+const GradScaler::GradsPlan& GradScaler::grads_plan(torch::optim::Optimizer& optimizer, const char* op) {
+  // One entry per optimizer stepped; a scaler that outlives many optimizers
+  // starts over rather than keeping theirs.
+  if (grads_plans_.plans.size() > 64 && grads_plans_.plans.count(&optimizer) == 0) grads_plans_.plans.clear();
+  std::shared_ptr<GradsPlan>& kept = grads_plans_.plans[&optimizer];
+  std::vector<const at::Tensor*> params;
+  std::vector<std::pair<const void*, std::size_t>> groups;
+  for (const auto& group : optimizer.param_groups()) {
+    groups.emplace_back(group.params().data(), group.params().size());
+    for (const at::Tensor& p : group.params()) params.push_back(&p);
+  }
+  if (kept && kept->groups == groups && kept->keys.size() == params.size()) {
+    std::atomic<bool> same{true};
+    at::parallel_for(0, static_cast<std::int64_t>(params.size()), sdk::kEntriesGrain,
+                     [&](std::int64_t b, std::int64_t e) {
+                       for (std::int64_t k = b; k < e && same.load(std::memory_order_relaxed); ++k)
+                         if (!(grad_key(*params[k]) == kept->keys[k])) same = false;
+                     });
+    if (same) return *kept;
+  }
+  auto plan = std::make_shared<GradsPlan>();
+  plan->grads = grads_by_device(optimizer);
+  plan->views = checked_views(plan->grads, op);  // throws before anything is kept
+  plan->groups = std::move(groups);
+  plan->keys.resize(params.size());
+  for (std::size_t k = 0; k < params.size(); ++k) plan->keys[k] = grad_key(*params[k]);
+  kept = std::move(plan);
+  return *kept;
+}
 
 GradScaler::GradScaler(GradScalerOptions options) : options_(options), init_scale_(options.init_scale()) {
   TORCH_CHECK(options_.growth_factor() > 1.0, "The growth factor must be > 1.0.");
@@ -113,9 +183,9 @@ at::Tensor GradScaler::inv_scale_on(c10::Device device) const {
 void GradScaler::check_grads(torch::optim::Optimizer& optimizer, OptimizerState& state, bool unscale_in_place) {
   // Validate every device's grads before the first write (ampfuse::unscale_
   // validates its own list first; this covers the lists after it).
-  const DeviceGrads grads = grads_by_device(optimizer);
-  const std::vector<TensorListsView> views =
-      checked_views(grads, unscale_in_place ? "GradScaler::unscale_" : "GradScaler::step");
+  const GradsPlan& plan = grads_plan(optimizer, unscale_in_place ? "GradScaler::unscale_" : "GradScaler::step");
+  const DeviceGrads& grads = plan.grads;
+  const std::vector<TensorListsView>& views = plan.views;
   std::vector<DeviceState> devices;
   for (const auto& [device, list] : grads)
     devices.push_back({device, at::zeros({}, f32_on(device)), inv_scale_on(device), {}});
@@ -166,8 +236,9 @@ at::Tensor GradScaler::clip_grad_norm_(torch::optim::Optimizer& optimizer, doubl
   TORCH_CHECK(state.stage != Stage::kStepped, "clip_grad_norm_() is being called after step().");
   TORCH_CHECK(!state.clipped, "clip_grad_norm_() has already been called on this optimizer since the last update().");
 
-  const DeviceGrads grads = grads_by_device(optimizer);
-  const std::vector<TensorListsView> views = checked_views(grads, "GradScaler::clip_grad_norm_");
+  const GradsPlan& plan = grads_plan(optimizer, "GradScaler::clip_grad_norm_");
+  const DeviceGrads& grads = plan.grads;
+  const std::vector<TensorListsView>& views = plan.views;
   if (grads.empty()) return at::zeros({}, f32_on(scale_.device()));
 
   // One read-only pass per device: inf/NaN (unless unscale_ found them
@@ -226,8 +297,9 @@ void GradScaler::step(torch::optim::Optimizer& optimizer) {
     for (const DeviceState& ds : state.devices) found += ds.found_inf.item<float>();
     if (found == 0.0) {
       // Deferred factors: the unscale (when clip_grad_norm_ came first) and the clip coefficient.
-      const DeviceGrads grads = grads_by_device(optimizer);
-      const std::vector<TensorListsView> views = checked_views(grads, "GradScaler::step");
+      const GradsPlan& plan = grads_plan(optimizer, "GradScaler::step");
+      const DeviceGrads& grads = plan.grads;
+      const std::vector<TensorListsView>& views = plan.views;
       for (std::size_t i = 0; i < grads.size(); ++i) {
         const auto ds = std::find_if(state.devices.begin(), state.devices.end(),
                                      [&](const DeviceState& d) { return d.device == grads[i].first; });

@@ -9,6 +9,7 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <exception>
 #include <mutex>
@@ -127,10 +128,13 @@ struct Place {
 
 }  // namespace
 
+void check_signals(const StepSignals& signals, const char* name) {
+  for (const auto& [device, signal] : signals.all()) check_signal(signal, device, name);
+}
+
 std::vector<Entry> validate_params(torch::optim::Optimizer& opt, const char* name, const StepSignals* signals,
                                    const CheckState& check_state) {
-  if (signals)
-    for (const auto& [device, signal] : signals->all()) check_signal(signal, device, name);
+  if (signals) check_signals(*signals, name);
   auto& groups = opt.param_groups();
   // Kept per thread between steps (no allocation); a plain reference for the
   // worker threads below (a thread_local named in the lambda would be theirs).
@@ -195,6 +199,124 @@ std::vector<Entry> validate_params(torch::optim::Optimizer& opt, const char* nam
   for (const auto& part : parts)
     for (const Entry& e : part.second) entries.push_back(e);  // Entry holds references: not assignable
   return entries;
+}
+
+namespace {
+
+// One parameter as a plan records it. Reads the TensorImpl, its storage,
+// the autograd metadata and the state map: a few cache misses, no checks.
+// The address of t's first element, read without checks (for comparing).
+const void* data_address(const c10::TensorImpl* t) {
+  const c10::StorageImpl* storage = t->unsafe_storage().unsafeGetStorageImpl();
+  if (storage == nullptr) return nullptr;  // no storage (sparse)
+  return static_cast<const char*>(storage->data()) + t->storage_offset() * static_cast<std::int64_t>(t->itemsize());
+}
+
+PlanParam plan_param(const at::Tensor& p, const torch::optim::Optimizer& opt, const StateStamp& stamp) {
+  PlanParam k;
+  if (!p.defined()) return k;
+  const c10::TensorImpl* impl = p.unsafeGetTensorImpl();
+  k.param = impl;
+  k.numel = impl->numel();
+  k.dtype = p.scalar_type();
+  k.param_data = data_address(impl);
+  // A grad's TensorImpl alone could match a freed one's (a new grad
+  // allocated where the last one was): its data address is compared too.
+  const at::Tensor& g = p.grad();
+  if (g.defined()) {
+    k.grad = g.unsafeGetTensorImpl();
+    k.grad_data = data_address(k.grad);
+    k.grad_numel = k.grad->numel();
+  }
+  const auto& states = opt.state();
+  const auto it = states.find(const_cast<c10::TensorImpl*>(impl));
+  if (it != states.end()) {
+    k.state = it->second.get();
+    k.stamp = stamp(*it->second);
+  }
+  return k;
+}
+
+std::vector<const at::Tensor*> all_params(torch::optim::Optimizer& opt) {
+  std::vector<const at::Tensor*> out;
+  for (const auto& group : opt.param_groups())
+    for (const at::Tensor& p : group.params()) out.push_back(&p);
+  return out;
+}
+
+}  // namespace
+
+void record_plan(torch::optim::Optimizer& opt, const StateStamp& stamp, PlanKeys& keys) {
+  keys.groups.clear();
+  for (const auto& group : opt.param_groups()) keys.groups.emplace_back(group.params().data(), group.params().size());
+  const std::vector<const at::Tensor*> params = all_params(opt);
+  keys.params.resize(params.size());
+  parallel_entries(params.size(), [&](std::size_t k) { keys.params[k] = plan_param(*params[k], opt, stamp); });
+}
+
+PlanMatch match_plan(torch::optim::Optimizer& opt, const StateStamp& stamp, const char* name,
+                     const StepSignals* signals, PlanKeys& keys) {
+  const auto& groups = opt.param_groups();
+  if (groups.size() != keys.groups.size()) return PlanMatch::kChanged;
+  for (std::size_t g = 0; g < groups.size(); ++g)
+    if (groups[g].params().data() != keys.groups[g].first || groups[g].params().size() != keys.groups[g].second)
+      return PlanMatch::kChanged;
+  // Flat positions: each group's params() is contiguous and unchanged in size.
+  std::vector<std::pair<const at::Tensor*, std::size_t>> starts;  // (first param, first flat index)
+  std::size_t total = 0;
+  for (const auto& group : groups) {
+    starts.emplace_back(group.params().data(), total);
+    total += group.params().size();
+  }
+  auto place = [&](std::size_t k) {
+    std::size_t g = starts.size() - 1;
+    while (starts[g].second > k) --g;
+    return std::make_pair(g, k - starts[g].second);
+  };
+  std::atomic<bool> changed{false};
+  std::atomic<bool> moved{false};
+  std::mutex mutex;
+  std::size_t first_error = total;
+  std::exception_ptr error;
+  at::parallel_for(0, static_cast<std::int64_t>(total), kEntriesGrain, [&](std::int64_t begin, std::int64_t end) {
+    auto [g, i] = place(static_cast<std::size_t>(begin));
+    for (std::int64_t k = begin; k < end && !changed.load(std::memory_order_relaxed); ++k) {
+      while (i == groups[g].params().size()) {
+        ++g;
+        i = 0;
+      }
+      const at::Tensor& p = groups[g].params()[i];
+      PlanParam& kept = keys.params[static_cast<std::size_t>(k)];
+      const PlanParam now = plan_param(p, opt, stamp);
+      if (now.param != kept.param || now.param_data != kept.param_data || now.numel != kept.numel ||
+          now.dtype != kept.dtype || now.state != kept.state || now.stamp != kept.stamp ||
+          (now.state != nullptr && now.stamp == kNoStamp) ||
+          (now.grad == nullptr) != (kept.grad == nullptr)) {
+        changed = true;
+        break;
+      }
+      if (now.grad != kept.grad || now.grad_data != kept.grad_data || now.grad_numel != kept.grad_numel) {
+        try {
+          check_param(p, g, i, name, signals);
+        } catch (...) {
+          const std::lock_guard<std::mutex> lock(mutex);
+          if (static_cast<std::size_t>(k) < first_error) {
+            first_error = static_cast<std::size_t>(k);
+            error = std::current_exception();
+          }
+          break;
+        }
+        kept.grad = now.grad;
+        kept.grad_data = now.grad_data;
+        kept.grad_numel = now.grad_numel;
+        moved = true;
+      }
+      ++i;
+    }
+  });
+  if (changed) return PlanMatch::kChanged;
+  if (error) std::rethrow_exception(error);
+  return moved ? PlanMatch::kGradsMoved : PlanMatch::kSame;
 }
 
 bool cpu_step_skipped(const StepSignals* signals) {

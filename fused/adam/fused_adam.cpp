@@ -130,7 +130,41 @@ void FusedAdamImpl<Base, Options, State, kDecoupled>::after_load(const at::Tenso
 }
 
 template <class Base, class Options, class State, bool kDecoupled>
+std::size_t FusedAdamImpl<Base, Options, State, kDecoupled>::state_stamp(const State& s) const {
+  std::size_t h = 1;
+  for (const at::Tensor* t : {&s.exp_avg(), &s.exp_avg_sq(), &s.max_exp_avg_sq(), &s.master(), &s.device_step()})
+    h = sdk::stamp_of(h, *t);
+  return h;
+}
+
+namespace {
+
+// What a list keeps between steps (its ListSlot): the states and the
+// pointers the kernels take, valid while the step plan holds.
+template <class State>
+struct AdamKept {
+  bool amsgrad = false;  // the option the pointers were gathered for
+  std::vector<State*> states;
+  std::vector<std::int64_t> numels;
+#if defined(AMPFUSE_WITH_CUDA)
+  TensorListsView views;
+  std::shared_ptr<const sdk::ListMeta> meta;
+  std::vector<at::Tensor> empty_steps;  // counters of zero-element parameters
+#endif
+  // CPU: one pointer array per list of AdamList (kStep aside), and each
+  // step's counters and scalars (reused: the step's launch ran before the
+  // next step prepares).
+  std::vector<std::vector<void*>> ptrs;
+  std::shared_ptr<const Plan> plan;
+  std::vector<std::int64_t> steps;
+  std::vector<fused::AdamStepScalars> scalars;
+};
+
+}  // namespace
+
+template <class Base, class Options, class State, bool kDecoupled>
 sdk::Launch FusedAdamImpl<Base, Options, State, kDecoupled>::prepare_list(const sdk::ParamList& pl) {
+  using fused::AdamList;
   const auto& list = pl.entries;
   const c10::Device device = pl.device;
   const Options& o = this->options_of(pl.group);
@@ -142,88 +176,115 @@ sdk::Launch FusedAdamImpl<Base, Options, State, kDecoupled>::prepare_list(const 
   const ScalarType state_st = to_scalar_type(state_st_torch);
   const bool master = fused_.master_weights();
   const bool on_cuda = device.is_cuda();
-
   const std::size_t n = list.size();
-  std::vector<State*> states(n);
-  for (std::size_t i = 0; i < n; ++i) {  // creates state (first step): on this thread
-    const sdk::Entry& e = *list[i];
-    const at::Tensor& p = e.param;
-    const auto zeros = [&] { return at::zeros_like(p, p.options().dtype(state_st_torch), at::MemoryFormat::Preserve); };
-    State& state = this->state_for(e, [&](State& s) {
-      s.step(0);
-      s.exp_avg(zeros());
-      s.exp_avg_sq(zeros());
-    });
-    if (o.amsgrad() && !state.max_exp_avg_sq().defined()) {
-      this->undo_on_failure([&state] { state.max_exp_avg_sq(at::Tensor()); });
-      state.max_exp_avg_sq(zeros());
-    }
-    if (master) this->prepare_master(e, state);
-    if (on_cuda && !state.device_step().defined()) {
-      sdk::refuse_under_capture(e, name(), "its device step counter (made at the first step, and again at the "
-                                           "first after load())");
-      this->undo_on_failure([&state] { state.device_step(at::Tensor()); });
-      state.device_step(at::full({1}, static_cast<double>(state.step()), p.options().dtype(at::kDouble)));
-    }
-    states[i] = &state;
-  }
-  // The launch starts by refreshing stale masters (a copy, no throw).
 
-  std::vector<std::int64_t> numels(n);
+  std::shared_ptr<AdamKept<State>> kept = pl.slot.get<AdamKept<State>>();
+  const bool fresh = kept == nullptr || kept->amsgrad != o.amsgrad();
+  if (fresh) {
+    AdamKept<State> k;
+    k.amsgrad = o.amsgrad();
+    k.states.resize(n);
+    for (std::size_t i = 0; i < n; ++i) {  // creates state (first step): on this thread
+      const sdk::Entry& e = *list[i];
+      const at::Tensor& p = e.param;
+      const auto zeros = [&] { return at::zeros_like(p, p.options().dtype(state_st_torch), at::MemoryFormat::Preserve); };
+      State& state = this->state_for(e, [&](State& s) {
+        s.step(0);
+        s.exp_avg(zeros());
+        s.exp_avg_sq(zeros());
+      });
+      if (o.amsgrad() && !state.max_exp_avg_sq().defined()) {
+        this->undo_on_failure([&state] { state.max_exp_avg_sq(at::Tensor()); });
+        state.max_exp_avg_sq(zeros());
+      }
+      if (on_cuda && !state.device_step().defined()) {
+        sdk::refuse_under_capture(e, name(), "its device step counter (made at the first step, and again at the "
+                                             "first after load())");
+        this->undo_on_failure([&state] { state.device_step(at::Tensor()); });
+        state.device_step(at::full({1}, static_cast<double>(state.step()), p.options().dtype(at::kDouble)));
+      }
+      k.states[i] = &state;
+    }
+    k.numels.resize(n);
+    if (!on_cuda) k.ptrs.assign(fused::kAdamCpuLists, std::vector<void*>(n, nullptr));
+    kept = std::make_shared<AdamKept<State>>(std::move(k));
+  }
+  // Masters made above are fresh; an existing one is refreshed when the
+  // parameter was written from outside (its version is read every step).
+  if (master)
+    for (std::size_t i = 0; i < n; ++i) this->prepare_master(*list[i], *kept->states[i]);
+
+  auto& ptrs = kept->ptrs;
   if (!on_cuda) {
-    std::vector<void*> param(n), grad(n), m(n), v(n), vmax(n, nullptr), masters(n, nullptr);
-    std::vector<std::int64_t> steps(n);
-    sdk::parallel_entries(n, [&](std::size_t i) {
-      numels[i] = list[i]->param.numel();
-      param[i] = list[i]->param.data_ptr();
-      grad[i] = list[i]->grad.data_ptr();
-      m[i] = states[i]->exp_avg().data_ptr();
-      v[i] = states[i]->exp_avg_sq().data_ptr();
-      if (o.amsgrad()) vmax[i] = states[i]->max_exp_avg_sq().data_ptr();
-      if (master) masters[i] = states[i]->master().data_ptr();
-      steps[i] = states[i]->step() + 1;
-    });
+    auto list_ptrs = [&](AdamList l) -> std::vector<void*>& { return ptrs[list_index(l)]; };
+    if (fresh) {
+      sdk::parallel_entries(n, [&](std::size_t i) {
+        const State& s = *kept->states[i];
+        kept->numels[i] = list[i]->param.numel();
+        list_ptrs(AdamList::kParam)[i] = list[i]->param.data_ptr();
+        list_ptrs(AdamList::kGrad)[i] = list[i]->grad.data_ptr();
+        list_ptrs(AdamList::kExpAvg)[i] = s.exp_avg().data_ptr();
+        list_ptrs(AdamList::kExpAvgSq)[i] = s.exp_avg_sq().data_ptr();
+        if (o.amsgrad()) list_ptrs(AdamList::kMaxExpAvgSq)[i] = s.max_exp_avg_sq().data_ptr();
+        if (master) list_ptrs(AdamList::kMaster)[i] = s.master().data_ptr();
+      });
+      kept->plan = std::make_shared<const Plan>(kept->numels, sdk::cpu::kChunkSize);
+    } else if (pl.grads_moved) {
+      sdk::parallel_entries(n, [&](std::size_t i) { list_ptrs(AdamList::kGrad)[i] = list[i]->grad.data_ptr(); });
+    }
+    std::vector<std::int64_t>& steps = kept->steps;
+    steps.resize(n);
+    sdk::parallel_entries(n, [&](std::size_t i) { steps[i] = kept->states[i]->step() + 1; });
     // Two pow() per distinct step, not per tensor.
-    auto scalars = sdk::per_tensor<std::int64_t, fused::AdamStepScalars>(steps, [&](std::int64_t step) {
+    sdk::per_tensor(steps, kept->scalars, [&](std::int64_t step) {
       return fused::adam_step_scalars(o.lr(), beta1, beta2, static_cast<double>(step));
     });
-    auto plan = std::make_shared<const Plan>(numels, sdk::cpu::kChunkSize);
     const float grad_factor = sdk::cpu_grad_factor(pl.signal);
-    return [=, states = std::move(states), param = std::move(param),
-            grad = std::move(grad), m = std::move(m), v = std::move(v),
-            vmax = std::move(vmax), masters = std::move(masters), steps = std::move(steps),
-            scalars = std::move(scalars)] {
-      const fused::cpu::AdamArgs args{sdk::cpu::plan_ref(*plan), param.data(), grad.data(), m.data(), v.data(),
-                                      vmax.data(), master ? masters.data() : nullptr, st, state_st,
-                                      scalars.data(), hyper, grad_factor};
+    if (fresh) pl.slot.keep(kept);
+    return [=] {
+      const std::vector<std::int64_t>& steps = kept->steps;
+      const std::vector<fused::AdamStepScalars>& scalars = kept->scalars;
+      auto array = [&](AdamList l) { return kept->ptrs[list_index(l)].data(); };
+      const fused::cpu::AdamArgs args{sdk::cpu::plan_ref(*kept->plan), array(AdamList::kParam), array(AdamList::kGrad),
+                                      array(AdamList::kExpAvg), array(AdamList::kExpAvgSq), array(AdamList::kMaxExpAvgSq),
+                                      master ? array(AdamList::kMaster) : nullptr, st, state_st, scalars.data(), hyper,
+                                      grad_factor};
       const fused::cpu::AdamFn kernel = fused::cpu::adam_kernel();
-      sdk::parallel_chunks(*plan, [&](std::int64_t b, std::int64_t e) { kernel(args, b, e); });
-      sdk::parallel_entries(states.size(), [&](std::size_t i) { states[i]->step(steps[i]); });
+      sdk::parallel_chunks(*kept->plan, [&](std::int64_t b, std::int64_t e) { kernel(args, b, e); });
+      sdk::parallel_entries(steps.size(), [&](std::size_t i) { kept->states[i]->step(steps[i]); });
     };
   }
 #if defined(AMPFUSE_WITH_CUDA)
   const c10::cuda::CUDAGuard guard(device);
-  TensorListsView views;
-  views.lists.resize(fused::kAdamLists);
-  std::vector<at::Tensor> empty_steps;
-  for (std::size_t i = 0; i < n; ++i) {
-    const at::Tensor& p = list[i]->param;
-    State& s = *states[i];
-    numels[i] = p.numel();
-    if (p.numel() == 0) empty_steps.push_back(s.device_step());
-    views.lists[list_index(fused::AdamList::kParam)].push_back({p.data_ptr(), p.numel(), st});
-    views.lists[list_index(fused::AdamList::kGrad)].push_back({list[i]->grad.data_ptr(), p.numel(), st});
-    views.lists[list_index(fused::AdamList::kExpAvg)].push_back({s.exp_avg().data_ptr(), p.numel(), state_st});
-    views.lists[list_index(fused::AdamList::kExpAvgSq)].push_back({s.exp_avg_sq().data_ptr(), p.numel(), state_st});
-    // The fp64 counter travels as a pointer; its dtype tag is not read.
-    views.lists[list_index(fused::AdamList::kStep)].push_back({s.device_step().data_ptr(), 1, ScalarType::Float32});
-    views.lists[list_index(fused::AdamList::kMaxExpAvgSq)].push_back(
-        {o.amsgrad() ? s.max_exp_avg_sq().data_ptr() : nullptr, p.numel(), state_st});
-    views.lists[list_index(fused::AdamList::kMaster)].push_back(
-        {master ? s.master().data_ptr() : nullptr, p.numel(), ScalarType::Float32});
+  if (fresh) {
+    TensorListsView& views = kept->views;
+    views.lists.assign(fused::kAdamLists, std::vector<TensorView>(n));
+    auto set = [&](AdamList l, std::size_t i, void* data, std::int64_t numel, ScalarType t) {
+      views.lists[list_index(l)][i] = {data, numel, t};
+    };
+    for (std::size_t i = 0; i < n; ++i) {
+      const at::Tensor& p = list[i]->param;
+      State& s = *kept->states[i];
+      const std::int64_t numel = p.numel();
+      kept->numels[i] = numel;
+      if (numel == 0) kept->empty_steps.push_back(s.device_step());
+      set(AdamList::kParam, i, p.data_ptr(), numel, st);
+      set(AdamList::kGrad, i, list[i]->grad.data_ptr(), numel, st);
+      set(AdamList::kExpAvg, i, s.exp_avg().data_ptr(), numel, state_st);
+      set(AdamList::kExpAvgSq, i, s.exp_avg_sq().data_ptr(), numel, state_st);
+      // The fp64 counter travels as a pointer; its dtype tag is not read.
+      set(AdamList::kStep, i, s.device_step().data_ptr(), 1, ScalarType::Float32);
+      set(AdamList::kMaxExpAvgSq, i, o.amsgrad() ? s.max_exp_avg_sq().data_ptr() : nullptr, numel, state_st);
+      set(AdamList::kMaster, i, master ? s.master().data_ptr() : nullptr, numel, ScalarType::Float32);
+    }
+  } else if (pl.grads_moved) {
+    for (std::size_t i = 0; i < n; ++i) kept->views.lists[list_index(AdamList::kGrad)][i].data = list[i]->grad.data_ptr();
   }
-  const Plan plan(numels, sdk::cuda::kChunkSize);
-  const auto meta = sdk::make_launch_meta(views, plan, device);  // held by the Launch
+  if (fresh || pl.grads_moved) {
+    const Plan plan(kept->numels, sdk::cuda::kChunkSize);
+    kept->meta = sdk::make_launch_meta(kept->views, plan, device);
+  }
+  const std::shared_ptr<const sdk::ListMeta> meta = kept->meta;  // held by the Launch
   const double* lr_device = nullptr;
   if (fused_.capturable()) {
     bool created = false;
@@ -238,12 +299,13 @@ sdk::Launch FusedAdamImpl<Base, Options, State, kDecoupled>::prepare_list(const 
   const bool capturable = fused_.capturable();
   const double lr = o.lr();
   const std::size_t group = pl.group;
-  return [=, empty_steps = std::move(empty_steps)] {
+  if (fresh) pl.slot.keep(kept);
+  return [=] {
     const c10::cuda::CUDAGuard launch_guard(device);
     if (capturable) workspace_->lr.refresh(group, device, lr);
     fused::cuda::adam(meta->launch, st, args, sdk::current_stream(device));
     // Zero-element parameters have no chunk: advance their counters here.
-    sdk::advance_step_counters(empty_steps, signal);
+    sdk::advance_step_counters(kept->empty_steps, signal);
   };
 #else
   TORCH_CHECK(false, name(), ": ampfuse was built without CUDA");

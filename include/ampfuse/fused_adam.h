@@ -117,6 +117,7 @@ class FusedAdamImpl : public sdk::FusedOptimizer<Base, Options, State> {
   void check_entries(const std::vector<sdk::Entry>& entries) const override;
   sdk::Launch prepare_list(const sdk::ParamList& list) override;
   void after_load(const at::Tensor& param, State& state) override;
+  std::size_t state_stamp(const State& state) const override;
 
  private:
   FusedAdamOptions fused_;

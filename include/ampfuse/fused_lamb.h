@@ -103,6 +103,12 @@ class FusedLAMB : public sdk::FusedOptimizer<torch::optim::Optimizer, FusedLAMBO
   void begin_step(const std::vector<const sdk::Entry*>& entries, const StepSignals* signals) override;
   sdk::Launch prepare_list(const sdk::ParamList& list) override;
   void after_load(const at::Tensor& param, FusedLAMBParamState& state) override;
+  std::size_t state_stamp(const FusedLAMBParamState& state) const override {
+    std::size_t h = 1;
+    for (const at::Tensor* t : {&state.step(), &state.exp_avg(), &state.exp_avg_sq(), &state.master()})
+      h = sdk::stamp_of(h, *t);
+    return h;
+  }
 
  private:
   std::unique_ptr<detail::FusedLambWorkspace> workspace_;

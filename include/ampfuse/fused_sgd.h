@@ -60,6 +60,9 @@ class FusedSGD : public sdk::FusedOptimizer<torch::optim::SGD, torch::optim::SGD
                    std::size_t index) const override;
   sdk::Launch prepare_list(const sdk::ParamList& list) override;
   bool has_saved_state(const FusedSGDParamState& state) const override;
+  std::size_t state_stamp(const FusedSGDParamState& state) const override {
+    return sdk::stamp_of(sdk::stamp_of(1, state.momentum_buffer()), state.momentum_initialized());
+  }
 
  private:
   FusedSGDOptions fused_;

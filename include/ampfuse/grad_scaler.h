@@ -127,6 +127,22 @@ class GradScaler {
   std::int64_t init_growth_tracker_ = 0;
   std::unordered_map<const torch::optim::Optimizer*, OptimizerState> per_optimizer_;
   std::unordered_map<const torch::optim::Optimizer*, at::Tensor> last_found_inf_;
+
+  // What the scaler kept of each optimizer's grads, checked, so that a step
+  // over the same grads does not check them again (grad_scaler.cpp). A copy
+  // of the scaler starts without any.
+  struct GradsPlan;
+  struct GradsPlans {
+    GradsPlans() = default;
+    GradsPlans(const GradsPlans&) {}
+    GradsPlans& operator=(const GradsPlans&) {
+      plans.clear();
+      return *this;
+    }
+    std::unordered_map<const torch::optim::Optimizer*, std::shared_ptr<GradsPlan>> plans;
+  };
+  const GradsPlan& grads_plan(torch::optim::Optimizer& optimizer, const char* op);
+  GradsPlans grads_plans_;
 };
 
 /// torch::save(scaler, path) / torch::load(scaler, path).

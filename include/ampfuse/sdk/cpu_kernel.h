@@ -274,6 +274,29 @@ inline void for_each_chunk_with_next(const PlanRef& plan, std::int64_t chunk_beg
 // adds that carry a sum from one block to the next.
 constexpr int kUnroll = 4;
 
+// Copies a tail's bytes (fewer than a block's, so fewer than 64) as
+// fixed-size copies, which compile to moves: a memcpy of a run-time size is
+// a call that costs more than a one-element tensor's whole update.
+template <std::size_t kBytes>
+[[gnu::always_inline]] inline void copy_part(unsigned char*& dst, const unsigned char*& src, std::size_t bytes) {
+  if ((bytes & kBytes) == 0) return;
+  std::memcpy(dst, src, kBytes);
+  dst += kBytes;
+  src += kBytes;
+}
+
+[[gnu::always_inline]] inline void copy_tail(void* dst, const void* src, std::size_t bytes) {
+  static_assert(kWidth * 4 <= 64, "a tail holds fewer than 64 bytes");
+  auto* d = static_cast<unsigned char*>(dst);
+  const auto* s = static_cast<const unsigned char*>(src);
+  copy_part<32>(d, s, bytes);
+  copy_part<16>(d, s, bytes);
+  copy_part<8>(d, s, bytes);
+  copy_part<4>(d, s, bytes);
+  copy_part<2>(d, s, bytes);
+  copy_part<1>(d, s, bytes);
+}
+
 template <ScalarType ST, class BlockFn>
 inline void for_each_block_rw(char* data, std::int64_t n, BlockFn&& block_fn) {
   constexpr std::size_t es = size_of(ST);
@@ -284,9 +307,9 @@ inline void for_each_block_rw(char* data, std::int64_t n, BlockFn&& block_fn) {
   if (i < n) {
     alignas(64) unsigned char tail[kWidth * 4] = {};
     const std::size_t bytes = static_cast<std::size_t>(n - i) * es;
-    std::memcpy(tail, data + i * es, bytes);
+    copy_tail(tail, data + i * es, bytes);
     block_fn(tail, 0);
-    std::memcpy(data + i * es, tail, bytes);
+    copy_tail(data + i * es, tail, bytes);
   }
 }
 
@@ -357,7 +380,7 @@ inline void for_each_block_read(const char* src, const char* next, std::int64_t 
   }
   if (i < n) {
     alignas(64) unsigned char tail[kWidth * 4] = {};
-    std::memcpy(tail, src + i * es, static_cast<std::size_t>(n - i) * es);
+    copy_tail(tail, src + i * es, static_cast<std::size_t>(n - i) * es);
     block_fn(tail, 0);
   }
 }
@@ -390,13 +413,13 @@ inline void for_each_block_lists(char* const (&base)[Depth], char* const* next, 
     alignas(64) unsigned char tail[Depth][kWidth * 4] = {};
     for (int l = 0; l < Depth; ++l) {
       if (!used(l)) continue;
-      std::memcpy(tail[l], base[l] + i * elem_size[l], static_cast<std::size_t>(n - i) * elem_size[l]);
+      copy_tail(tail[l], base[l] + i * elem_size[l], static_cast<std::size_t>(n - i) * elem_size[l]);
       blocks[l] = tail[l];
     }
     block_fn(blocks);
     for (int l = 0; l < Depth; ++l)
       if (used(l) && written(l))
-        std::memcpy(base[l] + i * elem_size[l], tail[l], static_cast<std::size_t>(n - i) * elem_size[l]);
+        copy_tail(base[l] + i * elem_size[l], tail[l], static_cast<std::size_t>(n - i) * elem_size[l]);
   }
 }
 

@@ -30,6 +30,19 @@
 // prepare_list() is not called for a skipped step, and cpu_grad_factor()
 // gives inv_scale * clip_coef.
 //
+// Step plans: a step keeps what it validated and grouped (its entries and
+// lists) and what each list's prepare_list kept in its ListSlot (pointer
+// arrays, a Plan, metadata). The next step compares every parameter with
+// what was kept: the same TensorImpl, storage, dtype and numel, the same grad
+// TensorImpl and storage, the same state object holding the same tensors
+// (state_stamp). When all match, validation and grouping are skipped and
+// prepare_list finds its slot filled; when only grads moved (new grad
+// tensors, as after zero_grad(set_to_none)), the moved grads are checked and
+// prepare_list is told (ParamList::grads_moved); anything else (a parameter
+// added or replaced, set_data, state cleared or loaded, a state tensor
+// replaced) starts over. Changes made in place to a tensor's metadata
+// (resize_, set_ or as_strided_ on the same tensor) are not looked for.
+//
 // State: every per-parameter tensor lives in the State object in state(),
 // so that save(), load() and state().clear() see it. Checkpoints are
 // LibTorch's optimizer format (State and Options implement serialize(), as
@@ -82,6 +95,18 @@ struct Entry {
   torch::optim::OptimizerParamState* state;
 };
 
+/// The state stamp of an optimizer that does not stamp its states
+/// (FusedOptimizer::state_stamp's default): its steps never reuse a plan.
+constexpr std::size_t kNoStamp = 0;
+
+/// Folds a tensor's identity into a state stamp (FusedOptimizer::state_stamp);
+/// start from seed 1. Never kNoStamp.
+inline std::size_t stamp_of(std::size_t seed, const at::Tensor& t) {
+  const auto v = reinterpret_cast<std::uintptr_t>(t.unsafeGetTensorImpl());
+  const std::size_t h = (seed ^ (v + 0x9E3779B97F4A7C15ull + (seed << 6) + (seed >> 2))) * 0xBF58476D1CE4E5B9ull;
+  return h == kNoStamp ? 1 : h;
+}
+
 /// Validates every parameter of every group of `opt` (and the signals) and
 /// returns those with grads. Accepted: fp32, fp16 and bf16 dense parameters
 /// on CPU or CUDA, in one group only, with a dense grad of the same dtype,
@@ -96,6 +121,50 @@ using CheckState =
     std::function<torch::optim::OptimizerParamState*(const at::Tensor& param, std::size_t group, std::size_t index)>;
 std::vector<Entry> validate_params(torch::optim::Optimizer& opt, const char* name, const StepSignals* signals,
                                    const CheckState& check_state);
+
+/// Throws unless every signal's tensors are float32 one-element tensors on
+/// the signal's device (contract rule 0), naming `name`.
+void check_signals(const StepSignals& signals, const char* name);
+
+/// What a step plan keeps of one parameter (in group order) to tell at the
+/// next step whether it changed: identities and data addresses, never read
+/// through (the objects may be gone).
+struct PlanParam {
+  const c10::TensorImpl* param = nullptr;
+  const void* param_data = nullptr;
+  std::int64_t numel = 0;
+  c10::ScalarType dtype = c10::ScalarType::Undefined;
+  const c10::TensorImpl* grad = nullptr;  ///< null without a grad
+  const void* grad_data = nullptr;
+  std::int64_t grad_numel = 0;
+  const void* state = nullptr;  ///< its state object in state(); null without state
+  std::size_t stamp = 0;        ///< StateStamp of that state
+};
+
+/// A fingerprint of a state object's tensors (their TensorImpl addresses),
+/// so that a state tensor replaced from outside is seen.
+using StateStamp = std::function<std::size_t(const torch::optim::OptimizerParamState&)>;
+
+/// The parameters of an optimizer as a step plan recorded them.
+struct PlanKeys {
+  std::vector<PlanParam> params;
+  std::vector<std::pair<const void*, std::size_t>> groups;  ///< each group's params(): data() and size()
+};
+
+enum class PlanMatch {
+  kChanged,     ///< a parameter, its storage, dtype, numel, state, or whether it has a grad changed
+  kSame,        ///< everything as recorded
+  kGradsMoved,  ///< only some grads' TensorImpl or data address changed: they were checked and recorded
+};
+
+/// Records opt's parameters, grads and states into `keys`.
+void record_plan(torch::optim::Optimizer& opt, const StateStamp& stamp, PlanKeys& keys);
+
+/// Compares opt's parameters, grads and states with `keys`. A grad that
+/// moved is checked against its parameter as validate_params would (throwing
+/// its error, naming `name`) and recorded in `keys`.
+PlanMatch match_plan(torch::optim::Optimizer& opt, const StateStamp& stamp, const char* name,
+                     const StepSignals* signals, PlanKeys& keys);
 
 /// Throws unless state tensor `s` (when defined) fits parameter p: its
 /// shape, strides and device, and the dtype the optimizer keeps it in.
@@ -139,12 +208,19 @@ std::vector<std::pair<Key, std::vector<T>>> group_by(const std::vector<T>& items
 /// Entries by (group, device, dtype), in parameter order.
 Lists group_lists(const std::vector<const Entry*>& entries);
 
-/// Per-tensor scalars of a list are often all equal: compute f(key) once per run of equal keys.
+/// Per-tensor scalars of a list are often all equal: out[i] = f(keys[i]),
+/// computed once per run of equal keys (out is reused, not reallocated).
+template <class Key, class Value, class F>
+void per_tensor(const std::vector<Key>& keys, std::vector<Value>& out, F&& f) {
+  out.resize(keys.size());
+  for (std::size_t i = 0; i < keys.size(); ++i) out[i] = i > 0 && keys[i] == keys[i - 1] ? out[i - 1] : f(keys[i]);
+}
+
+/// The same into a new vector.
 template <class Key, class Value, class F>
 std::vector<Value> per_tensor(const std::vector<Key>& keys, F&& f) {
   std::vector<Value> out;
-  out.reserve(keys.size());
-  for (std::size_t i = 0; i < keys.size(); ++i) out.push_back(i > 0 && keys[i] == keys[i - 1] ? out.back() : f(keys[i]));
+  per_tensor(keys, out, std::forward<F>(f));
   return out;
 }
 
@@ -258,14 +334,49 @@ class DeviceScalars {
   std::vector<Slot> slots_;
 };
 
+/// What prepare_list keeps of one list from one step to the next (pointer
+/// arrays, a Plan, launch metadata), in the step plan (see "Step plans" at
+/// the top of this file). Empty at a list's first step, and emptied by the
+/// SDK whenever anything but the grads' storage changed since it was filled.
+class ListSlot {
+ public:
+  /// What was kept, or null (nothing kept, or a T of another type).
+  template <class T>
+  std::shared_ptr<T> get() const {
+    return type_ != nullptr && *type_ == typeid(T) ? std::static_pointer_cast<T>(data_) : nullptr;
+  }
+  /// Keeps `value`, replacing what was kept. A Launch may hold it too.
+  template <class T>
+  void keep(std::shared_ptr<T> value) {
+    data_ = std::move(value);
+    type_ = &typeid(T);
+  }
+  void reset() {
+    data_.reset();
+    type_ = nullptr;
+  }
+
+ private:
+  std::shared_ptr<void> data_;
+  const std::type_info* type_ = nullptr;
+};
+
 /// One list of a step: the parameters with grads of one group on one
 /// device with one dtype, and that device's scale signal.
 struct ParamList {
   std::size_t group;
   c10::Device device;
   c10::ScalarType dtype;  ///< the torch dtype; kernel_dtype() is the kernels' ScalarType
-  std::vector<const Entry*> entries;
+  const std::vector<const Entry*>& entries;
   const ScaleSignal* signal;  ///< null when stepped without a scaler
+  /// The list's slot in the step plan: what this list's prepare_list kept
+  /// at an earlier step, valid while the list's parameters, their storage
+  /// and their state are the same objects as then.
+  ListSlot& slot;
+  /// Some grad's storage changed since the slot was filled (a new grad
+  /// tensor, as after zero_grad(set_to_none)): pointers to grads kept in the
+  /// slot must be read again.
+  bool grads_moved;
 
   /// The storage type the kernels take (Float32, Float16 or BFloat16).
   ScalarType kernel_dtype() const { return to_scalar_type(dtype); }
@@ -300,6 +411,10 @@ class FusedOptimizer : public Base, public ScalerAware {
   /// The contract step (GradScaler::step calls it).
   void step_with_signals(const StepSignals& signals) override { run_step(&signals); }
 
+  /// How the last step found its step plan (see "Step plans" above):
+  /// kChanged when it validated and prepared from scratch.
+  PlanMatch last_plan_match() const { return last_match_; }
+
   /// LibTorch's optimizer format, each state written by State::serialize;
   /// a parameter whose state has_saved_state() refuses is left out.
   void save(torch::serialize::OutputArchive& archive) const override {
@@ -327,6 +442,7 @@ class FusedOptimizer : public Base, public ScalerAware {
     std::vector<const State*> before;
     for (const auto& group : this->param_groups())
       for (const at::Tensor& p : group.params()) before.push_back(find_state(p));
+    forget_plan();
     torch::optim::serialize<State, Options>(archive, *this);
     std::size_t k = 0;
     for (const auto& group : this->param_groups())
@@ -360,6 +476,19 @@ class FusedOptimizer : public Base, public ScalerAware {
   virtual bool has_saved_state(const State& /*state*/) const { return true; }
   /// Called by load() for every parameter whose state it read from the checkpoint.
   virtual void after_load(const at::Tensor& /*param*/, State& /*state*/) {}
+  /// A fingerprint of every tensor a state holds (stamp_of over each, from
+  /// seed 1), so that the step plan sees a state tensor replaced from
+  /// outside: its steps then validate the state again. Read only; may run
+  /// on several threads at once. The default, kNoStamp, makes every step
+  /// validate and prepare from scratch.
+  virtual std::size_t state_stamp(const State& /*state*/) const { return kNoStamp; }
+
+  /// Forgets the step plan: the next step validates and prepares every list
+  /// from scratch (load() calls it).
+  void forget_plan() {
+    plan_valid_ = false;
+    plan_slots_.clear();
+  }
 
   /// In prepare_list: how to take back a change made to state that existed
   /// before the step (a field set on it), should a later list throw. State
@@ -437,34 +566,64 @@ class FusedOptimizer : public Base, public ScalerAware {
 
   void run_step(const StepSignals* signals) {
     at::NoGradGuard no_grad;
-    const std::vector<Entry> entries = validate_params(
-        *this, name(), signals, [&](const at::Tensor& p, std::size_t g, std::size_t i) -> torch::optim::OptimizerParamState* {
-          State* st = find_state(p);
-          if (st == nullptr) return nullptr;
-          TORCH_CHECK(typeid(*st) == typeid(State), name(), ": param group ", g, ", param ", i,
-                      ": its state is not a ", name(), " state (was it put into state() by hand?)");
-          check_state(p, *st, g, i);
-          return st;
-        });
-    check_entries(entries);
+    const StateStamp stamp = [this](const torch::optim::OptimizerParamState& st) {
+      return typeid(st) == typeid(State) ? state_stamp(static_cast<const State&>(st)) : ~std::size_t{0};
+    };
+    PlanMatch match = PlanMatch::kChanged;
+    if (plan_valid_) {
+      try {
+        if (signals) check_signals(*signals, name());
+        match = match_plan(*this, stamp, name(), signals, plan_keys_);
+      } catch (...) {
+        forget_plan();
+        throw;
+      }
+    }
+    if (match == PlanMatch::kChanged) {
+      forget_plan();
+      plan_entries_ = validate_params(
+          *this, name(), signals, [&](const at::Tensor& p, std::size_t g, std::size_t i) -> torch::optim::OptimizerParamState* {
+            State* st = find_state(p);
+            if (st == nullptr) return nullptr;
+            TORCH_CHECK(typeid(*st) == typeid(State), name(), ": param group ", g, ", param ", i,
+                        ": its state is not a ", name(), " state (was it put into state() by hand?)");
+            check_state(p, *st, g, i);
+            return st;
+          });
+      check_entries(plan_entries_);
+      std::vector<const Entry*> all;
+      all.reserve(plan_entries_.size());
+      for (const Entry& e : plan_entries_) all.push_back(&e);
+      plan_lists_ = group_lists(all);
+      plan_slots_.assign(plan_lists_.size(), ListSlot());
+    } else if (signals) {
+      for (const auto& [key, list] : plan_lists_)
+        TORCH_CHECK(signals->contains(std::get<1>(key)), name(), ": param group ", list.front()->group, ", param ",
+                    list.front()->index, " is on ", std::get<1>(key), " but the scaler sent no signal for that device");
+    }
     const bool skip_cpu = cpu_step_skipped(signals);
     std::vector<const Entry*> stepped;
-    for (const Entry& e : entries)
+    stepped.reserve(plan_entries_.size());
+    for (const Entry& e : plan_entries_)
       if (!(skip_cpu && e.device.is_cpu())) stepped.push_back(&e);
-    begin_step(stepped, signals);
     std::vector<Launch> launches;
     undo_.clear();
     stale_masters_.clear();
     try {
-      for (auto& [key, list] : group_lists(stepped)) {
+      begin_step(stepped, signals);
+      for (std::size_t l = 0; l < plan_lists_.size(); ++l) {
+        const auto& [key, list] = plan_lists_[l];
         const auto& [group, device, dtype] = key;
-        launches.push_back(
-            prepare_list(ParamList{group, device, dtype, std::move(list), signals ? &signals->at(device) : nullptr}));
+        if (skip_cpu && device.is_cpu()) continue;
+        launches.push_back(prepare_list(ParamList{group, device, dtype, list,
+                                                  signals ? &signals->at(device) : nullptr, plan_slots_[l],
+                                                  match == PlanMatch::kGradsMoved}));
       }
     } catch (...) {
       for (auto it = undo_.rbegin(); it != undo_.rend(); ++it) (*it)();
       undo_.clear();
       stale_masters_.clear();
+      forget_plan();
       throw;
     }
     undo_.clear();
@@ -472,10 +631,24 @@ class FusedOptimizer : public Base, public ScalerAware {
     stale_masters_.clear();
     for (const Launch& launch : launches)
       if (launch) launch();
+    if (match == PlanMatch::kChanged) {
+      record_plan(*this, stamp, plan_keys_);
+      for (Entry& e : plan_entries_)
+        if (e.state == nullptr) e.state = find_state(e.param);
+    }
+    plan_valid_ = true;
+    last_match_ = match;
   }
 
   std::vector<std::function<void()>> undo_;
   std::vector<std::function<void()>> stale_masters_;  ///< the refreshes prepare_master asked for
+  // The step plan (see the top of this file).
+  bool plan_valid_ = false;
+  PlanMatch last_match_ = PlanMatch::kChanged;
+  PlanKeys plan_keys_;
+  std::vector<Entry> plan_entries_;
+  Lists plan_lists_;
+  std::vector<ListSlot> plan_slots_;
 };
 
 }  // namespace ampfuse::sdk

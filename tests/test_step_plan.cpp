@@ -1,0 +1,256 @@
+// Step plans (ampfuse/sdk/optimizer.h): a step that reuses what the last
+// one validated and prepared must give the bits of a step prepared from
+// scratch, and every change that invalidates a kept pointer (new grads,
+// set_data, a state tensor replaced, state cleared, an option that changes
+// the state, a new group) must be seen. Each case runs the same events on
+// two copies of the optimizer, one of which forgets its plan before every
+// step, and compares parameters and state bit for bit; it also checks which
+// way the plan was found (last_plan_match). CPU and CUDA (skipped without a
+// device).
+
+#include <ampfuse/fused_adam.h>
+#include <ampfuse/fused_lamb.h>
+#include <ampfuse/fused_sgd.h>
+#include <ampfuse/grad_scaler.h>
+
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "tests/common.h"
+
+namespace {
+
+using ampfuse::sdk::PlanMatch;
+using ampfuse_test::bitwise_equal;
+using ::testing::HasSubstr;
+
+// An optimizer that can be told to forget its step plan.
+template <class Opt>
+class Forgetful : public Opt {
+ public:
+  using Opt::Opt;
+  void forget() { this->forget_plan(); }
+};
+
+class StepPlanTest : public ::testing::TestWithParam<std::string> {
+ protected:
+  void SetUp() override {
+    device_ = torch::Device(GetParam());
+    AMPFUSE_SKIP_WITHOUT(device_);
+    ampfuse_test::seed_for_test();
+  }
+  torch::Tensor param(std::vector<std::int64_t> shape, torch::Dtype dtype) const {
+    return torch::randn(shape, torch::TensorOptions().device(device_)).to(dtype).requires_grad_();
+  }
+  torch::Device device_{torch::kCPU};
+};
+
+// Two optimizers over equal copies of the same parameters: `reused` keeps
+// its plan, `fresh` forgets it before every step.
+template <class Opt>
+struct Twins {
+  std::vector<torch::Tensor> a, b;
+  std::unique_ptr<Forgetful<Opt>> reused, fresh;
+
+  template <class Make>
+  Twins(const std::vector<torch::Tensor>& params, Make&& make) {
+    for (const auto& p : params) {
+      a.push_back(p.detach().clone().requires_grad_());
+      b.push_back(p.detach().clone().requires_grad_());
+    }
+    reused = make(a);
+    fresh = make(b);
+  }
+  // The same change applied to both: f(optimizer, its params).
+  void apply(const std::function<void(Forgetful<Opt>&, std::vector<torch::Tensor>&)>& f) {
+    f(*reused, a);
+    f(*fresh, b);
+  }
+  // New grads, equal in both, written in place (same tensors) or as new tensors.
+  void grads(bool in_place) {
+    for (std::size_t i = 0; i < a.size(); ++i) {
+      const torch::Tensor g = torch::randn_like(a[i]);
+      for (torch::Tensor* p : {&a[i], &b[i]}) {
+        if (in_place && p->grad().defined()) p->mutable_grad().copy_(g);
+        else p->mutable_grad() = g.clone();
+      }
+    }
+  }
+  ::testing::AssertionResult step(PlanMatch expected) {
+    reused->step();
+    fresh->forget();
+    fresh->step();
+    if (reused->last_plan_match() != expected)
+      return ::testing::AssertionFailure() << "the plan was found as " << static_cast<int>(reused->last_plan_match())
+                                           << ", expected " << static_cast<int>(expected);
+    for (std::size_t i = 0; i < a.size(); ++i) {
+      auto r = bitwise_equal(a[i].detach(), b[i].detach());
+      if (!r) return r << " (parameter " << i << ")";
+    }
+    return ::testing::AssertionSuccess();
+  }
+};
+
+template <class Opt, class Options>
+auto maker(Options options) {
+  return [options](std::vector<torch::Tensor>& params) {
+    return std::make_unique<Forgetful<Opt>>(params, options);
+  };
+}
+
+TEST_P(StepPlanTest, FusedAdamReusesItsPlanAndSeesEveryChange) {
+  Twins<ampfuse::FusedAdam> t({param({33}, torch::kFloat), param({4, 5}, torch::kFloat), param({0}, torch::kFloat),
+                               param({70000}, torch::kFloat)},
+                              maker<ampfuse::FusedAdam>(torch::optim::AdamOptions(1e-2).weight_decay(0.1)));
+  t.grads(false);
+  EXPECT_TRUE(t.step(PlanMatch::kChanged));  // the first step
+  t.grads(true);
+  EXPECT_TRUE(t.step(PlanMatch::kSame));
+  t.grads(true);
+  EXPECT_TRUE(t.step(PlanMatch::kSame));
+  t.grads(false);  // zero_grad(set_to_none) and a new backward
+  EXPECT_TRUE(t.step(PlanMatch::kGradsMoved));
+  t.apply([](auto& opt, auto&) { static_cast<torch::optim::AdamOptions&>(opt.param_groups()[0].options()).lr(3e-3); });
+  t.grads(true);
+  EXPECT_TRUE(t.step(PlanMatch::kSame));  // an lr schedule
+  t.apply([](auto&, auto& params) {  // new storage for a parameter (as module.to() does)
+    params[1].set_data(params[1].detach().clone() * 2);
+  });
+  t.grads(true);
+  EXPECT_TRUE(t.step(PlanMatch::kChanged));
+  t.apply([](auto& opt, auto& params) {  // a state tensor replaced from outside
+    auto& s = static_cast<ampfuse::FusedAdamParamState&>(*opt.state().at(params[3].unsafeGetTensorImpl()));
+    s.exp_avg(s.exp_avg().clone() * 0.5);
+  });
+  t.grads(true);
+  EXPECT_TRUE(t.step(PlanMatch::kChanged));
+  t.apply([](auto& opt, auto&) {
+    static_cast<torch::optim::AdamOptions&>(opt.param_groups()[0].options()).amsgrad(true);
+  });
+  t.grads(true);
+  EXPECT_TRUE(t.step(PlanMatch::kSame));  // the list is prepared again: it makes max_exp_avg_sq
+  t.grads(true);
+  EXPECT_TRUE(t.step(PlanMatch::kChanged));  // which the state stamp sees
+  t.apply([](auto& opt, auto&) { opt.state().clear(); });
+  t.grads(true);
+  EXPECT_TRUE(t.step(PlanMatch::kChanged));
+  t.apply([this](auto& opt, auto& params) {
+    params.push_back(torch::ones({7}, torch::TensorOptions().device(device_)).requires_grad_());
+    params.back().mutable_grad() = torch::full({7}, 0.25, params.back().options());
+    opt.add_param_group(torch::optim::OptimizerParamGroup({params.back()}, opt.param_groups()[0].options().clone()));
+  });
+  EXPECT_TRUE(t.step(PlanMatch::kChanged));
+  t.grads(true);
+  EXPECT_TRUE(t.step(PlanMatch::kSame));
+}
+
+// Master copies: a write into a half parameter from outside (loading
+// weights) is seen at a step that reuses its plan.
+TEST_P(StepPlanTest, FusedAdamMasterWeightsFollowWritesUnderAPlan) {
+  Twins<ampfuse::FusedAdamW> t(
+      {param({129}, torch::kHalf), param({3, 3}, torch::kBFloat16)}, [](std::vector<torch::Tensor>& params) {
+        return std::make_unique<Forgetful<ampfuse::FusedAdamW>>(
+            params, torch::optim::AdamWOptions(1e-2), ampfuse::FusedAdamOptions().master_weights(true));
+      });
+  t.grads(false);
+  EXPECT_TRUE(t.step(PlanMatch::kChanged));
+  t.grads(true);
+  EXPECT_TRUE(t.step(PlanMatch::kSame));
+  t.apply([](auto&, auto& params) {
+    torch::NoGradGuard no_grad;
+    params[0].fill_(0.5);
+  });
+  t.grads(true);
+  EXPECT_TRUE(t.step(PlanMatch::kSame));
+  EXPECT_LT((t.a[0].detach().to(torch::kFloat) - 0.5).abs().max().item<float>(), 0.05f)
+      << "the step undid a write made from outside";
+}
+
+TEST_P(StepPlanTest, FusedSGDAndFusedLAMBReuseTheirPlans) {
+  Twins<ampfuse::FusedSGD> sgd({param({129}, torch::kFloat), param({5}, torch::kFloat)},
+                               maker<ampfuse::FusedSGD>(torch::optim::SGDOptions(0.1).momentum(0.9)));
+  Twins<ampfuse::FusedLAMB> lamb({param({129}, torch::kFloat), param({5}, torch::kFloat)},
+                                 maker<ampfuse::FusedLAMB>(ampfuse::FusedLAMBOptions(1e-2)));
+  for (int step = 0; step < 4; ++step) {
+    const PlanMatch expected = step == 0 ? PlanMatch::kChanged : step == 2 ? PlanMatch::kGradsMoved : PlanMatch::kSame;
+    sgd.grads(step != 2 && step != 0);
+    lamb.grads(step != 2 && step != 0);
+    EXPECT_TRUE(sgd.step(expected)) << "FusedSGD, step " << step;
+    EXPECT_TRUE(lamb.step(expected)) << "FusedLAMB, step " << step;
+  }
+  sgd.apply([](auto& opt, auto& params) {
+    auto& s = static_cast<ampfuse::FusedSGDParamState&>(*opt.state().at(params[0].unsafeGetTensorImpl()));
+    s.momentum_buffer(s.momentum_buffer().clone().zero_());
+  });
+  sgd.grads(true);
+  EXPECT_TRUE(sgd.step(PlanMatch::kChanged));
+}
+
+// What a plan skips checking must be checked again when it changes: a new
+// grad of the wrong shape, and a state tensor replaced by one of the wrong
+// shape, are refused naming the group and the parameter, and change nothing.
+TEST_P(StepPlanTest, ChangesUnderAPlanAreValidated) {
+  auto a = param({8}, torch::kFloat), b = param({9}, torch::kFloat);
+  ampfuse::FusedAdam opt({a, b}, torch::optim::AdamOptions(1e-2));
+  for (auto* p : {&a, &b}) p->mutable_grad() = torch::randn_like(*p);
+  opt.step();
+  b.mutable_grad() = torch::randn({10}, b.options());
+  const torch::Tensor a_before = a.detach().clone();
+  try {
+    opt.step();
+    ADD_FAILURE() << "a grad of the wrong shape was taken";
+  } catch (const c10::Error& e) {
+    EXPECT_THAT(e.what(), HasSubstr("param group 0, param 1"));
+    EXPECT_THAT(e.what(), HasSubstr("grad shape"));
+  }
+  EXPECT_TRUE(bitwise_equal(a.detach(), a_before));
+  b.mutable_grad() = torch::randn_like(b);
+  opt.step();
+  EXPECT_EQ(opt.last_plan_match(), PlanMatch::kChanged);  // a failed step forgets the plan
+  auto& s = static_cast<ampfuse::FusedAdamParamState&>(*opt.state().at(a.unsafeGetTensorImpl()));
+  s.exp_avg_sq(torch::zeros({3}, a.options()));
+  try {
+    opt.step();
+    ADD_FAILURE() << "a state tensor of the wrong shape was taken";
+  } catch (const c10::Error& e) {
+    EXPECT_THAT(e.what(), HasSubstr("param group 0, param 0"));
+    EXPECT_THAT(e.what(), HasSubstr("exp_avg_sq"));
+  }
+}
+
+// The scaler's check pass keeps its checked grads too: a grad replaced by a
+// new tensor holding an inf is still found, and the step is skipped.
+TEST_P(StepPlanTest, GradScalerSeesNewGrads) {
+  auto p = param({100}, torch::kFloat);
+  ampfuse::FusedAdam opt({p}, torch::optim::AdamOptions(1e-2));
+  ampfuse::GradScaler scaler(ampfuse::GradScalerOptions().init_scale(4.0));
+  scaler.scale(torch::ones({}, p.options()));
+  for (int step = 0; step < 3; ++step) {
+    p.mutable_grad() = torch::randn_like(p);
+    scaler.step(opt);
+    scaler.update();
+    EXPECT_FALSE(scaler.last_step_skipped(opt));
+  }
+  const torch::Tensor before = p.detach().clone();
+  torch::Tensor g = torch::randn_like(p);
+  g[17] = std::numeric_limits<float>::infinity();
+  p.mutable_grad() = g;
+  scaler.step(opt);
+  scaler.update();
+  EXPECT_TRUE(scaler.last_step_skipped(opt));
+  EXPECT_TRUE(bitwise_equal(p.detach(), before));
+  p.mutable_grad().copy_(torch::randn_like(p));  // in place: the same grad, finite again
+  scaler.step(opt);
+  scaler.update();
+  EXPECT_FALSE(scaler.last_step_skipped(opt));
+  p.mutable_grad()[3] = std::numeric_limits<float>::quiet_NaN();  // in place, not finite
+  scaler.step(opt);
+  scaler.update();
+  EXPECT_TRUE(scaler.last_step_skipped(opt));
+}
+
+INSTANTIATE_TEST_SUITE_P(All, StepPlanTest, ::testing::Values("cpu", "cuda"),
+                         [](const auto& info) { return info.param; });
+
+}  // namespace
