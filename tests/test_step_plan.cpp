@@ -250,6 +250,55 @@ TEST_P(StepPlanTest, GradScalerSeesNewGrads) {
   EXPECT_TRUE(scaler.last_step_skipped(opt));
 }
 
+// A step the scaler skips on CPU prepares no list: grads that moved at that
+// step must still be read again at the next one (which reads the new grad,
+// not the freed one: compared with a twin that forgets its plan).
+TEST_P(StepPlanTest, GradsThatMovedAtASkippedStepAreReadAtTheNext) {
+  Twins<ampfuse::FusedAdam> t({param({33}, torch::kFloat), param({300}, torch::kFloat)},
+                              maker<ampfuse::FusedAdam>(torch::optim::AdamOptions(1e-2)));
+  ampfuse::GradScaler sa(ampfuse::GradScalerOptions().init_scale(2.0)), sb(ampfuse::GradScalerOptions().init_scale(2.0));
+  sa.scale(torch::ones({}, t.a[0].options()));
+  sb.scale(torch::ones({}, t.b[0].options()));
+  auto step = [&](PlanMatch expected) {
+    sa.step(*t.reused);
+    sa.update();
+    t.fresh->forget();
+    sb.step(*t.fresh);
+    sb.update();
+    EXPECT_EQ(t.reused->last_plan_match(), expected);
+    for (std::size_t i = 0; i < t.a.size(); ++i) EXPECT_TRUE(bitwise_equal(t.a[i].detach(), t.b[i].detach()));
+  };
+  t.grads(false);
+  step(PlanMatch::kChanged);
+  t.grads(false);  // new grads, one of them not finite: the step is skipped
+  t.a[1].mutable_grad()[5] = std::numeric_limits<float>::infinity();
+  t.b[1].mutable_grad()[5] = std::numeric_limits<float>::infinity();
+  step(PlanMatch::kGradsMoved);
+  EXPECT_TRUE(sa.last_step_skipped(*t.reused));
+  t.grads(true);  // in place: the grads of the skipped step, finite again
+  step(PlanMatch::kSame);
+  EXPECT_FALSE(sa.last_step_skipped(*t.reused));
+}
+
+// A step that throws after its grads were compared (no signal for a
+// device) forgets the plan, so the grads that moved are read at the next.
+TEST_P(StepPlanTest, AStepThatThrowsForgetsItsPlan) {
+  auto p = param({40}, torch::kFloat);
+  ampfuse::FusedAdam opt({p}, torch::optim::AdamOptions(1e-2));
+  p.mutable_grad() = torch::randn_like(p);
+  opt.step();
+  p.mutable_grad() = torch::randn_like(p);
+  const ampfuse::StepSignals none;  // no signal for the parameter's device
+  try {
+    opt.step_with_signals(none);
+    ADD_FAILURE() << "a step without a signal for its device ran";
+  } catch (const c10::Error& e) {
+    EXPECT_THAT(e.what(), HasSubstr("sent no signal"));
+  }
+  opt.step();
+  EXPECT_EQ(opt.last_plan_match(), PlanMatch::kChanged);
+}
+
 INSTANTIATE_TEST_SUITE_P(All, StepPlanTest, ::testing::Values("cpu", "cuda"),
                          [](const auto& info) { return info.param; });
 

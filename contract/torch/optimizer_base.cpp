@@ -227,6 +227,7 @@ PlanParam plan_param(const at::Tensor& p, const torch::optim::Optimizer& opt, co
     k.grad = g.unsafeGetTensorImpl();
     k.grad_data = data_address(k.grad);
     k.grad_numel = k.grad->numel();
+    k.grad_dtype = g.scalar_type();
   }
   const auto& states = opt.state();
   const auto it = states.find(const_cast<c10::TensorImpl*>(impl));
@@ -295,7 +296,8 @@ PlanMatch match_plan(torch::optim::Optimizer& opt, const StateStamp& stamp, cons
         changed = true;
         break;
       }
-      if (now.grad != kept.grad || now.grad_data != kept.grad_data || now.grad_numel != kept.grad_numel) {
+      if (now.grad != kept.grad || now.grad_data != kept.grad_data || now.grad_numel != kept.grad_numel ||
+          now.grad_dtype != kept.grad_dtype) {
         try {
           check_param(p, g, i, name, signals);
         } catch (...) {
@@ -309,6 +311,7 @@ PlanMatch match_plan(torch::optim::Optimizer& opt, const StateStamp& stamp, cons
         kept.grad = now.grad;
         kept.grad_data = now.grad_data;
         kept.grad_numel = now.grad_numel;
+        kept.grad_dtype = now.grad_dtype;
         moved = true;
       }
       ++i;
@@ -421,6 +424,19 @@ std::shared_ptr<const ListMeta> make_launch_meta(const TensorListsView& views, c
   auto meta = std::make_shared<ListMeta>();
   detail::make_launch_meta(views, plan, device, *meta);
   return meta;
+}
+
+std::shared_ptr<const ListMeta> reuse_launch_meta(const std::shared_ptr<const ListMeta>& meta, c10::Device device) {
+  if (!meta || !meta->on_device.defined()) return meta;
+  at::Tensor on_device = detail::device_meta(meta->words, device);
+  if (on_device.is_same(meta->on_device)) return meta;
+  auto fresh = std::make_shared<ListMeta>();  // evicted and uploaded again
+  fresh->words = meta->words;
+  fresh->launch = meta->launch;
+  fresh->launch.host = fresh->words.data();
+  fresh->on_device = std::move(on_device);
+  fresh->launch.device = fresh->on_device.data_ptr<std::int64_t>();
+  return fresh;
 }
 
 cuda::Stream current_stream(c10::Device device) { return c10::cuda::getCurrentCUDAStream(device.index()).stream(); }

@@ -145,6 +145,10 @@ template <class State>
 struct AdamKept {
   bool amsgrad = false;  // the option the pointers were gathered for
   std::vector<State*> states;
+  // The state tensors pointed to, held so that none is freed (and another
+  // made at its address, which its state stamp would not tell apart) while
+  // kept.
+  std::vector<at::Tensor> held;
   std::vector<std::int64_t> numels;
 #if defined(AMPFUSE_WITH_CUDA)
   TensorListsView views;
@@ -213,6 +217,10 @@ sdk::Launch FusedAdamImpl<Base, Options, State, kDecoupled>::prepare_list(const 
   // parameter was written from outside (its version is read every step).
   if (master)
     for (std::size_t i = 0; i < n; ++i) this->prepare_master(*list[i], *kept->states[i]);
+  if (fresh)
+    for (const State* s : kept->states)
+      for (const at::Tensor* t : {&s->exp_avg(), &s->exp_avg_sq(), &s->max_exp_avg_sq(), &s->master(), &s->device_step()})
+        if (t->defined()) kept->held.push_back(*t);
 
   auto& ptrs = kept->ptrs;
   if (!on_cuda) {
@@ -283,6 +291,8 @@ sdk::Launch FusedAdamImpl<Base, Options, State, kDecoupled>::prepare_list(const 
   if (fresh || pl.grads_moved) {
     const Plan plan(kept->numels, sdk::cuda::kChunkSize);
     kept->meta = sdk::make_launch_meta(kept->views, plan, device);
+  } else {
+    kept->meta = sdk::reuse_launch_meta(kept->meta, device);
   }
   const std::shared_ptr<const sdk::ListMeta> meta = kept->meta;  // held by the Launch
   const double* lr_device = nullptr;

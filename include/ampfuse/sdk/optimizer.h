@@ -99,11 +99,23 @@ struct Entry {
 /// (FusedOptimizer::state_stamp's default): its steps never reuse a plan.
 constexpr std::size_t kNoStamp = 0;
 
-/// Folds a tensor's identity into a state stamp (FusedOptimizer::state_stamp);
-/// start from seed 1. Never kNoStamp.
+/// Folds a tensor into a state stamp (FusedOptimizer::state_stamp): its
+/// TensorImpl's address, numel and dtype (read from the TensorImpl; its
+/// storage is not read). A tensor made where a freed one was can have the
+/// same address: a prepare_list that keeps data pointers of state tensors
+/// in its ListSlot keeps references to those tensors too, so that they are
+/// not freed while kept. Start from seed 1; never kNoStamp.
 inline std::size_t stamp_of(std::size_t seed, const at::Tensor& t) {
-  const auto v = reinterpret_cast<std::uintptr_t>(t.unsafeGetTensorImpl());
-  const std::size_t h = (seed ^ (v + 0x9E3779B97F4A7C15ull + (seed << 6) + (seed >> 2))) * 0xBF58476D1CE4E5B9ull;
+  std::size_t h = seed;
+  auto fold = [&h](std::uintptr_t v) {
+    h = (h ^ (v + 0x9E3779B97F4A7C15ull + (h << 6) + (h >> 2))) * 0xBF58476D1CE4E5B9ull;
+  };
+  const c10::TensorImpl* impl = t.unsafeGetTensorImpl();
+  fold(reinterpret_cast<std::uintptr_t>(impl));
+  if (t.defined()) {
+    fold(static_cast<std::uintptr_t>(impl->numel()));
+    fold(static_cast<std::uintptr_t>(t.scalar_type()));
+  }
   return h == kNoStamp ? 1 : h;
 }
 
@@ -137,6 +149,7 @@ struct PlanParam {
   const c10::TensorImpl* grad = nullptr;  ///< null without a grad
   const void* grad_data = nullptr;
   std::int64_t grad_numel = 0;
+  c10::ScalarType grad_dtype = c10::ScalarType::Undefined;
   const void* state = nullptr;  ///< its state object in state(); null without state
   std::size_t stamp = 0;        ///< StateStamp of that state
 };
@@ -269,6 +282,13 @@ struct ListMeta {
 /// and, when too long for kernel arguments (or when the driver takes only
 /// small ones), uploaded once and cached while the list is unchanged.
 std::shared_ptr<const ListMeta> make_launch_meta(const TensorListsView& views, const Plan& plan, c10::Device device);
+
+/// `meta` (kept from an earlier step, in a ListSlot) for this step's launch:
+/// its device copy looked up again in the cache, which orders it on the
+/// current stream, marks it as held by a CUDA graph under capture, or
+/// uploads it again when it was evicted. Cheap when the words travel as
+/// kernel arguments (returned as is).
+std::shared_ptr<const ListMeta> reuse_launch_meta(const std::shared_ptr<const ListMeta>& meta, c10::Device device);
 
 /// The current CUDA stream of `device`, for a launcher.
 cuda::Stream current_stream(c10::Device device);
@@ -569,52 +589,56 @@ class FusedOptimizer : public Base, public ScalerAware {
     const StateStamp stamp = [this](const torch::optim::OptimizerParamState& st) {
       return typeid(st) == typeid(State) ? state_stamp(static_cast<const State&>(st)) : ~std::size_t{0};
     };
-    PlanMatch match = PlanMatch::kChanged;
-    if (plan_valid_) {
-      try {
-        if (signals) check_signals(*signals, name());
-        match = match_plan(*this, stamp, name(), signals, plan_keys_);
-      } catch (...) {
-        forget_plan();
-        throw;
-      }
-    }
-    if (match == PlanMatch::kChanged) {
-      forget_plan();
-      plan_entries_ = validate_params(
-          *this, name(), signals, [&](const at::Tensor& p, std::size_t g, std::size_t i) -> torch::optim::OptimizerParamState* {
-            State* st = find_state(p);
-            if (st == nullptr) return nullptr;
-            TORCH_CHECK(typeid(*st) == typeid(State), name(), ": param group ", g, ", param ", i,
-                        ": its state is not a ", name(), " state (was it put into state() by hand?)");
-            check_state(p, *st, g, i);
-            return st;
-          });
-      check_entries(plan_entries_);
-      std::vector<const Entry*> all;
-      all.reserve(plan_entries_.size());
-      for (const Entry& e : plan_entries_) all.push_back(&e);
-      plan_lists_ = group_lists(all);
-      plan_slots_.assign(plan_lists_.size(), ListSlot());
-    } else if (signals) {
-      for (const auto& [key, list] : plan_lists_)
-        TORCH_CHECK(signals->contains(std::get<1>(key)), name(), ": param group ", list.front()->group, ", param ",
-                    list.front()->index, " is on ", std::get<1>(key), " but the scaler sent no signal for that device");
-    }
-    const bool skip_cpu = cpu_step_skipped(signals);
-    std::vector<const Entry*> stepped;
-    stepped.reserve(plan_entries_.size());
-    for (const Entry& e : plan_entries_)
-      if (!(skip_cpu && e.device.is_cpu())) stepped.push_back(&e);
     std::vector<Launch> launches;
     undo_.clear();
     stale_masters_.clear();
+    PlanMatch match = PlanMatch::kChanged;
+    // Anything that throws from here on forgets the plan (match_plan may
+    // have recorded moved grads that no list was prepared for) and takes
+    // back the state made so far: nothing was written.
     try {
+      if (plan_valid_) {
+        if (signals) check_signals(*signals, name());
+        match = match_plan(*this, stamp, name(), signals, plan_keys_);
+      }
+      if (match == PlanMatch::kChanged) {
+        forget_plan();
+        plan_entries_ = validate_params(
+            *this, name(), signals,
+            [&](const at::Tensor& p, std::size_t g, std::size_t i) -> torch::optim::OptimizerParamState* {
+              State* st = find_state(p);
+              if (st == nullptr) return nullptr;
+              TORCH_CHECK(typeid(*st) == typeid(State), name(), ": param group ", g, ", param ", i,
+                          ": its state is not a ", name(), " state (was it put into state() by hand?)");
+              check_state(p, *st, g, i);
+              return st;
+            });
+        check_entries(plan_entries_);
+        std::vector<const Entry*> all;
+        all.reserve(plan_entries_.size());
+        for (const Entry& e : plan_entries_) all.push_back(&e);
+        plan_lists_ = group_lists(all);
+        plan_slots_.assign(plan_lists_.size(), ListSlot());
+      } else if (signals) {
+        for (const auto& [key, list] : plan_lists_)
+          TORCH_CHECK(signals->contains(std::get<1>(key)), name(), ": param group ", list.front()->group,
+                      ", param ", list.front()->index, " is on ", std::get<1>(key),
+                      " but the scaler sent no signal for that device");
+      }
+      const bool skip_cpu = cpu_step_skipped(signals);
+      std::vector<const Entry*> stepped;
+      stepped.reserve(plan_entries_.size());
+      for (const Entry& e : plan_entries_)
+        if (!(skip_cpu && e.device.is_cpu())) stepped.push_back(&e);
       begin_step(stepped, signals);
       for (std::size_t l = 0; l < plan_lists_.size(); ++l) {
         const auto& [key, list] = plan_lists_[l];
         const auto& [group, device, dtype] = key;
-        if (skip_cpu && device.is_cpu()) continue;
+        if (skip_cpu && device.is_cpu()) {
+          // Not prepared: what its slot kept of grads that moved is stale.
+          if (match == PlanMatch::kGradsMoved) plan_slots_[l].reset();
+          continue;
+        }
         launches.push_back(prepare_list(ParamList{group, device, dtype, list,
                                                   signals ? &signals->at(device) : nullptr, plan_slots_[l],
                                                   match == PlanMatch::kGradsMoved}));
