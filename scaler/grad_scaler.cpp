@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <deque>
 #include <cmath>
 
 #include "ampfuse/sdk/optimizer.h"
@@ -30,34 +31,66 @@ namespace {
 // reference counting alone was a third of the scaler's host time.
 using DeviceGrads = std::vector<std::pair<c10::Device, std::vector<const at::Tensor*>>>;
 
-// The optimizer's defined grads, by device in order of first appearance.
-DeviceGrads grads_by_device(torch::optim::Optimizer& optimizer) {
+// Which sparse grads are coalesced before their values are checked: none
+// (the contract path's read-only check; fused optimizers refuse sparse
+// grads), fp16 ones (unscaling, as torch.amp: coalescing sums duplicate
+// indices, which may overflow in fp16, so the coalesced values are checked),
+// or all (the norm of clip_grad_norm_, which duplicates would change).
+enum class Coalesce { kNone, kHalf, kAll };
+
+// The optimizer's defined grads, by device in order of first appearance. A
+// sparse grad stands for its values (_values(), held in `values`), taken
+// from its coalesced copy when `coalesce` asks for it; the copies are put
+// in place of the grads by commit(), after every grad was checked.
+struct CollectedGrads {
+  DeviceGrads grads;
+  std::deque<at::Tensor> values;                                  // of sparse grads; pointers in grads point here
+  std::vector<std::pair<const at::Tensor*, at::Tensor>> coalesced;  // (param, its coalesced grad)
+  bool any_sparse = false;
+
+  void commit() const {
+    for (const auto& [param, grad] : coalesced) const_cast<at::Tensor&>(*param).mutable_grad() = grad;
+  }
+};
+
+CollectedGrads grads_by_device(torch::optim::Optimizer& optimizer, Coalesce coalesce) {
   std::size_t total = 0;
   for (const auto& group : optimizer.param_groups()) total += group.params().size();
-  DeviceGrads out;
+  CollectedGrads out;
   for (auto& group : optimizer.param_groups()) {
     for (auto& p : group.params()) {
-      const at::Tensor& g = p.grad();
-      if (!g.defined()) continue;
-      auto it = out.begin();
-      while (it != out.end() && it->first != g.device()) ++it;
-      if (it == out.end()) {
-        out.emplace_back(g.device(), std::vector<const at::Tensor*>{});
-        it = std::prev(out.end());
+      const at::Tensor* g = &p.grad();
+      if (!g->defined()) continue;
+      if (g->is_sparse()) {
+        out.any_sparse = true;
+        at::Tensor sparse = *g;
+        if (coalesce == Coalesce::kAll || (coalesce == Coalesce::kHalf && sparse.scalar_type() == at::kHalf)) {
+          sparse = sparse.coalesce();
+          out.coalesced.emplace_back(&p, sparse);
+        }
+        out.values.push_back(sparse._values());
+        g = &out.values.back();
+      }
+      auto it = out.grads.begin();
+      while (it != out.grads.end() && it->first != g->device()) ++it;
+      if (it == out.grads.end()) {
+        out.grads.emplace_back(g->device(), std::vector<const at::Tensor*>{});
+        it = std::prev(out.grads.end());
         it->second.reserve(total);
       }
-      it->second.push_back(&g);
+      it->second.push_back(g);
     }
   }
   return out;
 }
 
-// The grads of every device checked (make_list_views) before anything is
-// written, as views that the engine ops then take without checking again.
-std::vector<TensorListsView> checked_views(const DeviceGrads& grads, const char* op) {
-  std::vector<TensorListsView> views;
+// The grads of every device checked before anything is written, as views
+// that the engine ops then take without checking again (views with gaps
+// staged through dense copies: write_back() after an in-place op).
+std::vector<detail::CheckedList> checked_views(const DeviceGrads& grads, const char* op, bool in_place) {
+  std::vector<detail::CheckedList> views;
   views.reserve(grads.size());
-  for (const auto& [device, list] : grads) views.push_back(detail::make_views(list, "grad", op));
+  for (const auto& [device, list] : grads) views.push_back(detail::make_views(list, "grad", op, in_place));
   return views;
 }
 
@@ -106,14 +139,24 @@ constexpr const char* kScaleFix =
 // An optimizer's grads by device, checked, with their views, kept while
 // every parameter has the same grad (same TensorImpl and data address).
 // In-place changes to a grad's metadata (resize_, set_) are not looked for.
+// Not kept when a grad is sparse or staged through a dense copy: those are
+// collected again at every step.
 struct GradScaler::GradsPlan {
   std::vector<std::pair<const void*, std::size_t>> groups;  // each group's params(): data() and size()
   std::vector<GradKey> keys;                                // per parameter, in group order
-  DeviceGrads grads;
-  std::vector<TensorListsView> views;
+  CollectedGrads collected;
+  std::vector<detail::CheckedList> views;
+  bool in_place = false;  // checked for an in-place op
+  bool reusable = false;
+
+  const DeviceGrads& grads() const { return collected.grads; }
+  void write_back() const {
+    for (const auto& list : views) list.write_back();
+  }
 };
 
-const GradScaler::GradsPlan& GradScaler::grads_plan(torch::optim::Optimizer& optimizer, const char* op) {
+const GradScaler::GradsPlan& GradScaler::grads_plan(torch::optim::Optimizer& optimizer, const char* op,
+                                                    bool in_place, bool for_norm) {
   // One entry per optimizer stepped; a scaler that outlives many optimizers
   // starts over rather than keeping theirs.
   if (grads_plans_.plans.size() > 64 && grads_plans_.plans.count(&optimizer) == 0) grads_plans_.plans.clear();
@@ -124,7 +167,8 @@ const GradScaler::GradsPlan& GradScaler::grads_plan(torch::optim::Optimizer& opt
     groups.emplace_back(group.params().data(), group.params().size());
     for (const at::Tensor& p : group.params()) params.push_back(&p);
   }
-  if (kept && kept->groups == groups && kept->keys.size() == params.size()) {
+  if (kept && kept->reusable && (kept->in_place || !in_place) && kept->groups == groups &&
+      kept->keys.size() == params.size()) {
     std::atomic<bool> same{true};
     at::parallel_for(0, static_cast<std::int64_t>(params.size()), sdk::kEntriesGrain,
                      [&](std::int64_t b, std::int64_t e) {
@@ -134,8 +178,14 @@ const GradScaler::GradsPlan& GradScaler::grads_plan(torch::optim::Optimizer& opt
     if (same) return *kept;
   }
   auto plan = std::make_shared<GradsPlan>();
-  plan->grads = grads_by_device(optimizer);
-  plan->views = checked_views(plan->grads, op);  // throws before anything is kept
+  plan->collected =
+      grads_by_device(optimizer, for_norm ? Coalesce::kAll : in_place ? Coalesce::kHalf : Coalesce::kNone);
+  plan->views = checked_views(plan->collected.grads, op, in_place);  // throws before anything is written
+  plan->collected.commit();  // coalesced sparse grads take their places
+  plan->in_place = in_place;
+  plan->reusable = !plan->collected.any_sparse &&
+                   std::all_of(plan->views.begin(), plan->views.end(),
+                               [](const detail::CheckedList& l) { return l.staged.empty(); });
   plan->groups = std::move(groups);
   plan->keys.resize(params.size());
   for (std::size_t k = 0; k < params.size(); ++k) plan->keys[k] = grad_key(*params[k]);
@@ -183,21 +233,22 @@ at::Tensor GradScaler::inv_scale_on(c10::Device device) const {
 void GradScaler::check_grads(torch::optim::Optimizer& optimizer, OptimizerState& state, bool unscale_in_place) {
   // Validate every device's grads before the first write (ampfuse::unscale_
   // validates its own list first; this covers the lists after it).
-  const GradsPlan& plan = grads_plan(optimizer, unscale_in_place ? "GradScaler::unscale_" : "GradScaler::step");
-  const DeviceGrads& grads = plan.grads;
-  const std::vector<TensorListsView>& views = plan.views;
+  const GradsPlan& plan = grads_plan(optimizer, unscale_in_place ? "GradScaler::unscale_" : "GradScaler::step",
+                                     unscale_in_place, /*for_norm=*/false);
+  const DeviceGrads& grads = plan.grads();
   std::vector<DeviceState> devices;
   for (const auto& [device, list] : grads)
     devices.push_back({device, at::zeros({}, f32_on(device)), inv_scale_on(device), {}});
   for (std::size_t i = 0; i < devices.size(); ++i) {
     DeviceState& ds = devices[i];
     if (unscale_in_place) {
-      detail::scale(views[i], ds.device, ds.inv_scale, &ds.found_inf);
+      detail::scale(plan.views[i].views, ds.device, ds.inv_scale, &ds.found_inf);
       ds.inv_scale = at::Tensor();  // grads are unscaled now
     } else {
-      detail::check_non_finite(views[i], ds.device, ds.found_inf);
+      detail::check_non_finite(plan.views[i].views, ds.device, ds.found_inf);
     }
   }
+  if (unscale_in_place) plan.write_back();
   state.devices = std::move(devices);
   state.checked = true;
 }
@@ -236,9 +287,8 @@ at::Tensor GradScaler::clip_grad_norm_(torch::optim::Optimizer& optimizer, doubl
   TORCH_CHECK(state.stage != Stage::kStepped, "clip_grad_norm_() is being called after step().");
   TORCH_CHECK(!state.clipped, "clip_grad_norm_() has already been called on this optimizer since the last update().");
 
-  const GradsPlan& plan = grads_plan(optimizer, "GradScaler::clip_grad_norm_");
-  const DeviceGrads& grads = plan.grads;
-  const std::vector<TensorListsView>& views = plan.views;
+  const GradsPlan& plan = grads_plan(optimizer, "GradScaler::clip_grad_norm_", /*in_place=*/false, /*for_norm=*/true);
+  const DeviceGrads& grads = plan.grads();
   if (grads.empty()) return at::zeros({}, f32_on(scale_.device()));
 
   // One read-only pass per device: inf/NaN (unless unscale_ found them
@@ -250,7 +300,7 @@ at::Tensor GradScaler::clip_grad_norm_(torch::optim::Optimizer& optimizer, doubl
     const c10::Device device = grads[i].first;
     DeviceState ds{device, at::zeros({}, f32_on(device)), scaled ? inv_scale_on(device) : at::Tensor(), {}};
     at::Tensor sum_sq = at::zeros({}, at::TensorOptions().dtype(at::kDouble).device(device));
-    detail::check_non_finite(views[i], device, ds.found_inf, sum_sq);
+    detail::check_non_finite(plan.views[i].views, device, ds.found_inf, sum_sq);
     total_sq = total_sq.defined() ? total_sq.add_(to_device(sum_sq, total_sq.device())) : sum_sq;
     devices.push_back(std::move(ds));
   }
@@ -297,17 +347,17 @@ void GradScaler::step(torch::optim::Optimizer& optimizer) {
     for (const DeviceState& ds : state.devices) found += ds.found_inf.item<float>();
     if (found == 0.0) {
       // Deferred factors: the unscale (when clip_grad_norm_ came first) and the clip coefficient.
-      const GradsPlan& plan = grads_plan(optimizer, "GradScaler::step");
-      const DeviceGrads& grads = plan.grads;
-      const std::vector<TensorListsView>& views = plan.views;
+      const GradsPlan& plan = grads_plan(optimizer, "GradScaler::step", /*in_place=*/true, /*for_norm=*/false);
+      const DeviceGrads& grads = plan.grads();
       for (std::size_t i = 0; i < grads.size(); ++i) {
         const auto ds = std::find_if(state.devices.begin(), state.devices.end(),
                                      [&](const DeviceState& d) { return d.device == grads[i].first; });
         if (ds == state.devices.end()) continue;
         at::Tensor factor = ds->inv_scale;
         if (ds->clip_coef.defined()) factor = factor.defined() ? factor * ds->clip_coef : ds->clip_coef;
-        if (factor.defined()) detail::scale(views[i], ds->device, factor.reshape({1}), nullptr);
+        if (factor.defined()) detail::scale(plan.views[i].views, ds->device, factor.reshape({1}), nullptr);
       }
+      plan.write_back();
       optimizer.step();
     }
   }

@@ -60,8 +60,24 @@ TEST(BadInput, SparseTensor) {
   expect_refused({torch::randn({4}), sparse}, "tensors[1] has layout Sparse");
 }
 
-TEST(BadInput, ViewWithGaps) {
-  expect_refused({torch::randn({4}), torch::randn({10}).slice(0, 0, 10, 2)}, "tensors[1] is not dense");
+// A view whose elements share memory cannot be written in place (ATen
+// refuses it too); it can be read.
+TEST(BadInput, ExpandedViewIsNotWrittenInPlace) {
+  const auto expanded = torch::randn({1, 4}).expand({3, 4});
+  for (bool unscale : {false, true}) {
+    auto found_inf = torch::zeros({1});
+    try {
+      if (unscale) ampfuse::unscale_({torch::randn({4}), expanded}, found_inf, torch::full({1}, 0.5f));
+      else ampfuse::scale_({torch::randn({4}), expanded}, torch::full({1}, 2.f));
+      ADD_FAILURE() << "an expanded view was written in place";
+    } catch (const c10::Error& e) {
+      EXPECT_THAT(e.what_without_backtrace(), HasSubstr("tensors[1] has elements that share memory"));
+    }
+    EXPECT_EQ(found_inf.item<float>(), 0.f);
+  }
+  auto found_inf = torch::zeros({1});
+  ampfuse::check_non_finite({expanded}, found_inf);
+  EXPECT_EQ(found_inf.item<float>(), 0.f);
 }
 
 TEST(BadInput, DenseNonContiguousLayoutsAreAccepted) {

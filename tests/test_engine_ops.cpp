@@ -265,6 +265,37 @@ TEST_P(EngineOps, UnscaleMatchesAtenBitwise) {
   }
 }
 
+// Views with gaps (a column slice, a strided step, a transposed slice) go
+// through dense copies: unscale_ gives ATen's bits, the elements between the
+// view's are not touched, and check_non_finite reads the view's elements only.
+TEST_P(EngineOps, ViewsWithGapsMatchAten) {
+  for (int round = 0; round < 3; ++round) {
+    std::vector<torch::Tensor> bases = {torch::randn({37, 9}, opts()), torch::randn({2001}, opts()),
+                                        torch::randn({6, 40}, opts()), torch::randn({64}, opts())};
+    auto views = [](std::vector<torch::Tensor>& b) {
+      return std::vector<torch::Tensor>{b[0].slice(1, 0, 5), b[1].slice(0, 1, 2001, 3), b[2].t().slice(0, 2, 30),
+                                        b[3]};
+    };
+    if (round == 1) bases[1].view(-1)[4] = std::numeric_limits<float>::infinity();  // inside the view
+    if (round == 2) bases[0].view(-1)[7] = std::numeric_limits<float>::quiet_NaN();  // between the view's elements
+    auto ref_bases = clone_all(bases);
+    auto list = views(bases), ref = views(ref_bases);
+    const float inv = 1.f / std::exp2(static_cast<float>(rng_() % 24));
+    auto found = scalar(0.f), ref_found = scalar(0.f);
+    ampfuse::unscale_(list, found, scalar(inv));
+    aten_unscale_(ref, ref_found, scalar(inv));
+    SCOPED_TRACE("round " + std::to_string(round));
+    EXPECT_EQ(found.item<float>(), ref_found.item<float>());
+    EXPECT_EQ(found.item<float>(), round == 1 ? 1.f : 0.f);
+    for (std::size_t i = 0; i < bases.size(); ++i) EXPECT_TRUE(bitwise_equal(bases[i], ref_bases[i])) << "base " << i;
+    auto check_found = scalar(0.f);
+    auto sum_sq = torch::zeros({1}, torch::TensorOptions().dtype(torch::kDouble).device(device_));
+    ampfuse::check_non_finite(views(bases), check_found, sum_sq);
+    EXPECT_EQ(check_found.item<float>(), round == 1 ? 1.f : 0.f);
+    if (round == 0) EXPECT_NEAR(sum_sq.item<double>(), reference_sum_sq(views(bases)), 1e-5 * reference_sum_sq(views(bases)));
+  }
+}
+
 TEST_P(EngineOps, SumOfSquaresInDoubleDoesNotOverflow) {
   // Scaled fp32 gradients can square past fp32's range; an fp64 sum_sq holds them.
   auto list = make_list();

@@ -4,6 +4,7 @@
 // torch::nn::utils::clip_grad_norm_, a training run against PyTorch's
 // algorithm written by hand, misuse errors by message, and the contract path.
 
+#include <ampfuse/fused_adam.h>
 #include <ampfuse/grad_scaler.h>
 #include <ampfuse/tensor_ops.h>
 
@@ -312,15 +313,107 @@ TEST(GradScalerMisuse, BadGradsAreRefusedAndNothingIsWritten) {
   Model m = make_params({{4}, {6}}, torch::kFloat, 4);
   torch::optim::SGD opt(m.params, 0.1);
   m.params[0].mutable_grad() = torch::randn({4});
-  m.params[1].mutable_grad() = torch::randn({12}).slice(0, 0, 12, 2);  // a view with gaps
+  m.params[1].mutable_grad() = torch::randn({6}, torch::kDouble);
   const auto g0 = m.params[0].grad().clone();
   ampfuse::GradScaler scaler;
   scaler.scale(torch::ones({}));
-  expect_error([&] { scaler.unscale_(opt); }, "grad[1] is not dense");
+  expect_error([&] { scaler.unscale_(opt); }, "grad[1] has dtype Double");
   EXPECT_TRUE(bitwise_equal(m.params[0].grad(), g0));
   // Still READY: the refused call did not count.
   m.params[1].mutable_grad() = torch::randn({6});
   scaler.unscale_(opt);
+}
+
+// Grads that are views with gaps: unscaled through dense copies, with
+// ATen's bits, and stepped by the classic path.
+TEST(GradScaler, GradsWithGapsAreUnscaledAsAtenDoes) {
+  const auto seed = ampfuse_test::seed_for_test();
+  Model m = make_params({{5, 4}, {7}}, torch::kFloat, seed);
+  torch::Tensor base0 = torch::randn({5, 9}) * 1000.f, base1 = torch::randn({21}) * 1000.f;
+  m.params[0].mutable_grad() = base0.slice(1, 2, 6);
+  m.params[1].mutable_grad() = base1.slice(0, 0, 21, 3);
+  std::vector<torch::Tensor> ref = {base0.slice(1, 2, 6).clone(), base1.slice(0, 0, 21, 3).clone()};
+  const torch::Tensor base0_before = base0.clone();
+  torch::optim::SGD opt(m.params, 0.1);
+  ampfuse::GradScaler scaler(ampfuse::GradScalerOptions().init_scale(1024.0));
+  scaler.scale(torch::ones({}));
+  scaler.unscale_(opt);
+  auto found = torch::zeros({1}), inv = torch::full({1}, 1.f / 1024.f);
+  at::_amp_foreach_non_finite_check_and_unscale_(ref, found, inv);
+  for (std::size_t i = 0; i < ref.size(); ++i) EXPECT_TRUE(bitwise_equal(m.params[i].grad(), ref[i])) << i;
+  // Elements of the base outside the view are left alone.
+  EXPECT_TRUE(bitwise_equal(base0.slice(1, 0, 2), base0_before.slice(1, 0, 2)));
+  EXPECT_TRUE(bitwise_equal(base0.slice(1, 6, 9), base0_before.slice(1, 6, 9)));
+  scaler.step(opt);
+  scaler.update();
+  EXPECT_FALSE(scaler.last_step_skipped(opt));
+}
+
+// Sparse grads (Embedding with sparse=true, then SGD) on the classic path,
+// as torch.amp: the values are checked and unscaled (fp16 ones after
+// coalescing); an inf skips the step; the step equals ATen's unscale of the
+// values followed by torch::optim::SGD.
+TEST(GradScaler, SparseGradsOnTheClassicPath) {
+  const auto seed = ampfuse_test::seed_for_test();
+  for (auto dtype : {torch::kFloat, torch::kHalf}) {
+    for (bool poison : {false, true}) {
+      torch::manual_seed(seed);
+      auto weight = leaf(torch::randn({10, 3}).to(dtype));
+      auto ref_weight = leaf(weight.detach().clone());
+      // Rows 2 and 7, row 2 twice (uncoalesced, as an embedding's backward makes them).
+      const auto indices = torch::tensor({{2, 7, 2}}, torch::kLong);
+      auto values = (torch::randn({3, 3}) * 512.f).to(dtype);
+      if (poison) values[1][2] = std::numeric_limits<float>::infinity();
+      weight.mutable_grad() = torch::sparse_coo_tensor(indices, values, {10, 3});
+      ref_weight.mutable_grad() = torch::sparse_coo_tensor(indices, values.clone(), {10, 3});
+      torch::optim::SGD opt({weight}, 0.1), ref_opt({ref_weight}, 0.1);
+      ampfuse::GradScaler scaler(ampfuse::GradScalerOptions().init_scale(512.0));
+      scaler.scale(torch::ones({}));
+      scaler.step(opt);
+      scaler.update();
+      SCOPED_TRACE(ampfuse_test::dtype_name(dtype) + (poison ? " with inf" : ""));
+      EXPECT_EQ(scaler.last_step_skipped(opt), poison);
+      EXPECT_EQ(weight.grad().is_coalesced(), dtype == torch::kHalf);
+      // The reference: PyTorch's _unscale_grads_ on the same grad, then the step.
+      if (dtype == torch::kHalf) ref_weight.mutable_grad() = ref_weight.grad().coalesce();
+      auto found = torch::zeros({1});
+      std::vector<torch::Tensor> ref_values = {ref_weight.grad()._values()};
+      at::_amp_foreach_non_finite_check_and_unscale_(ref_values, found, torch::full({1}, 1.f / 512.f));
+      EXPECT_EQ(found.item<float>() != 0.f, poison);
+      if (!poison) ref_opt.step();
+      EXPECT_TRUE(bitwise_equal(weight.detach(), ref_weight.detach()));
+      EXPECT_TRUE(bitwise_equal(weight.grad()._values(), ref_weight.grad()._values()));
+    }
+  }
+}
+
+// clip_grad_norm_ coalesces sparse grads: duplicate indices add up, as in
+// the dense grad whose norm LibTorch's clip_grad_norm_ takes.
+TEST(GradScaler, ClipGradNormOfSparseGrads) {
+  auto weight = leaf(torch::randn({6, 2}));
+  const auto indices = torch::tensor({{1, 4, 1}}, torch::kLong);
+  const auto values = torch::tensor({{3.f, 0.f}, {0.f, 1.f}, {1.f, 0.f}}) * 4.f;
+  weight.mutable_grad() = torch::sparse_coo_tensor(indices, values, {6, 2});
+  torch::optim::SGD opt({weight}, 0.1);
+  ampfuse::GradScaler scaler(ampfuse::GradScalerOptions().init_scale(4.0));
+  scaler.scale(torch::ones({}));
+  const float norm = scaler.clip_grad_norm_(opt, 100.0).item<float>();
+  EXPECT_FLOAT_EQ(norm, std::sqrt(16.f + 1.f));  // row 1 is (4, 0), row 4 is (0, 1), unscaled
+}
+
+// A fused optimizer refuses sparse grads under the scaler, naming the
+// parameter, as torch::optim::Adam refuses them; nothing is written.
+TEST(GradScalerMisuse, FusedOptimizersRefuseSparseGrads) {
+  auto dense = leaf(torch::randn({4})), weight = leaf(torch::randn({6, 2}));
+  dense.mutable_grad() = torch::randn({4});
+  weight.mutable_grad() = torch::sparse_coo_tensor(torch::tensor({{1, 4}}, torch::kLong), torch::randn({2, 2}), {6, 2});
+  ampfuse::FusedAdam opt({dense, weight}, torch::optim::AdamOptions(1e-2));
+  const auto before = weight.detach().clone();
+  ampfuse::GradScaler scaler;
+  scaler.scale(torch::ones({}));
+  expect_error([&] { scaler.step(opt); }, "param group 0, param 1: the grad is sparse");
+  EXPECT_TRUE(bitwise_equal(weight.detach(), before));
+  EXPECT_TRUE(opt.state().empty());
 }
 
 TEST(GradScaler, DisabledIsAPassThrough) {

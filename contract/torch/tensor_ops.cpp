@@ -3,6 +3,7 @@
 
 #include "ampfuse/tensor_ops.h"
 
+#include <ATen/MemoryOverlap.h>
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
@@ -44,8 +45,14 @@ bool supported_dtype(c10::ScalarType t) {
   return t == c10::ScalarType::Float || t == c10::ScalarType::Half || t == c10::ScalarType::BFloat16;
 }
 
+// What a list's tensors must be: dense (the optimizers' lists, whose tensors
+// are updated together), or any strided tensor, a view with gaps being
+// staged through a dense copy (the engine ops on one list); kStagedWrite
+// for the in-place ones, which refuse views whose elements share memory.
+enum class Layout { kDense, kStagedRead, kStagedWrite };
+
 void check_tensor(const at::Tensor& t, const char* op, const std::string& name, std::size_t i,
-                  const c10::optional<c10::Device>& device) {
+                  const c10::optional<c10::Device>& device, Layout layout = Layout::kDense) {
   TORCH_CHECK(t.defined(), op, ": ", name, "[", i, "] is undefined");
   TORCH_CHECK(t.layout() == c10::kStrided, op, ": ", name, "[", i, "] has layout ", t.layout(),
               "; only dense (strided) tensors are supported");
@@ -53,9 +60,12 @@ void check_tensor(const at::Tensor& t, const char* op, const std::string& name, 
               ", which is not supported (expected Float, Half or BFloat16)");
   TORCH_CHECK(!device || t.device() == *device, op, ": ", name, "[", i, "] is on ", t.device(),
               " but ", name, "[0] is on ", *device, "; one list must be on one device");
-  TORCH_CHECK(t.is_non_overlapping_and_dense(), op, ": ", name, "[", i,
-              "] is not dense (a strided view with gaps or overlaps); ampfuse works in place on tensors whose "
-              "elements fill one block of memory");
+  TORCH_CHECK(layout != Layout::kDense || t.is_non_overlapping_and_dense(), op, ": ", name, "[", i,
+              "] is not dense (a strided view with gaps or overlaps); tensors updated together must be dense, so "
+              "that their elements fill one block of memory in one order");
+  TORCH_CHECK(layout != Layout::kStagedWrite || at::has_internal_overlap(t) != at::MemOverlap::Yes, op, ": ", name,
+              "[", i, "] has elements that share memory (an expanded view); writing it in place is refused, as ATen "
+              "refuses it");
 #if !defined(AMPFUSE_WITH_CUDA)
   TORCH_CHECK(t.device().is_cpu(), op, ": ", name, "[", i, "] is on ", t.device(),
               " but ampfuse was built without CUDA");
@@ -75,6 +85,13 @@ void check_scalar(const at::Tensor& s, const char* op, const char* name, const c
               " with ", s.numel(), " elements");
   TORCH_CHECK(!device || s.device() == *device, op, ": ", name, " is on ", s.device(), " but the tensors are on ",
               *device);
+}
+
+std::vector<const at::Tensor*> pointers(at::TensorList tensors) {
+  std::vector<const at::Tensor*> out;
+  out.reserve(tensors.size());
+  for (const at::Tensor& t : tensors) out.push_back(&t);
+  return out;
 }
 
 c10::optional<c10::Device> common_device(at::TensorList tensors) {
@@ -157,21 +174,30 @@ namespace {
 // Checks tensor i of a list (at(i), n of them; the first one's device is the
 // list's) against `first` (the tensors at the same positions of the first
 // list, or null) and appends its view: one pass, checks and views together.
+// With `staged` (the engine ops on one list), a tensor that is not dense is
+// copied into a dense one, which its view points to, recorded in `staged`.
 template <class At, class First>
 void check_and_append(At at, std::size_t n, First first, const char* op, const std::string& name,
-                      const std::string& first_name, std::vector<TensorView>& out) {
+                      const std::string& first_name, std::vector<TensorView>& out,
+                      std::vector<std::pair<at::Tensor, at::Tensor>>* staged = nullptr, bool in_place = false) {
   const c10::optional<c10::Device> device =
       n > 0 && at(0).defined() ? c10::optional<c10::Device>(at(0).device()) : c10::nullopt;
+  const Layout layout = staged == nullptr ? Layout::kDense : in_place ? Layout::kStagedWrite : Layout::kStagedRead;
   out.reserve(n);
   for (std::size_t i = 0; i < n; ++i) {
     const at::Tensor& t = at(i);
-    check_tensor(t, op, name, i, device);
+    check_tensor(t, op, name, i, device, layout);
     if (const at::Tensor* f = first(i)) {
       TORCH_CHECK(t.sizes() == f->sizes(), op, ": ", name, "[", i, "] has shape ", t.sizes(), " but ", first_name,
                   "[", i, "] has shape ", f->sizes());
       TORCH_CHECK(t.strides() == f->strides(), op, ": ", name, "[", i, "] has strides ", t.strides(), " but ",
                   first_name, "[", i, "] has strides ", f->strides(),
                   "; tensors updated together must share one memory layout");
+    }
+    if (staged != nullptr && !t.is_non_overlapping_and_dense()) {
+      staged->emplace_back(t, t.contiguous());
+      out.push_back({staged->back().second.data_ptr(), t.numel(), to_scalar_type(t.scalar_type())});
+      continue;
     }
     out.push_back({t.data_ptr(), t.numel(), to_scalar_type(t.scalar_type())});
   }
@@ -206,12 +232,18 @@ TensorListsView make_list_views(const std::vector<at::TensorList>& lists, const 
 
 namespace detail {
 
-TensorListsView make_views(const std::vector<const at::Tensor*>& tensors, const std::string& name, const char* op) {
-  TensorListsView views;
-  views.lists.resize(1);
+CheckedList make_views(const std::vector<const at::Tensor*>& tensors, const std::string& name, const char* op,
+                       bool in_place) {
+  CheckedList list;
+  list.views.lists.resize(1);
   check_and_append([&](std::size_t i) -> const at::Tensor& { return *tensors[i]; }, tensors.size(),
-                   [](std::size_t) -> const at::Tensor* { return nullptr; }, op, name, name, views.lists[0]);
-  return views;
+                   [](std::size_t) -> const at::Tensor* { return nullptr; }, op, name, name, list.views.lists[0],
+                   &list.staged, in_place);
+  return list;
+}
+
+void CheckedList::write_back() const {
+  for (const auto& [original, copy] : staged) const_cast<at::Tensor&>(original).copy_(copy);
 }
 
 }  // namespace detail
@@ -221,8 +253,8 @@ void check_non_finite(at::TensorList tensors, const at::Tensor& found_inf, const
   const auto device = common_device(tensors);
   check_scalar(found_inf, op, "found_inf", device);
   if (sum_sq) check_scalar(*sum_sq, op, "sum_sq", device, /*allow_double=*/true);
-  const TensorListsView views = make_list_views({tensors}, {"tensors"}, op);
-  if (device) detail::check_non_finite(views, *device, found_inf, sum_sq);
+  const detail::CheckedList list = detail::make_views(pointers(tensors), "tensors", op, /*in_place=*/false);
+  if (device) detail::check_non_finite(list.views, *device, found_inf, sum_sq);
 }
 
 namespace detail {
@@ -301,8 +333,10 @@ void scale_impl(const char* op, at::TensorList tensors, const at::Tensor& scale,
   const auto device = common_device(tensors);
   check_scalar(scale, op, "scale", device);
   if (found_inf) check_scalar(*found_inf, op, "found_inf", device);
-  const TensorListsView views = make_list_views({tensors}, {"tensors"}, op);
-  if (device) detail::scale(views, *device, scale, found_inf);
+  const detail::CheckedList list = detail::make_views(pointers(tensors), "tensors", op, /*in_place=*/true);
+  if (!device) return;
+  detail::scale(list.views, *device, scale, found_inf);
+  list.write_back();
 }
 
 }  // namespace

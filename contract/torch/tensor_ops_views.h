@@ -8,15 +8,29 @@
 #include <c10/util/Optional.h>
 
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "ampfuse/multi_tensor.h"
 
 namespace ampfuse::detail {
 
-/// make_list_views of one list given by pointers (the grads of an optimizer's
-/// parameters, not copied into a TensorList), named `name` in errors.
-TensorListsView make_views(const std::vector<const at::Tensor*>& tensors, const std::string& name, const char* op);
+/// One checked list: its views, and the tensors that are not dense (views
+/// with gaps), each with the dense copy its view points to.
+struct CheckedList {
+  TensorListsView views;
+  std::vector<std::pair<at::Tensor, at::Tensor>> staged;  ///< (original, dense copy)
+
+  /// After an in-place op: copies each dense copy back into its original.
+  void write_back() const;
+};
+
+/// Checks one list given by pointers (the grads of an optimizer's
+/// parameters, not copied into a TensorList), named `name` in errors, and
+/// returns its views. A strided tensor that is not dense is staged through a
+/// dense copy (for in_place ops, one whose elements share memory is refused).
+CheckedList make_views(const std::vector<const at::Tensor*>& tensors, const std::string& name, const char* op,
+                       bool in_place);
 
 /// ampfuse::check_non_finite on checked views of one device.
 void check_non_finite(const TensorListsView& views, c10::Device device, const at::Tensor& found_inf,

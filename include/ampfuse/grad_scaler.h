@@ -12,8 +12,13 @@
 // Differences from PyTorch, all deliberate: fp16 and bf16 grads are unscaled
 // on every device (PyTorch refuses fp16 in unscale_ and lacks bf16 on some
 // builds); clipping is fused (no unscale pass, grads not rewritten);
-// last_step_skipped() tells a scheduler what happened; sparse grads are
-// refused (PyTorch coalesces them).
+// last_step_skipped() tells a scheduler what happened.
+//
+// As in PyTorch: sparse grads (an Embedding with sparse=true, stepped by
+// torch::optim::SGD) are unscaled through their values, fp16 ones coalesced
+// first (coalescing sums duplicates, which may overflow); fused optimizers
+// refuse them, as torch::optim::Adam does. Grads that are strided views with
+// gaps are checked and unscaled through dense copies written back.
 
 #include <torch/arg.h>
 #include <torch/optim/optimizer.h>
@@ -141,7 +146,7 @@ class GradScaler {
     }
     std::unordered_map<const torch::optim::Optimizer*, std::shared_ptr<GradsPlan>> plans;
   };
-  const GradsPlan& grads_plan(torch::optim::Optimizer& optimizer, const char* op);
+  const GradsPlan& grads_plan(torch::optim::Optimizer& optimizer, const char* op, bool in_place, bool for_norm);
   GradsPlans grads_plans_;
 };
 

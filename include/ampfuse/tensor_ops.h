@@ -2,14 +2,17 @@
 // Multi-tensor operations on lists of LibTorch tensors: the engine's first
 // users, and what GradScaler builds on.
 //
-// Accepted tensors: strided and dense (contiguous, or any permutation of a
-// contiguous layout, such as a transposed matrix or channels-last: their
-// elements fill one block of memory), dtype float32, float16 or bfloat16, all
-// on one device (CPU, or one CUDA device). Anything else is refused with an
-// error naming the tensor and the problem, before anything is written. Views
-// with gaps (t[::2]) are refused rather than copied, because an in-place
-// operation on a copy would be lost silently. Zero-element tensors are
-// allowed and skipped.
+// Accepted tensors: strided, dtype float32, float16 or bfloat16, all on one
+// device (CPU, or one CUDA device). Dense ones (contiguous, or any
+// permutation of a contiguous layout, such as a transposed matrix or
+// channels-last) are read and written where they are; a view with gaps
+// (t.slice(1, 0, 5)) goes through a dense copy, written back after an
+// in-place op, as ATen's foreach ops accept it; an in-place op refuses a view
+// whose elements share memory (an expanded view), as ATen does. Anything
+// else is refused with an error naming the tensor and the problem, before
+// anything is written. Zero-element tensors are allowed and skipped.
+// make_list_views (the lists of an optimizer, updated together) takes dense
+// tensors only.
 
 #include <ATen/core/Tensor.h>
 #include <c10/util/ArrayRef.h>
