@@ -3,16 +3,20 @@
 // through the SDK's pick_isa, as a third-party optimizer's do.
 
 #include "ampfuse/sdk/cpu.h"
+#include "fused/adagrad/adagrad_cpu.h"
 #include "fused/adam/adam_cpu.h"
 #include "fused/lamb/lamb_cpu.h"
+#include "fused/rmsprop/rmsprop_cpu.h"
 #include "fused/sgd/sgd_cpu.h"
 
 namespace ampfuse::fused::cpu {
 using sdk::cpu::pick_isa;
 
+AdagradFn adagrad_kernel() { return pick_isa(avx512::kAdagrad, avx2::kAdagrad, baseline::kAdagrad); }
 AdamFn adam_kernel() { return pick_isa(avx512::kAdam, avx2::kAdam, baseline::kAdam); }
 LambFn lamb_moments_kernel() { return pick_isa(avx512::kLambMoments, avx2::kLambMoments, baseline::kLambMoments); }
 LambFn lamb_apply_kernel() { return pick_isa(avx512::kLambApply, avx2::kLambApply, baseline::kLambApply); }
+RmspropFn rmsprop_kernel() { return pick_isa(avx512::kRmsprop, avx2::kRmsprop, baseline::kRmsprop); }
 SgdFn sgd_kernel() { return pick_isa(avx512::kSgd, avx2::kSgd, baseline::kSgd); }
 
 }  // namespace ampfuse::fused::cpu

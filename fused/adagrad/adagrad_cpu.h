@@ -1,0 +1,31 @@
+#pragma once
+// CPU kernels of FusedAdagrad, one per instruction set. Raw pointers only.
+
+#include <cstdint>
+
+#include "ampfuse/sdk/cpu.h"
+#include "fused/adagrad/adagrad_math.h"
+
+namespace ampfuse::fused::cpu {
+
+struct AdagradArgs {
+  sdk::cpu::PlanRef plan;
+  void* const* param;  ///< by tensor index
+  void* const* grad;
+  void* const* sum;
+  const float* neg_clr;  ///< by tensor index: -clr of the step being taken
+  ScalarType dtype;      ///< of param, grad and sum
+  AdagradHyper hyper;
+  float grad_factor;
+};
+
+using AdagradFn = void (*)(const AdagradArgs&, std::int64_t chunk_begin, std::int64_t chunk_end);
+
+/// The kernel for the instruction set that ampfuse::cpu::kernels() uses.
+AdagradFn adagrad_kernel();
+
+namespace avx512 { extern const AdagradFn kAdagrad; }
+namespace avx2 { extern const AdagradFn kAdagrad; }
+namespace baseline { extern const AdagradFn kAdagrad; }
+
+}  // namespace ampfuse::fused::cpu

@@ -1,0 +1,61 @@
+#pragma once
+// The Adagrad update (Duchi et al. 2011), written once for the CPU kernel
+// (fp32 lane blocks), the CUDA kernel (one float per thread) and the tests.
+// No LibTorch here.
+//
+// LibTorch's torch::optim::Adagrad order of operations, step being the
+// count after this step (so that the first step decays by nothing):
+//   clr = lr / (1 + (step - 1) * lr_decay)                  (fp64, per tensor)
+//   g   = maximize ? -g : g;  g = g + wd * p
+//   sum = sum + g * g
+//   p   = p + (-clr) * (g / (sqrt(sum) + eps))
+
+#include "ampfuse/config.h"
+#include "ampfuse/multi_tensor.h"
+#include "ampfuse/sdk/math.h"
+
+namespace ampfuse::fused {
+
+/// FusedAdagrad's tensor lists, numbered once for the CPU kernel, the CUDA
+/// kernel and the adapter. The CPU kernel takes the first kAdagradCpuLists
+/// (its step counters are LibTorch's host integers); the CUDA kernel also
+/// reads the device step counters (fp64, one element each).
+enum class AdagradList : int { kParam, kGrad, kSum, kStep };
+constexpr int kAdagradCpuLists = 3;
+constexpr int kAdagradLists = 4;
+
+/// Hyperparameters of one parameter group, each rounded once from fp64.
+struct AdagradHyper {
+  float weight_decay = 0.f;
+  float eps = 1e-10f;
+  bool maximize = false;
+  double lr = 1e-2;  ///< for clr, computed in fp64 per tensor and step
+  double lr_decay = 0.0;
+};
+
+inline AdagradHyper make_adagrad_hyper(double lr, double lr_decay, double weight_decay, double eps, bool maximize) {
+  AdagradHyper h;
+  h.weight_decay = static_cast<float>(weight_decay);
+  h.eps = static_cast<float>(eps);
+  h.maximize = maximize;
+  h.lr = lr;
+  h.lr_decay = lr_decay;
+  return h;
+}
+
+/// -clr for the step numbered `step` (1 for the first), in fp64 then rounded, as LibTorch.
+AMPFUSE_HOST_DEVICE float adagrad_neg_clr(const AdagradHyper& h, double step) {
+  return static_cast<float>(-(h.lr / (1.0 + (step - 1.0) * h.lr_decay)));
+}
+
+/// One element (or one block of lanes): p and sum in place, g already
+/// multiplied by the scaler's inv_scale * clip_coef.
+template <class V, class Ops>
+AMPFUSE_HOST_DEVICE void adagrad_update(V& p, V g, V& sum, float neg_clr, const AdagradHyper& h) {
+  if (h.maximize) g = -g;
+  if (h.weight_decay != 0.f) g = g + Ops::splat(h.weight_decay) * p;
+  sum = sum + g * g;
+  p = p + Ops::splat(neg_clr) * (g / (Ops::sqrt(sum) + Ops::splat(h.eps)));
+}
+
+}  // namespace ampfuse::fused

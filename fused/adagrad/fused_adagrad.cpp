@@ -1,0 +1,140 @@
+// Torch adapter of FusedAdagrad: state, lists by (group, device, dtype), and
+// the CPU or CUDA kernel per list.
+
+#include "ampfuse/fused_adagrad.h"
+
+#include <ATen/ops/full.h>
+#include <ATen/ops/full_like.h>
+#include <c10/util/Exception.h>
+
+#include <typeinfo>
+
+#include "ampfuse/tensor_ops.h"
+#include "fused/adagrad/adagrad_cpu.h"
+
+#if defined(AMPFUSE_WITH_CUDA)
+#include <c10/cuda/CUDAGuard.h>
+
+#include "fused/adagrad/adagrad_cuda.h"
+#endif
+
+namespace ampfuse {
+
+void FusedAdagradParamState::serialize(torch::serialize::OutputArchive& archive) const {
+  if (!device_step().defined()) return torch::optim::AdagradParamState::serialize(archive);
+  torch::optim::AdagradParamState counted(*this);  // the device count: a sync, as any save from a GPU
+  counted.step(static_cast<std::int64_t>(device_step().item<double>()));
+  counted.serialize(archive);
+}
+
+FusedAdagrad::FusedAdagrad(const std::vector<torch::optim::OptimizerParamGroup>& param_groups,
+                           torch::optim::AdagradOptions defaults, FusedAdagradOptions fused)
+    : FusedOptimizer(param_groups, std::move(defaults)), fused_(fused) {
+  // torch::optim::Adagrad's constructor made each parameter's state as its
+  // own type: the same state as FusedAdagrad's.
+  for (auto& [key, state] : this->state()) {
+    if (typeid(*state) != typeid(torch::optim::AdagradParamState)) continue;
+    const auto& made = static_cast<const torch::optim::AdagradParamState&>(*state);
+    auto fused_state = std::make_unique<FusedAdagradParamState>();
+    fused_state->sum(made.sum());
+    fused_state->step(made.step());
+    state = std::move(fused_state);
+  }
+}
+
+FusedAdagrad::FusedAdagrad(std::vector<at::Tensor> params, torch::optim::AdagradOptions defaults,
+                           FusedAdagradOptions fused)
+    : FusedAdagrad({torch::optim::OptimizerParamGroup(std::move(params))}, std::move(defaults), fused) {}
+
+void FusedAdagrad::check_state(const at::Tensor& p, const FusedAdagradParamState& st, std::size_t g,
+                               std::size_t i) const {
+  sdk::check_state_tensor(st.sum(), p, p.scalar_type(), name(), "sum", g, i);
+  const at::Tensor& step = st.device_step();
+  TORCH_CHECK(!step.defined() || (step.numel() == 1 && step.scalar_type() == at::kDouble && step.device() == p.device()),
+              name(), ": param group ", g, ", param ", i,
+              ": state device_step must be a Double tensor of one element on the parameter's device");
+}
+
+sdk::Launch FusedAdagrad::prepare_list(const sdk::ParamList& list) {
+  using fused::AdagradList;
+  const auto& entries = list.entries;
+  const auto& o = options_of(list.group);
+  const fused::AdagradHyper hyper =
+      fused::make_adagrad_hyper(o.lr(), o.lr_decay(), o.weight_decay(), o.eps(), fused_.maximize());
+  const ScalarType st = list.kernel_dtype();
+  const bool on_cuda = list.device.is_cuda();
+  const std::size_t n = entries.size();
+  std::vector<FusedAdagradParamState*> states(n);
+  for (std::size_t i = 0; i < n; ++i) {  // creates state (a parameter added after construction): on this thread
+    const sdk::Entry& e = *entries[i];
+    const at::Tensor& p = e.param;
+    FusedAdagradParamState& s = state_for(e, [&](FusedAdagradParamState& made) {
+      made.step(0);
+      made.sum(at::full_like(p, o.initial_accumulator_value(), at::MemoryFormat::Preserve));
+    });
+    if (on_cuda && !s.device_step().defined()) {
+      sdk::refuse_under_capture(e, name(), "its device step counter (made at the first step, and again at the "
+                                           "first after load())");
+      undo_on_failure([&s] { s.device_step(at::Tensor()); });
+      s.device_step(at::full({1}, static_cast<double>(s.step()), p.options().dtype(at::kDouble)));
+    }
+    states[i] = &s;
+  }
+
+  std::vector<std::int64_t> numels(n);
+  if (!on_cuda) {
+    std::vector<void*> param(n), grad(n), sum(n);
+    std::vector<std::int64_t> steps(n);
+    sdk::parallel_entries(n, [&](std::size_t i) {
+      numels[i] = entries[i]->param.numel();
+      param[i] = entries[i]->param.data_ptr();
+      grad[i] = entries[i]->grad.data_ptr();
+      sum[i] = states[i]->sum().data_ptr();
+      steps[i] = states[i]->step() + 1;
+    });
+    auto neg_clr = sdk::per_tensor<std::int64_t, float>(
+        steps, [&](std::int64_t step) { return fused::adagrad_neg_clr(hyper, static_cast<double>(step)); });
+    auto plan = std::make_shared<const Plan>(numels, sdk::cpu::kChunkSize);
+    const float grad_factor = sdk::cpu_grad_factor(list.signal);
+    return [=, states = std::move(states), param = std::move(param), grad = std::move(grad), sum = std::move(sum),
+            steps = std::move(steps), neg_clr = std::move(neg_clr)] {
+      const fused::cpu::AdagradArgs args{sdk::cpu::plan_ref(*plan), param.data(), grad.data(), sum.data(),
+                                         neg_clr.data(), st, hyper, grad_factor};
+      const fused::cpu::AdagradFn kernel = fused::cpu::adagrad_kernel();
+      sdk::parallel_chunks(*plan, [&](std::int64_t b, std::int64_t e) { kernel(args, b, e); });
+      sdk::parallel_entries(states.size(), [&](std::size_t i) { states[i]->step(steps[i]); });
+    };
+  }
+#if defined(AMPFUSE_WITH_CUDA)
+  const c10::cuda::CUDAGuard guard(list.device);
+  TensorListsView views;
+  views.lists.assign(fused::kAdagradLists, std::vector<TensorView>(n));
+  std::vector<at::Tensor> steps(n);
+  for (std::size_t i = 0; i < n; ++i) {
+    const at::Tensor& p = entries[i]->param;
+    numels[i] = p.numel();
+    steps[i] = states[i]->device_step();
+    views.lists[list_index(AdagradList::kParam)][i] = {p.data_ptr(), numels[i], st};
+    views.lists[list_index(AdagradList::kGrad)][i] = {entries[i]->grad.data_ptr(), numels[i], st};
+    views.lists[list_index(AdagradList::kSum)][i] = {states[i]->sum().data_ptr(), numels[i], st};
+    // The fp64 counter travels as a pointer; its dtype tag is not read.
+    views.lists[list_index(AdagradList::kStep)][i] = {steps[i].data_ptr(), 1, ScalarType::Float32};
+  }
+  const Plan plan(numels, sdk::cuda::kChunkSize);
+  const auto meta = sdk::make_launch_meta(views, plan, list.device);  // held by the Launch
+  const sdk::SignalPointers sig = sdk::signal_pointers(list.signal);
+  const fused::cuda::AdagradCudaArgs args{hyper, sig.found_inf, sig.inv_scale, sig.clip_coef};
+  const ScaleSignal* signal = list.signal;
+  const c10::Device device = list.device;
+  return [=, steps = std::move(steps)] {
+    const c10::cuda::CUDAGuard launch_guard(device);
+    fused::cuda::adagrad(meta->launch, st, args, sdk::current_stream(device));
+    // After the kernel read them: every counter advances, by (found_inf == 0) under a scaler.
+    sdk::advance_step_counters(steps, signal);
+  };
+#else
+  TORCH_CHECK(false, name(), ": ampfuse was built without CUDA");
+#endif
+}
+
+}  // namespace ampfuse

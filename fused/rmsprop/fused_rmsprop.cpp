@@ -1,0 +1,133 @@
+// Torch adapter of FusedRMSprop: state, lists by (group, device, dtype), and
+// the CPU or CUDA kernel per list.
+
+#include "ampfuse/fused_rmsprop.h"
+
+#include <ATen/ops/full.h>
+#include <ATen/ops/zeros_like.h>
+#include <c10/util/Exception.h>
+
+#include "ampfuse/tensor_ops.h"
+#include "fused/rmsprop/rmsprop_cpu.h"
+
+#if defined(AMPFUSE_WITH_CUDA)
+#include <c10/cuda/CUDAGuard.h>
+
+#include "fused/rmsprop/rmsprop_cuda.h"
+#endif
+
+namespace ampfuse {
+
+void FusedRMSpropParamState::serialize(torch::serialize::OutputArchive& archive) const {
+  if (!device_step().defined()) return torch::optim::RMSpropParamState::serialize(archive);
+  torch::optim::RMSpropParamState counted(*this);  // the device count: a sync, as any save from a GPU
+  counted.step(static_cast<std::int64_t>(device_step().item<double>()));
+  counted.serialize(archive);
+}
+
+FusedRMSprop::FusedRMSprop(const std::vector<torch::optim::OptimizerParamGroup>& param_groups,
+                           torch::optim::RMSpropOptions defaults, FusedRMSpropOptions fused)
+    : FusedOptimizer(param_groups, std::move(defaults)), fused_(fused) {}
+
+FusedRMSprop::FusedRMSprop(std::vector<at::Tensor> params, torch::optim::RMSpropOptions defaults,
+                           FusedRMSpropOptions fused)
+    : FusedRMSprop({torch::optim::OptimizerParamGroup(std::move(params))}, std::move(defaults), fused) {}
+
+void FusedRMSprop::check_state(const at::Tensor& p, const FusedRMSpropParamState& st, std::size_t g,
+                               std::size_t i) const {
+  sdk::check_state_tensor(st.square_avg(), p, p.scalar_type(), name(), "square_avg", g, i);
+  sdk::check_state_tensor(st.momentum_buffer(), p, p.scalar_type(), name(), "momentum_buffer", g, i);
+  sdk::check_state_tensor(st.grad_avg(), p, p.scalar_type(), name(), "grad_avg", g, i);
+  const at::Tensor& step = st.device_step();
+  TORCH_CHECK(!step.defined() || (step.numel() == 1 && step.scalar_type() == at::kDouble && step.device() == p.device()),
+              name(), ": param group ", g, ", param ", i,
+              ": state device_step must be a Double tensor of one element on the parameter's device");
+}
+
+sdk::Launch FusedRMSprop::prepare_list(const sdk::ParamList& list) {
+  using fused::RmspropList;
+  const auto& entries = list.entries;
+  const auto& o = options_of(list.group);
+  const fused::RmspropHyper hyper = fused::make_rmsprop_hyper(o.lr(), o.alpha(), o.eps(), o.weight_decay(),
+                                                              o.momentum(), o.centered(), fused_.maximize());
+  const bool momentum = o.momentum() > 0, centered = o.centered();
+  const ScalarType st = list.kernel_dtype();
+  const bool on_cuda = list.device.is_cuda();
+  const std::size_t n = entries.size();
+  std::vector<FusedRMSpropParamState*> states(n);
+  for (std::size_t i = 0; i < n; ++i) {  // creates state (first step): on this thread
+    const sdk::Entry& e = *entries[i];
+    const at::Tensor& p = e.param;
+    const auto zeros = [&] { return at::zeros_like(p, at::MemoryFormat::Preserve); };
+    FusedRMSpropParamState& s = state_for(e, [&](FusedRMSpropParamState& made) {
+      made.step(0);
+      made.square_avg(zeros());
+    });
+    if (momentum && !s.momentum_buffer().defined()) {
+      undo_on_failure([&s] { s.momentum_buffer(at::Tensor()); });
+      s.momentum_buffer(zeros());
+    }
+    if (centered && !s.grad_avg().defined()) {
+      undo_on_failure([&s] { s.grad_avg(at::Tensor()); });
+      s.grad_avg(zeros());
+    }
+    if (on_cuda && !s.device_step().defined()) {
+      sdk::refuse_under_capture(e, name(), "its device step counter (made at the first step, and again at the "
+                                           "first after load())");
+      undo_on_failure([&s] { s.device_step(at::Tensor()); });
+      s.device_step(at::full({1}, static_cast<double>(s.step()), p.options().dtype(at::kDouble)));
+    }
+    states[i] = &s;
+  }
+
+  std::vector<std::int64_t> numels(n);
+  std::vector<std::vector<void*>> ptrs(fused::kRmspropLists, std::vector<void*>(n, nullptr));
+  auto gather = [&](std::size_t i) {
+    const FusedRMSpropParamState& s = *states[i];
+    numels[i] = entries[i]->param.numel();
+    ptrs[list_index(RmspropList::kParam)][i] = entries[i]->param.data_ptr();
+    ptrs[list_index(RmspropList::kGrad)][i] = entries[i]->grad.data_ptr();
+    ptrs[list_index(RmspropList::kSquareAvg)][i] = s.square_avg().data_ptr();
+    if (momentum) ptrs[list_index(RmspropList::kMomentumBuffer)][i] = s.momentum_buffer().data_ptr();
+    if (centered) ptrs[list_index(RmspropList::kGradAvg)][i] = s.grad_avg().data_ptr();
+  };
+  if (!on_cuda) {
+    sdk::parallel_entries(n, gather);
+    auto plan = std::make_shared<const Plan>(numels, sdk::cpu::kChunkSize);
+    const float grad_factor = sdk::cpu_grad_factor(list.signal);
+    return [=, states = std::move(states), ptrs = std::move(ptrs)] {
+      fused::cpu::RmspropArgs args{sdk::cpu::plan_ref(*plan), {}, st, hyper, grad_factor};
+      for (int l = 0; l < fused::kRmspropLists; ++l) args.lists[l] = ptrs[l].data();
+      const fused::cpu::RmspropFn kernel = fused::cpu::rmsprop_kernel();
+      sdk::parallel_chunks(*plan, [&](std::int64_t b, std::int64_t e) { kernel(args, b, e); });
+      sdk::parallel_entries(states.size(), [&](std::size_t i) { states[i]->step(states[i]->step() + 1); });
+    };
+  }
+#if defined(AMPFUSE_WITH_CUDA)
+  const c10::cuda::CUDAGuard guard(list.device);
+  TensorListsView views;
+  views.lists.assign(fused::kRmspropLists, std::vector<TensorView>(n));
+  std::vector<at::Tensor> steps(n);
+  for (std::size_t i = 0; i < n; ++i) {
+    gather(i);
+    steps[i] = states[i]->device_step();
+    for (int l = 0; l < fused::kRmspropLists; ++l) views.lists[l][i] = {ptrs[l][i], numels[i], st};
+  }
+  const Plan plan(numels, sdk::cuda::kChunkSize);
+  const auto meta = sdk::make_launch_meta(views, plan, list.device);  // held by the Launch
+  const sdk::SignalPointers sig = sdk::signal_pointers(list.signal);
+  const fused::cuda::RmspropCudaArgs args{hyper, sig.found_inf, sig.inv_scale, sig.clip_coef};
+  const ScaleSignal* signal = list.signal;
+  const c10::Device device = list.device;
+  return [=, steps = std::move(steps)] {
+    const c10::cuda::CUDAGuard launch_guard(device);
+    fused::cuda::rmsprop(meta->launch, st, args, sdk::current_stream(device));
+    // Every counter advances, by (found_inf == 0) under a scaler.
+    sdk::advance_step_counters(steps, signal);
+  };
+#else
+  TORCH_CHECK(false, name(), ": ampfuse was built without CUDA");
+#endif
+}
+
+}  // namespace ampfuse

@@ -1,0 +1,28 @@
+#pragma once
+// CPU kernels of FusedRMSprop, one per instruction set. Raw pointers only.
+
+#include <cstdint>
+
+#include "ampfuse/sdk/cpu.h"
+#include "fused/rmsprop/rmsprop_math.h"
+
+namespace ampfuse::fused::cpu {
+
+struct RmspropArgs {
+  sdk::cpu::PlanRef plan;
+  void* const* lists[kRmspropLists];  ///< by RmspropList, each by tensor index (null when unused)
+  ScalarType dtype;                   ///< of param, grad and state
+  RmspropHyper hyper;
+  float grad_factor;
+};
+
+using RmspropFn = void (*)(const RmspropArgs&, std::int64_t chunk_begin, std::int64_t chunk_end);
+
+/// The kernel for the instruction set that ampfuse::cpu::kernels() uses.
+RmspropFn rmsprop_kernel();
+
+namespace avx512 { extern const RmspropFn kRmsprop; }
+namespace avx2 { extern const RmspropFn kRmsprop; }
+namespace baseline { extern const RmspropFn kRmsprop; }
+
+}  // namespace ampfuse::fused::cpu

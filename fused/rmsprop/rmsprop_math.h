@@ -1,0 +1,73 @@
+#pragma once
+// The RMSprop update (Hinton's lecture 6e; Graves 2013 for the centered
+// form), written once for the CPU kernel (fp32 lane blocks), the CUDA kernel
+// (one float per thread) and the tests. No LibTorch here.
+//
+// LibTorch's torch::optim::RMSprop order of operations:
+//   g  = maximize ? -g : g;  g = g + wd * p
+//   sa = sa * alpha + ((1 - alpha) * g) * g
+//   ga = ga * alpha + (1 - alpha) * g                       (centered)
+//   avg = sqrt(centered ? sa + (-ga) * ga : sa) + eps
+//   buf = buf * momentum + g / avg;  p = p + (-lr) * buf     (momentum > 0)
+//   p = p + (-lr) * (g / avg)                                (otherwise)
+
+#include "ampfuse/config.h"
+#include "ampfuse/multi_tensor.h"
+#include "ampfuse/sdk/math.h"
+
+namespace ampfuse::fused {
+
+/// FusedRMSprop's tensor lists, numbered once for the CPU kernel, the CUDA
+/// kernel and the adapter; a list the options do not use holds null pointers.
+enum class RmspropList : int { kParam, kGrad, kSquareAvg, kMomentumBuffer, kGradAvg };
+constexpr int kRmspropLists = 5;
+
+/// Hyperparameters of one parameter group, each rounded once from fp64.
+struct RmspropHyper {
+  float neg_lr = -1e-2f;
+  float alpha = 0.99f;
+  float one_minus_alpha = 0.01f;
+  float eps = 1e-8f;
+  float weight_decay = 0.f;
+  float momentum = 0.f;
+  bool centered = false;
+  bool maximize = false;
+};
+
+inline RmspropHyper make_rmsprop_hyper(double lr, double alpha, double eps, double weight_decay, double momentum,
+                                       bool centered, bool maximize) {
+  RmspropHyper h;
+  h.neg_lr = static_cast<float>(-lr);
+  h.alpha = static_cast<float>(alpha);
+  h.one_minus_alpha = static_cast<float>(1 - alpha);
+  h.eps = static_cast<float>(eps);
+  h.weight_decay = static_cast<float>(weight_decay);
+  h.momentum = static_cast<float>(momentum);
+  h.centered = centered;
+  h.maximize = maximize;
+  return h;
+}
+
+/// One element (or one block of lanes): p and the state in place, g already
+/// multiplied by the scaler's inv_scale * clip_coef. buf is read only when
+/// momentum > 0, grad_avg only when centered.
+template <class V, class Ops>
+AMPFUSE_HOST_DEVICE void rmsprop_update(V& p, V g, V& square_avg, V* buf, V* grad_avg, const RmspropHyper& h) {
+  if (h.maximize) g = -g;
+  if (h.weight_decay != 0.f) g = g + Ops::splat(h.weight_decay) * p;
+  square_avg = square_avg * Ops::splat(h.alpha) + (Ops::splat(h.one_minus_alpha) * g) * g;
+  V second = square_avg;
+  if (h.centered) {
+    *grad_avg = *grad_avg * Ops::splat(h.alpha) + Ops::splat(h.one_minus_alpha) * g;
+    second = square_avg + (-*grad_avg) * *grad_avg;
+  }
+  const V avg = Ops::sqrt(second) + Ops::splat(h.eps);
+  if (h.momentum > 0.f) {
+    *buf = *buf * Ops::splat(h.momentum) + g / avg;
+    p = p + Ops::splat(h.neg_lr) * *buf;
+  } else {
+    p = p + Ops::splat(h.neg_lr) * (g / avg);
+  }
+}
+
+}  // namespace ampfuse::fused
