@@ -32,6 +32,7 @@ void register_scaler(torch::Device device);
 void register_adam(torch::Device device);
 void register_sgd(torch::Device device);
 void register_lamb(torch::Device device);
+void register_adagrad_rmsprop(torch::Device device);
 void register_host(torch::Device device);
 
 

@@ -35,6 +35,9 @@ TARGETS = [
     ("SGD", "8x8M", "ceiling_twin", 0.90, "of the traffic twin"),
     ("SGD", "10000x4096", "torch_optim_sgd", 3.0, "the speed of torch::optim::SGD"),
     ("LAMB", "8x8M", "ceiling_twin", 0.75, "of LAMB's minimum traffic (two-pass twin)"),
+    ("Adagrad", "8x8M", "ceiling_twin", 0.90, "of the traffic twin"),
+    ("Adagrad", "8x8M", "aten_fused_adagrad", 1.0, "the speed of at::_fused_adagrad_"),
+    ("RMSprop", "8x8M", "ceiling_twin", 0.90, "of the traffic twin"),
 ]
 
 
@@ -60,7 +63,7 @@ def load(path):
 
 
 OP_ORDER = ["Check", "CheckNorm", "Scale", "Scaler", "ScalerClip", "Adam", "AdamScaled", "AdamClip", "SGD", "LAMB",
-            "Host", "HostScaler"]
+            "Adagrad", "RMSprop", "Host", "HostScaler"]
 
 # (operation, parameter set, most nanoseconds per parameter, what is timed): host-path budgets.
 TIME_TARGETS = [

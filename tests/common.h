@@ -84,6 +84,86 @@ inline ::testing::AssertionResult bitwise_equal(const torch::Tensor& a, const to
 }
 
 /// A file name in the temp folder, unique to this process.
+/// Leaf copies of `v` (detached, cloned, requiring grad), in `dtype`.
+inline std::vector<torch::Tensor> leaf_copies(const std::vector<torch::Tensor>& v,
+                                              torch::Dtype dtype = torch::kFloat) {
+  std::vector<torch::Tensor> out;
+  for (const auto& p : v) out.push_back(p.detach().to(dtype).clone().requires_grad_());
+  return out;
+}
+
+/// Every element of a[i] within tol * (1 + |b[i]|) of b[i] (compared in fp64
+/// on the CPU); `what` names the comparison in a failure.
+inline void expect_close(const std::vector<torch::Tensor>& a, const std::vector<torch::Tensor>& b, double tol,
+                         const std::string& what) {
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    if (a[i].numel() == 0) continue;
+    const auto x = a[i].detach().to(torch::kDouble).cpu(), y = b[i].detach().to(torch::kDouble).cpu();
+    const auto excess = ((x - y).abs() - tol * (1 + y.abs())).max().item<double>();
+    EXPECT_LE(excess, 0.0) << what << ", tensor " << i << ": max |diff| " << (x - y).abs().max().item<double>();
+  }
+}
+
+/// opt.step() refuses, with a c10::Error whose message contains `message`.
+inline void expect_step_refused(torch::optim::Optimizer& opt, const std::string& message) {
+  try {
+    opt.step();
+    ADD_FAILURE() << "the step was taken; expected it refused with: " << message;
+  } catch (const c10::Error& e) {
+    EXPECT_THAT(e.what_without_backtrace(), ::testing::HasSubstr(message));
+  }
+}
+
+/// The differential test of an optimizer against LibTorch's: one to three
+/// groups of three parameters (shapes 0, 1, odd, multi-chunk, 2-d) with
+/// options drawn by random(rng) per group, 100 steps of random grads (negated
+/// for the reference when `maximize`), then every parameter within tol.
+template <class Ours, class Ref, class Options, class Fused, class Random>
+void expect_matches_over_hundred_steps(torch::Device device, std::mt19937_64& rng, Random&& random, Fused fused,
+                                       bool maximize, double tol) {
+  const std::vector<std::vector<std::int64_t>> pool = {{0}, {1}, {3}, {17}, {33, 3}, {65537}, {129, 31}};
+  std::vector<std::vector<torch::Tensor>> ours, ref;
+  std::vector<torch::optim::OptimizerParamGroup> og, rg;
+  const int groups = 1 + static_cast<int>(rng() % 3);
+  for (int g = 0; g < groups; ++g) {
+    ours.emplace_back();
+    for (int i = 0; i < 3; ++i)
+      ours.back().push_back(torch::randn(pool[rng() % pool.size()], torch::TensorOptions().device(device)).requires_grad_());
+    ref.push_back(leaf_copies(ours.back()));
+    const Options o = random(rng);
+    og.emplace_back(ours.back(), std::make_unique<Options>(o));
+    rg.emplace_back(ref.back(), std::make_unique<Options>(o));
+  }
+  Ours opt(og, Options(0.01), fused);
+  Ref ref_opt(rg, Options(0.01));
+  for (int step = 0; step < 100; ++step) {
+    for (int g = 0; g < groups; ++g)
+      for (std::size_t i = 0; i < ours[g].size(); ++i) {
+        auto grad = torch::randn_like(ours[g][i]);
+        ours[g][i].mutable_grad() = grad.clone();
+        ref[g][i].mutable_grad() = maximize ? -grad : grad.clone();
+      }
+    opt.step();
+    ref_opt.step();
+  }
+  for (int g = 0; g < groups; ++g) expect_close(ours[g], ref[g], tol, "group " + std::to_string(g));
+}
+
+/// A test on one device ("cpu" or "cuda", skipped without one), with a seed.
+class DeviceTest : public ::testing::TestWithParam<std::string> {
+ protected:
+  void SetUp() override {
+    device_ = torch::Device(GetParam());
+    AMPFUSE_SKIP_WITHOUT(device_);
+    seed_for_test();
+  }
+  /// A random leaf parameter of `shape` and `dtype` on the test's device.
+  torch::Tensor param(std::vector<std::int64_t> shape, torch::Dtype dtype) const {
+    return torch::randn(shape, torch::TensorOptions().device(device_)).to(dtype).requires_grad_();
+  }
+  torch::Device device_{torch::kCPU};
+};
+
 inline std::string temp_path(const std::string& name) {
   return (std::filesystem::temp_directory_path() / ("ampfuse_" + std::to_string(::getpid()) + "_" + name)).string();
 }
@@ -115,6 +195,18 @@ class DeviceIsaTest : public ::testing::TestWithParam<Param> {
     rng_.seed(seed_);
   }
   void TearDown() override { ampfuse::sdk::cpu::force_isa(""); }
+
+  /// Random leaf parameters of these shapes on the test's device.
+  std::vector<torch::Tensor> make_params(const std::vector<std::vector<std::int64_t>>& shapes,
+                                         torch::Dtype dtype = torch::kFloat) const {
+    std::vector<torch::Tensor> out;
+    for (const auto& s : shapes)
+      out.push_back(torch::randn(s, torch::TensorOptions().device(device_)).to(dtype).requires_grad_());
+    return out;
+  }
+  static std::vector<torch::Tensor> copies(const std::vector<torch::Tensor>& v, torch::Dtype dtype = torch::kFloat) {
+    return leaf_copies(v, dtype);
+  }
 
   torch::Device device_{torch::kCPU};
   std::uint64_t seed_ = 0;

@@ -23,18 +23,7 @@ namespace {
 using ampfuse_test::bitwise_equal;
 using ::testing::HasSubstr;
 
-class StateModelTest : public ::testing::TestWithParam<std::string> {
- protected:
-  void SetUp() override {
-    device_ = torch::Device(GetParam());
-    AMPFUSE_SKIP_WITHOUT(device_);
-    ampfuse_test::seed_for_test();
-  }
-  torch::Tensor param(std::vector<std::int64_t> shape, torch::Dtype dtype) const {
-    return torch::randn(shape, torch::TensorOptions().device(device_)).to(dtype).requires_grad_();
-  }
-  torch::Device device_{torch::kCPU};
-};
+using StateModelTest = ampfuse_test::DeviceTest;
 
 /// Throws from prepare_list of the `fail_at`-th list of a step (1-based;
 /// 0: never), after the optimizer prepared it: what a failure in the last

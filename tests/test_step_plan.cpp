@@ -33,18 +33,7 @@ class Forgetful : public Opt {
   void forget() { this->forget_plan(); }
 };
 
-class StepPlanTest : public ::testing::TestWithParam<std::string> {
- protected:
-  void SetUp() override {
-    device_ = torch::Device(GetParam());
-    AMPFUSE_SKIP_WITHOUT(device_);
-    ampfuse_test::seed_for_test();
-  }
-  torch::Tensor param(std::vector<std::int64_t> shape, torch::Dtype dtype) const {
-    return torch::randn(shape, torch::TensorOptions().device(device_)).to(dtype).requires_grad_();
-  }
-  torch::Device device_{torch::kCPU};
-};
+using StepPlanTest = ampfuse_test::DeviceTest;
 
 // Two optimizers over equal copies of the same parameters: `reused` keeps
 // its plan, `fresh` forgets it before every step.

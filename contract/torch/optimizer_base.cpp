@@ -42,6 +42,12 @@ void check_state_tensor(const at::Tensor& s, const at::Tensor& p, c10::ScalarTyp
               " on ", p.device(), " (a checkpoint of another model, or of other options?)");
 }
 
+void check_device_step(const at::Tensor& step, const at::Tensor& p, const char* name, std::size_t g, std::size_t i) {
+  TORCH_CHECK(!step.defined() || (step.numel() == 1 && step.scalar_type() == at::kDouble && step.device() == p.device()),
+              name, ": param group ", g, ", param ", i,
+              ": state device_step must be a Double tensor of one element on the parameter's device");
+}
+
 namespace {
 
 // A signal's tensors are read by kernels on its device: check them as the

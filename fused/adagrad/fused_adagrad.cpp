@@ -21,10 +21,7 @@
 namespace ampfuse {
 
 void FusedAdagradParamState::serialize(torch::serialize::OutputArchive& archive) const {
-  if (!device_step().defined()) return torch::optim::AdagradParamState::serialize(archive);
-  torch::optim::AdagradParamState counted(*this);  // the device count: a sync, as any save from a GPU
-  counted.step(static_cast<std::int64_t>(device_step().item<double>()));
-  counted.serialize(archive);
+  sdk::save_counted<torch::optim::AdagradParamState>(*this, archive);
 }
 
 FusedAdagrad::FusedAdagrad(const std::vector<torch::optim::OptimizerParamGroup>& param_groups,
@@ -49,10 +46,7 @@ FusedAdagrad::FusedAdagrad(std::vector<at::Tensor> params, torch::optim::Adagrad
 void FusedAdagrad::check_state(const at::Tensor& p, const FusedAdagradParamState& st, std::size_t g,
                                std::size_t i) const {
   sdk::check_state_tensor(st.sum(), p, p.scalar_type(), name(), "sum", g, i);
-  const at::Tensor& step = st.device_step();
-  TORCH_CHECK(!step.defined() || (step.numel() == 1 && step.scalar_type() == at::kDouble && step.device() == p.device()),
-              name(), ": param group ", g, ", param ", i,
-              ": state device_step must be a Double tensor of one element on the parameter's device");
+  sdk::check_device_step(st.device_step(), p, name(), g, i);
 }
 
 sdk::Launch FusedAdagrad::prepare_list(const sdk::ParamList& list) {
@@ -72,12 +66,7 @@ sdk::Launch FusedAdagrad::prepare_list(const sdk::ParamList& list) {
       made.step(0);
       made.sum(at::full_like(p, o.initial_accumulator_value(), at::MemoryFormat::Preserve));
     });
-    if (on_cuda && !s.device_step().defined()) {
-      sdk::refuse_under_capture(e, name(), "its device step counter (made at the first step, and again at the "
-                                           "first after load())");
-      undo_on_failure([&s] { s.device_step(at::Tensor()); });
-      s.device_step(at::full({1}, static_cast<double>(s.step()), p.options().dtype(at::kDouble)));
-    }
+    prepare_device_step(e, s);
     states[i] = &s;
   }
 

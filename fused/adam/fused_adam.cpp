@@ -28,13 +28,7 @@ namespace ampfuse {
 
 template <class BaseState>
 void FusedAdamParamStateT<BaseState>::serialize(torch::serialize::OutputArchive& archive) const {
-  if (this->device_step().defined()) {  // the device counts: a sync, as any save from a GPU
-    BaseState counted(*this);
-    counted.step(static_cast<std::int64_t>(this->device_step().template item<double>()));
-    counted.BaseState::serialize(archive);
-  } else {
-    BaseState::serialize(archive);
-  }
+  sdk::save_counted<BaseState>(*this, archive);
   if (master().defined()) archive.write("master", master());
 }
 
@@ -86,10 +80,7 @@ void FusedAdamImpl<Base, Options, State, kDecoupled>::check_state(const at::Tens
   sdk::check_state_tensor(st.exp_avg_sq(), p, dtype, name(), "exp_avg_sq", g, i);
   sdk::check_state_tensor(st.max_exp_avg_sq(), p, dtype, name(), "max_exp_avg_sq", g, i);
   sdk::check_state_tensor(st.master(), p, at::kFloat, name(), "master", g, i);
-  const at::Tensor& step = st.device_step();
-  TORCH_CHECK(!step.defined() || (step.numel() == 1 && step.scalar_type() == at::kDouble && step.device() == p.device()),
-              name(), ": param group ", g, ", param ", i,
-              ": state device_step must be a Double tensor of one element on the parameter's device");
+  sdk::check_device_step(st.device_step(), p, name(), g, i);
 }
 
 template <class Base, class Options, class State, bool kDecoupled>
@@ -201,12 +192,7 @@ sdk::Launch FusedAdamImpl<Base, Options, State, kDecoupled>::prepare_list(const 
         this->undo_on_failure([&state] { state.max_exp_avg_sq(at::Tensor()); });
         state.max_exp_avg_sq(zeros());
       }
-      if (on_cuda && !state.device_step().defined()) {
-        sdk::refuse_under_capture(e, name(), "its device step counter (made at the first step, and again at the "
-                                             "first after load())");
-        this->undo_on_failure([&state] { state.device_step(at::Tensor()); });
-        state.device_step(at::full({1}, static_cast<double>(state.step()), p.options().dtype(at::kDouble)));
-      }
+      this->prepare_device_step(e, state);
       k.states[i] = &state;
     }
     k.numels.resize(n);

@@ -19,10 +19,7 @@
 namespace ampfuse {
 
 void FusedRMSpropParamState::serialize(torch::serialize::OutputArchive& archive) const {
-  if (!device_step().defined()) return torch::optim::RMSpropParamState::serialize(archive);
-  torch::optim::RMSpropParamState counted(*this);  // the device count: a sync, as any save from a GPU
-  counted.step(static_cast<std::int64_t>(device_step().item<double>()));
-  counted.serialize(archive);
+  sdk::save_counted<torch::optim::RMSpropParamState>(*this, archive);
 }
 
 FusedRMSprop::FusedRMSprop(const std::vector<torch::optim::OptimizerParamGroup>& param_groups,
@@ -38,10 +35,7 @@ void FusedRMSprop::check_state(const at::Tensor& p, const FusedRMSpropParamState
   sdk::check_state_tensor(st.square_avg(), p, p.scalar_type(), name(), "square_avg", g, i);
   sdk::check_state_tensor(st.momentum_buffer(), p, p.scalar_type(), name(), "momentum_buffer", g, i);
   sdk::check_state_tensor(st.grad_avg(), p, p.scalar_type(), name(), "grad_avg", g, i);
-  const at::Tensor& step = st.device_step();
-  TORCH_CHECK(!step.defined() || (step.numel() == 1 && step.scalar_type() == at::kDouble && step.device() == p.device()),
-              name(), ": param group ", g, ", param ", i,
-              ": state device_step must be a Double tensor of one element on the parameter's device");
+  sdk::check_device_step(st.device_step(), p, name(), g, i);
 }
 
 sdk::Launch FusedRMSprop::prepare_list(const sdk::ParamList& list) {
@@ -71,12 +65,7 @@ sdk::Launch FusedRMSprop::prepare_list(const sdk::ParamList& list) {
       undo_on_failure([&s] { s.grad_avg(at::Tensor()); });
       s.grad_avg(zeros());
     }
-    if (on_cuda && !s.device_step().defined()) {
-      sdk::refuse_under_capture(e, name(), "its device step counter (made at the first step, and again at the "
-                                           "first after load())");
-      undo_on_failure([&s] { s.device_step(at::Tensor()); });
-      s.device_step(at::full({1}, static_cast<double>(s.step()), p.options().dtype(at::kDouble)));
-    }
+    prepare_device_step(e, s);
     states[i] = &s;
   }
 

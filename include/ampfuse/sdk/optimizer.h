@@ -52,6 +52,7 @@
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/full.h>
 #include <c10/util/Exception.h>
 #include <torch/optim/optimizer.h>
 #include <torch/optim/serialize.h>
@@ -183,6 +184,24 @@ PlanMatch match_plan(torch::optim::Optimizer& opt, const StateStamp& stamp, cons
 /// shape, strides and device, and the dtype the optimizer keeps it in.
 void check_state_tensor(const at::Tensor& s, const at::Tensor& p, c10::ScalarType dtype, const char* name,
                         const char* what, std::size_t group, std::size_t index);
+
+/// Throws unless a state's device step counter (when defined) is an fp64
+/// tensor of one element on p's device.
+void check_device_step(const at::Tensor& step, const at::Tensor& p, const char* name, std::size_t group,
+                       std::size_t index);
+
+/// Writes state `s` (a BaseState, LibTorch's, extended with a device step
+/// counter `device_step`) as a BaseState whose step is the device count
+/// when there is one (reading it: a sync, as any save from a GPU), so that
+/// the checkpoint holds the count the kernels kept and LibTorch's optimizer
+/// loads it.
+template <class BaseState, class S>
+void save_counted(const S& s, torch::serialize::OutputArchive& archive) {
+  if (!s.device_step().defined()) return s.BaseState::serialize(archive);
+  BaseState counted(s);
+  counted.step(static_cast<std::int64_t>(s.device_step().template item<double>()));
+  counted.BaseState::serialize(archive);
+}
 
 /// True when a CPU signal's found_inf is set (reading a CPU tensor is no
 /// device sync): the CPU part of the step is then skipped on the host.
@@ -543,6 +562,21 @@ class FusedOptimizer : public Base, public ScalerAware {
       return static_cast<State&>(*e.state);
     }
     return state_for(e.param, std::forward<Init>(init), created);
+  }
+
+  /// In prepare_list, on CUDA: state.device_step (an fp64 counter of one
+  /// element, which the kernels read and advance on the device, so that a
+  /// skipped step does not count), made from the host count state.step()
+  /// when missing (at the first step, and the first after load()). Refused
+  /// under CUDA graph capture; taken back if a later list throws.
+  template <class S>
+  void prepare_device_step(const Entry& e, S& state) {
+    if (!e.device.is_cuda() || state.device_step().defined()) return;
+    refuse_under_capture(e, name(), "its device step counter (made at the first step, and again at the first after "
+                                    "load())");
+    undo_on_failure([&state] { state.device_step(at::Tensor()); });
+    state.device_step(
+        at::full({1}, static_cast<double>(state.step()), e.param.options().dtype(at::kDouble)));
   }
 
   /// In prepare_list, for an fp32 master copy of a half or bf16 parameter
