@@ -4,6 +4,8 @@
 #include "ampfuse/grad_scaler.h"
 
 #include <ATen/ops/full.h>
+#include <ATen/ops/ones_like.h>
+#include <ATen/ops/where.h>
 #include <ATen/ops/zeros.h>
 #include <c10/util/Exception.h>
 #include <torch/nn/utils/clip_grad.h>
@@ -146,7 +148,6 @@ struct GradScaler::GradsPlan {
   std::vector<GradKey> keys;                                // per parameter, in group order
   CollectedGrads collected;
   std::vector<detail::CheckedList> views;
-  bool in_place = false;  // checked for an in-place op
   bool reusable = false;
 
   const DeviceGrads& grads() const { return collected.grads; }
@@ -167,7 +168,8 @@ const GradScaler::GradsPlan& GradScaler::grads_plan(torch::optim::Optimizer& opt
     groups.emplace_back(group.params().data(), group.params().size());
     for (const at::Tensor& p : group.params()) params.push_back(&p);
   }
-  if (kept && kept->reusable && (kept->in_place || !in_place) && kept->groups == groups &&
+  // A reusable plan has no staged grads: its checks hold for in-place ops too.
+  if (kept && kept->reusable && kept->groups == groups &&
       kept->keys.size() == params.size()) {
     std::atomic<bool> same{true};
     at::parallel_for(0, static_cast<std::int64_t>(params.size()), sdk::kEntriesGrain,
@@ -182,7 +184,6 @@ const GradScaler::GradsPlan& GradScaler::grads_plan(torch::optim::Optimizer& opt
       grads_by_device(optimizer, for_norm ? Coalesce::kAll : in_place ? Coalesce::kHalf : Coalesce::kNone);
   plan->views = checked_views(plan->collected.grads, op, in_place);  // throws before anything is written
   plan->collected.commit();  // coalesced sparse grads take their places
-  plan->in_place = in_place;
   plan->reusable = !plan->collected.any_sparse &&
                    std::all_of(plan->views.begin(), plan->views.end(),
                                [](const detail::CheckedList& l) { return l.staged.empty(); });
@@ -339,6 +340,7 @@ void GradScaler::step(torch::optim::Optimizer& optimizer) {
     for (const DeviceState& ds : state.devices)
       signals.set(ds.device, {ds.inv_scale, combined_found_inf(state, ds.device), ds.clip_coef});
     aware->step_with_signals(signals);
+    if (options_.unscaled_grads_after_step()) apply_deferred_factors(optimizer, state, /*unless_found=*/true);
   } else {
     if (!state.checked) check_grads(optimizer, state, /*unscale_in_place=*/true);
     TORCH_CHECK(!state.devices.empty(), "No inf checks were recorded for this optimizer.");
@@ -346,23 +348,34 @@ void GradScaler::step(torch::optim::Optimizer& optimizer) {
     double found = 0.0;
     for (const DeviceState& ds : state.devices) found += ds.found_inf.item<float>();
     if (found == 0.0) {
-      // Deferred factors: the unscale (when clip_grad_norm_ came first) and the clip coefficient.
-      const GradsPlan& plan = grads_plan(optimizer, "GradScaler::step", /*in_place=*/true, /*for_norm=*/false);
-      const DeviceGrads& grads = plan.grads();
-      for (std::size_t i = 0; i < grads.size(); ++i) {
-        const auto ds = std::find_if(state.devices.begin(), state.devices.end(),
-                                     [&](const DeviceState& d) { return d.device == grads[i].first; });
-        if (ds == state.devices.end()) continue;
-        at::Tensor factor = ds->inv_scale;
-        if (ds->clip_coef.defined()) factor = factor.defined() ? factor * ds->clip_coef : ds->clip_coef;
-        if (factor.defined()) detail::scale(plan.views[i].views, ds->device, factor.reshape({1}), nullptr);
-      }
-      plan.write_back();
+      apply_deferred_factors(optimizer, state, /*unless_found=*/false);
       optimizer.step();
     }
   }
   last_found_inf_[&optimizer] = combined_found_inf(state, state.devices.front().device);
   state.stage = Stage::kStepped;
+}
+
+// Multiplies the optimizer's grads by the factors the step deferred: the
+// inverse scale (unless unscale_ unscaled them in place) and the clip
+// coefficient, computed as the contract path's kernels compute them
+// (inv_scale * clip_coef in fp32). With `unless_found`, by 1 where a device's
+// found_inf is set, decided on the device (no sync).
+void GradScaler::apply_deferred_factors(torch::optim::Optimizer& optimizer, const OptimizerState& state,
+                                        bool unless_found) {
+  const GradsPlan& plan = grads_plan(optimizer, "GradScaler::step", /*in_place=*/true, /*for_norm=*/false);
+  const DeviceGrads& grads = plan.grads();
+  for (std::size_t i = 0; i < grads.size(); ++i) {
+    const auto ds = std::find_if(state.devices.begin(), state.devices.end(),
+                                 [&](const DeviceState& d) { return d.device == grads[i].first; });
+    if (ds == state.devices.end()) continue;
+    at::Tensor factor = ds->inv_scale;
+    if (ds->clip_coef.defined()) factor = factor.defined() ? factor * ds->clip_coef : ds->clip_coef;
+    if (!factor.defined()) continue;
+    if (unless_found) factor = at::where(combined_found_inf(state, ds->device) != 0, at::ones_like(factor), factor);
+    detail::scale(plan.views[i].views, ds->device, factor.reshape({1}), nullptr);
+  }
+  plan.write_back();
 }
 
 void GradScaler::update() {

@@ -349,6 +349,55 @@ TEST(GradScaler, GradsWithGapsAreUnscaledAsAtenDoes) {
   EXPECT_FALSE(scaler.last_step_skipped(opt));
 }
 
+// unscaled_grads_after_step: after scaler.step(FusedAdam) the grads hold what
+// the update used, bit for bit the grads of the classic path (torch::optim::Adam
+// under the same scaler), with and without clip_grad_norm_; a skipped step
+// leaves them scaled. The updates themselves are the option's twin's.
+TEST(GradScaler, UnscaledGradsAfterStepMatchTheClassicPath) {
+  const auto seed = ampfuse_test::seed_for_test();
+  for (bool clip : {false, true}) {
+    for (auto dtype : {torch::kFloat, torch::kHalf, torch::kBFloat16}) {
+      SCOPED_TRACE(ampfuse_test::dtype_name(dtype) + (clip ? " with clip_grad_norm_" : ""));
+      Model fused = make_params({{33, 7}, {0}, {4097}}, dtype, seed);
+      Model plain = make_params({{33, 7}, {0}, {4097}}, dtype, seed);
+      Model classic = make_params({{33, 7}, {0}, {4097}}, dtype, seed);
+      ampfuse::FusedAdam opt(fused.params, torch::optim::AdamOptions(1e-3));
+      ampfuse::FusedAdam plain_opt(plain.params, torch::optim::AdamOptions(1e-3));
+      torch::optim::Adam classic_opt(classic.params, torch::optim::AdamOptions(1e-3));
+      const auto options = ampfuse::GradScalerOptions().init_scale(1024.0);
+      ampfuse::GradScaler scaler(ampfuse::GradScalerOptions(options).unscaled_grads_after_step(true));
+      ampfuse::GradScaler plain_scaler(options), classic_scaler(options);
+      for (int step = 0; step < 4; ++step) {
+        const bool poison = step == 2;
+        set_grads(fused.params, 1000.f);
+        for (std::size_t i = 0; i < fused.params.size(); ++i) {
+          plain.params[i].mutable_grad() = fused.params[i].grad().clone();
+          classic.params[i].mutable_grad() = fused.params[i].grad().clone();
+        }
+        if (poison)
+          for (Model* m : {&fused, &plain, &classic}) m->params[2].mutable_grad()[5] = kInf;
+        const auto scaled = clone_grads(fused.params);
+        for (auto* s : {&scaler, &plain_scaler, &classic_scaler}) s->scale(torch::ones({}));
+        if (clip) {
+          scaler.clip_grad_norm_(opt, 1.0);
+          plain_scaler.clip_grad_norm_(plain_opt, 1.0);
+          classic_scaler.clip_grad_norm_(classic_opt, 1.0);
+        }
+        scaler.step(opt);
+        plain_scaler.step(plain_opt);
+        classic_scaler.step(classic_opt);
+        for (auto* s : {&scaler, &plain_scaler, &classic_scaler}) s->update();
+        EXPECT_EQ(scaler.last_step_skipped(opt), poison);
+        for (std::size_t i = 0; i < fused.params.size(); ++i) {
+          EXPECT_TRUE(bitwise_equal(fused.params[i], plain.params[i])) << "param " << i << ", step " << step;
+          if (poison) EXPECT_TRUE(bitwise_equal(fused.params[i].grad(), scaled[i])) << "grad " << i << ", step " << step;
+          else EXPECT_TRUE(bitwise_equal(fused.params[i].grad(), classic.params[i].grad())) << "grad " << i << ", step " << step;
+        }
+      }
+    }
+  }
+}
+
 // Sparse grads (Embedding with sparse=true, then SGD) on the classic path,
 // as torch.amp: the values are checked and unscaled (fp16 ones after
 // coalescing); an inf skips the step; the step equals ATen's unscale of the

@@ -47,6 +47,14 @@ struct GradScalerOptions {
   TORCH_ARG(bool, enabled) = true;
   /// Lower bound the scale never backs off below; 0 (the default) means none, as in PyTorch.
   TORCH_ARG(double, min_scale) = 0.0;
+  /// The contract path (ScalerAware optimizers) reads grads and never writes
+  /// them, so after step() they still hold the scaled gradients. With this
+  /// option, step() leaves in them what the update used, g * inv_scale *
+  /// clip_coef, bit for bit the grads of the classic path, as after PyTorch's
+  /// fused optimizers; a skipped step leaves them scaled, as PyTorch's fused
+  /// optimizers do. It costs one read and one write of the grads after the
+  /// update (8 bytes per fp32 parameter), on the device, with no host sync.
+  TORCH_ARG(bool, unscaled_grads_after_step) = false;
 };
 
 class GradScaler {
@@ -124,6 +132,7 @@ class GradScaler {
   void check_grads(torch::optim::Optimizer& optimizer, OptimizerState& state, bool unscale_in_place);
   at::Tensor inv_scale_on(c10::Device device) const;
   at::Tensor combined_found_inf(const OptimizerState& state, c10::Device device) const;
+  void apply_deferred_factors(torch::optim::Optimizer& optimizer, const OptimizerState& state, bool unless_found);
 
   GradScalerOptions options_;
   at::Tensor scale_;           // fp32, 0-dim
