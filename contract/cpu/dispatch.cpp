@@ -7,6 +7,10 @@
 #include <string>
 #include <vector>
 
+#if defined(__SSE__)
+#include <xmmintrin.h>
+#endif
+
 #include "contract/cpu/kernels.h"
 
 namespace ampfuse::sdk::cpu {
@@ -99,6 +103,39 @@ void force_isa(const char* name) {
   }
   throw std::invalid_argument(std::string("ampfuse: CPU instruction set ") + name + " is not compiled in");
 }
+
+namespace {
+
+std::atomic<bool>& kept_subnormals() {
+  static std::atomic<bool> kept{[] {
+    const char* env = std::getenv("AMPFUSE_KEEP_SUBNORMALS");
+    return env != nullptr && *env != '\0' && std::strcmp(env, "0") != 0;
+  }()};
+  return kept;
+}
+
+}  // namespace
+
+void keep_subnormals(bool keep) { kept_subnormals().store(keep, std::memory_order_release); }
+bool subnormals_kept() { return kept_subnormals().load(std::memory_order_acquire); }
+
+#if defined(__SSE__)
+// MXCSR: bit 15 flushes subnormal results to zero, bit 6 reads subnormal inputs as zero.
+constexpr unsigned kFlushBits = (1u << 15) | (1u << 6);
+FlushSubnormals::FlushSubnormals() {
+  if (subnormals_kept()) return;
+  saved_ = _mm_getcsr();
+  if ((saved_ & kFlushBits) == kFlushBits) return;
+  _mm_setcsr(saved_ | kFlushBits);
+  changed_ = true;
+}
+FlushSubnormals::~FlushSubnormals() {
+  if (changed_) _mm_setcsr(saved_);
+}
+#else
+FlushSubnormals::FlushSubnormals() {}
+FlushSubnormals::~FlushSubnormals() {}
+#endif
 
 PlanRef plan_ref(const Plan& plan) {
   return {plan.tensors().data(), plan.numels().data(), plan.chunk_offsets().data(),

@@ -272,7 +272,10 @@ void check_non_finite(const TensorListsView& views, c10::Device device, const at
       std::vector<double> chunk_sum_sq(sum_sq ? static_cast<std::size_t>(num_chunks) : 0);
       const cpu::CheckArgs args{sdk::cpu::plan_ref(g.plan), ptrs.data(), g.dtype, chunk_non_finite.data(),
                                 sum_sq ? chunk_sum_sq.data() : nullptr};
-      at::parallel_for(0, num_chunks, 1, [&](std::int64_t b, std::int64_t e) { k.check(args, b, e); });
+      at::parallel_for(0, num_chunks, 1, [&](std::int64_t b, std::int64_t e) {
+        const sdk::cpu::FlushSubnormals flush;
+        k.check(args, b, e);
+      });
       for (unsigned char f : chunk_non_finite) any_non_finite |= f != 0;
       for (double s : chunk_sum_sq) total += s;
     }
@@ -312,7 +315,10 @@ void scale(const TensorListsView& views, c10::Device device, const at::Tensor& s
       std::vector<unsigned char> chunk_non_finite(found_inf ? static_cast<std::size_t>(g.plan.num_chunks()) : 0);
       const cpu::ScaleArgs args{sdk::cpu::plan_ref(g.plan), ptrs.data(), g.dtype, s,
                                 found_inf ? chunk_non_finite.data() : nullptr};
-      at::parallel_for(0, g.plan.num_chunks(), 1, [&](std::int64_t b, std::int64_t e) { k.scale(args, b, e); });
+      at::parallel_for(0, g.plan.num_chunks(), 1, [&](std::int64_t b, std::int64_t e) {
+        const sdk::cpu::FlushSubnormals flush;
+        k.scale(args, b, e);
+      });
       for (unsigned char f : chunk_non_finite) any_non_finite |= f != 0;
     }
     if (any_non_finite) *found_inf->data_ptr<float>() = 1.f;

@@ -49,6 +49,32 @@ Isa current_isa();
 /// compiled in or this CPU lacks it.
 void force_isa(const char* name);
 
+/// Subnormal numbers (below 2^-126 in fp32) make x86 arithmetic take a
+/// microcode assist per operation: moments that decay into that range, or
+/// tiny grads multiplied by a small inverse scale, made a step 6 to 16 times
+/// slower. So CPU kernels run with them flushed: while a FlushSubnormals
+/// lives, this thread's SSE/AVX arithmetic reads subnormal inputs as zero
+/// (DAZ) and writes subnormal results as zero (FTZ), which changes only values
+/// below 2^-126 (fp16's subnormals are normal fp32 numbers and are kept).
+/// keep_subnormals(true), or AMPFUSE_KEEP_SUBNORMALS=1 in the environment,
+/// keeps IEEE subnormals for exact parity with LibTorch, at that cost.
+/// sdk::parallel_chunks and the engine ops hold one in every worker.
+class FlushSubnormals {
+ public:
+  FlushSubnormals();
+  ~FlushSubnormals();
+  FlushSubnormals(const FlushSubnormals&) = delete;
+  FlushSubnormals& operator=(const FlushSubnormals&) = delete;
+
+ private:
+  unsigned saved_ = 0;
+  bool changed_ = false;
+};
+
+/// Keep IEEE subnormals in CPU kernels (true), or flush them (false, the default).
+void keep_subnormals(bool keep);
+bool subnormals_kept();
+
 /// Of three builds of one kernel, the one for current_isa(): the one
 /// dispatcher of ampfuse's kernels and third-party ones. On x86-64
 /// ampfuse_add_cpu_kernel compiles all three; elsewhere only the baseline,

@@ -73,6 +73,7 @@
 
 #include "ampfuse/contract.h"
 #include "ampfuse/multi_tensor.h"
+#include "ampfuse/sdk/cpu.h"
 #include "ampfuse/sdk/cuda.h"
 #include "ampfuse/tensor_ops.h"
 
@@ -272,10 +273,14 @@ void parallel_entries(std::size_t n, F&& fn) {
 }
 
 /// Runs a CPU kernel fn(chunk_begin, chunk_end) over every chunk of `plan`
-/// in one parallel region (ATen's thread pool, at::get_num_threads()).
+/// in one parallel region (ATen's thread pool, at::get_num_threads()), with
+/// subnormals flushed in every worker (cpu::FlushSubnormals).
 template <class F>
 void parallel_chunks(const Plan& plan, F&& fn) {
-  at::parallel_for(0, plan.num_chunks(), 1, [&](std::int64_t b, std::int64_t e) { fn(b, e); });
+  at::parallel_for(0, plan.num_chunks(), 1, [&](std::int64_t b, std::int64_t e) {
+    const cpu::FlushSubnormals flush;
+    fn(b, e);
+  });
 }
 
 /// Advances the step counters of zero-element parameters (which no kernel

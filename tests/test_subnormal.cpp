@@ -1,0 +1,111 @@
+// Subnormals in CPU kernels (ampfuse/sdk/cpu.h, FlushSubnormals): flushed by
+// default, which changes only values below 2^-126 (normal values keep
+// ATen's bits); kept as IEEE subnormals, bit for bit ATen's, with
+// keep_subnormals(true); and the caller's floating-point mode is restored.
+
+#include <ampfuse/fused_adam.h>
+#include <ampfuse/tensor_ops.h>
+
+#include <cfloat>
+#include <cmath>
+
+#if defined(__SSE__)
+#include <xmmintrin.h>
+#endif
+
+#include "contract/cpu/kernels.h"
+#include "tests/common.h"
+
+namespace {
+
+using ampfuse_test::bitwise_equal;
+
+constexpr float kSubnormal = 2e-39f;  // below FLT_MIN = 2^-126
+
+// Restores the automatic choice when a test ends.
+struct KeptSubnormals {
+  explicit KeptSubnormals(bool keep) { ampfuse::sdk::cpu::keep_subnormals(keep); }
+  ~KeptSubnormals() { ampfuse::sdk::cpu::keep_subnormals(false); }
+};
+
+class Subnormals : public ::testing::TestWithParam<std::string> {
+ protected:
+  void SetUp() override {
+    ampfuse::sdk::cpu::force_isa(GetParam().c_str());
+    ampfuse_test::seed_for_test();
+  }
+  void TearDown() override { ampfuse::sdk::cpu::force_isa(""); }
+};
+
+// Subnormal inputs, and normal inputs whose product is subnormal, scaled.
+std::vector<torch::Tensor> mixed_list() {
+  auto normal = torch::randn({1000});
+  auto sub = torch::full({77}, kSubnormal);
+  sub[3] = -kSubnormal;
+  auto tiny = torch::full({33}, 1e-30f);  // times 1e-10: 1e-40, subnormal
+  return {normal, sub, tiny};
+}
+
+TEST_P(Subnormals, FlushedByDefaultOnlyBelowTwoToTheMinus126) {
+  auto list = mixed_list();
+  auto ref = std::vector<torch::Tensor>{list[0].clone(), list[1].clone(), list[2].clone()};
+  const auto factor = torch::full({1}, 1e-10f);
+#if defined(__SSE__)
+  const unsigned before = _mm_getcsr();
+#endif
+  ampfuse::scale_(list, factor);
+#if defined(__SSE__)
+  EXPECT_EQ(_mm_getcsr(), before) << "the caller's floating-point mode was not restored";
+#endif
+  for (auto& t : ref) t.mul_(factor);
+  EXPECT_TRUE(bitwise_equal(list[0], ref[0])) << "normal values must keep ATen's bits";
+  EXPECT_TRUE(torch::all(list[1] == 0).item<bool>()) << "subnormal inputs read as zero";
+  EXPECT_TRUE(torch::all(list[2] == 0).item<bool>()) << "subnormal results written as zero";
+  // What was flushed is below 2^-126 in ATen's result.
+  EXPECT_LT(ref[2].abs().max().item<float>(), FLT_MIN);
+}
+
+TEST_P(Subnormals, KeptOnRequestAsAtenComputesThem) {
+  const KeptSubnormals keep(true);
+  auto list = mixed_list();
+  auto ref = std::vector<torch::Tensor>{list[0].clone(), list[1].clone(), list[2].clone()};
+  const auto factor = torch::full({1}, 1e-10f);
+  ampfuse::scale_(list, factor);
+  for (auto& t : ref) t.mul_(factor);
+  for (std::size_t i = 0; i < list.size(); ++i) EXPECT_TRUE(bitwise_equal(list[i], ref[i])) << "tensor " << i;
+  EXPECT_GT(list[2].abs().max().item<float>(), 0.f);
+}
+
+// Adam on moments that decayed into the subnormal range: the parameters
+// take torch::optim::Adam's values, the moments differ from its only below
+// 2^-126.
+TEST_P(Subnormals, AdamOnSubnormalMomentsDiffersOnlyBelowFltMin) {
+  auto p = torch::rand({4099}).requires_grad_();
+  auto r = p.detach().clone().requires_grad_();
+  ampfuse::FusedAdam opt({p}, torch::optim::AdamOptions(1e-3));
+  torch::optim::Adam ref({r}, torch::optim::AdamOptions(1e-3));
+  for (int step = 0; step < 5; ++step) {
+    p.mutable_grad() = torch::full_like(p, step == 0 ? 1e-3f : kSubnormal);
+    r.mutable_grad() = p.grad().clone();
+    opt.step();
+    ref.step();
+    if (step == 0) {  // moments into the subnormal range
+      for (auto* o : std::initializer_list<torch::optim::Optimizer*>{&opt, &ref})
+        for (auto& [key, state] : o->state()) {
+          auto& s = static_cast<torch::optim::AdamParamState&>(*state);
+          s.exp_avg().fill_(kSubnormal);
+          s.exp_avg_sq().fill_(kSubnormal);
+        }
+    }
+  }
+  EXPECT_LE((p.detach() - r.detach()).abs().max().item<float>(), 1e-6f);
+  const auto& s = static_cast<const torch::optim::AdamParamState&>(*opt.state().begin()->second);
+  const auto& rs = static_cast<const torch::optim::AdamParamState&>(*ref.state().begin()->second);
+  EXPECT_LT((s.exp_avg() - rs.exp_avg()).abs().max().item<float>(), FLT_MIN);
+  EXPECT_LT((s.exp_avg_sq() - rs.exp_avg_sq()).abs().max().item<float>(), FLT_MIN);
+}
+
+INSTANTIATE_TEST_SUITE_P(All, Subnormals, ::testing::ValuesIn(ampfuse::cpu::available_isas()),
+                         [](const auto& info) { return info.param; });
+
+}  // namespace
