@@ -38,8 +38,8 @@ TARGETS = [
     ("Adagrad", "8x8M", "ceiling_twin", 0.90, "of the traffic twin"),
     ("Adagrad", "8x8M", "aten_fused_adagrad", 1.0, "the speed of at::_fused_adagrad_"),
     ("RMSprop", "8x8M", "ceiling_twin", 0.90, "of the traffic twin"),
-    ("AdamSubnormal", "8x8M", "ours_normal", 1 / 1.3, "the speed of the same step on normal data (at most 1.3x its time)"),
-    ("AdamScaledTiny", "8x8M", "ours_normal", 1 / 1.3,
+    ("AdamSubnormal", "8x8M", "ours_normal", 0.77, "the speed of the same step on normal data (at most 1.3x its time)"),
+    ("AdamScaledTiny", "8x8M", "ours_normal", 0.77,
      "the speed of the same scaled step on normal grads (at most 1.3x its time)"),
 ]
 

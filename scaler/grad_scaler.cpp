@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <atomic>
 #include <deque>
+#include <iterator>
 #include <cmath>
 
 #include "ampfuse/sdk/optimizer.h"
@@ -336,6 +337,9 @@ void GradScaler::step(torch::optim::Optimizer& optimizer) {
   if (auto* aware = dynamic_cast<ScalerAware*>(&optimizer)) {
     if (!state.checked) check_grads(optimizer, state, /*unscale_in_place=*/false);
     TORCH_CHECK(!state.devices.empty(), "No inf checks were recorded for this optimizer.");
+    // The grads will be written after the step: check them for that before it.
+    if (options_.unscaled_grads_after_step())
+      grads_plan(optimizer, "GradScaler::step", /*in_place=*/true, /*for_norm=*/false);
     StepSignals signals;
     for (const DeviceState& ds : state.devices)
       signals.set(ds.device, {ds.inv_scale, combined_found_inf(state, ds.device), ds.clip_coef});
@@ -372,7 +376,14 @@ void GradScaler::apply_deferred_factors(torch::optim::Optimizer& optimizer, cons
     at::Tensor factor = ds->inv_scale;
     if (ds->clip_coef.defined()) factor = factor.defined() ? factor * ds->clip_coef : ds->clip_coef;
     if (!factor.defined()) continue;
-    if (unless_found) factor = at::where(combined_found_inf(state, ds->device) != 0, at::ones_like(factor), factor);
+    if (unless_found) {
+      const at::Tensor found = combined_found_inf(state, ds->device);
+      if (ds->device.is_cpu()) {
+        if (found.item<float>() != 0.f) continue;  // a host read of a CPU tensor: no sync
+      } else {
+        factor = at::where(found != 0, at::ones_like(factor), factor);
+      }
+    }
     detail::scale(plan.views[i].views, ds->device, factor.reshape({1}), nullptr);
   }
   plan.write_back();
@@ -403,14 +414,22 @@ void GradScaler::update() {
     TORCH_CHECK(false, "GradScaler::update: the scale is on ", scale_.device(), " but ampfuse was built without CUDA");
 #endif
   }
+  end_iteration();
+}
+
+void GradScaler::end_iteration() {
   per_optimizer_.clear();
+  // Plans that cannot serve the next step (staged or sparse grads) would
+  // only keep this step's grads and their copies alive.
+  for (auto it = grads_plans_.plans.begin(); it != grads_plans_.plans.end();)
+    it = it->second && !it->second->reusable ? grads_plans_.plans.erase(it) : std::next(it);
 }
 
 void GradScaler::update(double new_scale) {
   if (!options_.enabled()) return;
   require_scale("update");
   scale_.fill_(new_scale);
-  per_optimizer_.clear();
+  end_iteration();
 }
 
 void GradScaler::update(const at::Tensor& new_scale) {
@@ -423,7 +442,7 @@ void GradScaler::update(const at::Tensor& new_scale) {
   TORCH_CHECK(new_scale.numel() == 1, reason);
   TORCH_CHECK(!new_scale.requires_grad(), reason);
   scale_.copy_(new_scale.reshape({}));
-  per_optimizer_.clear();
+  end_iteration();
 }
 
 double GradScaler::get_scale() const {

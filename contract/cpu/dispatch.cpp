@@ -130,7 +130,8 @@ FlushSubnormals::FlushSubnormals() {
   changed_ = true;
 }
 FlushSubnormals::~FlushSubnormals() {
-  if (changed_) _mm_setcsr(saved_);
+  // The two bits only: exception flags the kernel raised stay raised.
+  if (changed_) _mm_setcsr((_mm_getcsr() & ~kFlushBits) | (saved_ & kFlushBits));
 }
 #else
 FlushSubnormals::FlushSubnormals() {}

@@ -8,7 +8,7 @@
 //   clr = lr / (1 + (step - 1) * lr_decay)                  (fp64, per tensor)
 //   g   = maximize ? -g : g;  g = g + wd * p
 //   sum = sum + g * g
-//   p   = p + (-clr) * (g / (sqrt(sum) + eps))
+//   p   = p + ((-clr) * g) / (sqrt(sum) + eps)            (addcdiv's order)
 
 #include "ampfuse/config.h"
 #include "ampfuse/multi_tensor.h"
@@ -55,7 +55,7 @@ AMPFUSE_HOST_DEVICE void adagrad_update(V& p, V g, V& sum, float neg_clr, const 
   if (h.maximize) g = -g;
   if (h.weight_decay != 0.f) g = g + Ops::splat(h.weight_decay) * p;
   sum = sum + g * g;
-  p = p + Ops::splat(neg_clr) * (g / (Ops::sqrt(sum) + Ops::splat(h.eps)));
+  p = p + (Ops::splat(neg_clr) * g) / (Ops::sqrt(sum) + Ops::splat(h.eps));
 }
 
 }  // namespace ampfuse::fused

@@ -44,7 +44,7 @@ sdk::Launch FusedRMSprop::prepare_list(const sdk::ParamList& list) {
   const auto& o = options_of(list.group);
   const fused::RmspropHyper hyper = fused::make_rmsprop_hyper(o.lr(), o.alpha(), o.eps(), o.weight_decay(),
                                                               o.momentum(), o.centered(), fused_.maximize());
-  const bool momentum = o.momentum() > 0, centered = o.centered();
+  const bool momentum = hyper.use_momentum, centered = o.centered();
   const ScalarType st = list.kernel_dtype();
   const bool on_cuda = list.device.is_cuda();
   const std::size_t n = entries.size();

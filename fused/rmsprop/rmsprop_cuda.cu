@@ -37,7 +37,7 @@ void rmsprop(const sdk::cuda::LaunchMeta& meta, ScalarType dtype, const RmspropC
   dispatch_dtype(dtype, [&](auto tag) {
     using T = decltype(tag);
     launch_with_meta<kRmspropLists>(meta, [&](auto m, dim3 grid) {
-      const bool momentum = args.hyper.momentum > 0.f;
+      const bool momentum = args.hyper.use_momentum;
       if (args.hyper.centered) {
         if (momentum) rmsprop_kernel<T, true, true><<<grid, kBlockSize, 0, stream>>>(m, args);
         else rmsprop_kernel<T, false, true><<<grid, kBlockSize, 0, stream>>>(m, args);

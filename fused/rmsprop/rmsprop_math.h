@@ -9,7 +9,7 @@
 //   ga = ga * alpha + (1 - alpha) * g                       (centered)
 //   avg = sqrt(centered ? sa + (-ga) * ga : sa) + eps
 //   buf = buf * momentum + g / avg;  p = p + (-lr) * buf     (momentum > 0)
-//   p = p + (-lr) * (g / avg)                                (otherwise)
+//   p = p + ((-lr) * g) / avg                                (otherwise; addcdiv's order)
 
 #include "ampfuse/config.h"
 #include "ampfuse/multi_tensor.h"
@@ -30,6 +30,7 @@ struct RmspropHyper {
   float eps = 1e-8f;
   float weight_decay = 0.f;
   float momentum = 0.f;
+  bool use_momentum = false;  ///< momentum > 0, decided on the fp64 option (LibTorch's test)
   bool centered = false;
   bool maximize = false;
 };
@@ -43,14 +44,15 @@ inline RmspropHyper make_rmsprop_hyper(double lr, double alpha, double eps, doub
   h.eps = static_cast<float>(eps);
   h.weight_decay = static_cast<float>(weight_decay);
   h.momentum = static_cast<float>(momentum);
+  h.use_momentum = momentum > 0;
   h.centered = centered;
   h.maximize = maximize;
   return h;
 }
 
 /// One element (or one block of lanes): p and the state in place, g already
-/// multiplied by the scaler's inv_scale * clip_coef. buf is read only when
-/// momentum > 0, grad_avg only when centered.
+/// multiplied by the scaler's inv_scale * clip_coef. buf is read only with
+/// use_momentum, grad_avg only when centered.
 template <class V, class Ops>
 AMPFUSE_HOST_DEVICE void rmsprop_update(V& p, V g, V& square_avg, V* buf, V* grad_avg, const RmspropHyper& h) {
   if (h.maximize) g = -g;
@@ -62,11 +64,11 @@ AMPFUSE_HOST_DEVICE void rmsprop_update(V& p, V g, V& square_avg, V* buf, V* gra
     second = square_avg + (-*grad_avg) * *grad_avg;
   }
   const V avg = Ops::sqrt(second) + Ops::splat(h.eps);
-  if (h.momentum > 0.f) {
+  if (h.use_momentum) {
     *buf = *buf * Ops::splat(h.momentum) + g / avg;
     p = p + Ops::splat(h.neg_lr) * *buf;
   } else {
-    p = p + Ops::splat(h.neg_lr) * (g / avg);
+    p = p + (Ops::splat(h.neg_lr) * g) / avg;
   }
 }
 

@@ -50,7 +50,8 @@ struct GradScalerOptions {
   /// The contract path (ScalerAware optimizers) reads grads and never writes
   /// them, so after step() they still hold the scaled gradients. With this
   /// option, step() leaves in them what the update used, g * inv_scale *
-  /// clip_coef, bit for bit the grads of the classic path, as after PyTorch's
+  /// clip_coef (rounded to the grads' dtype), bit for bit the grads of the
+  /// classic path, as after PyTorch's
   /// fused optimizers; a skipped step leaves them scaled, as PyTorch's fused
   /// optimizers do. It costs one read and one write of the grads after the
   /// update (8 bytes per fp32 parameter), on the device, with no host sync.
@@ -133,6 +134,7 @@ class GradScaler {
   at::Tensor inv_scale_on(c10::Device device) const;
   at::Tensor combined_found_inf(const OptimizerState& state, c10::Device device) const;
   void apply_deferred_factors(torch::optim::Optimizer& optimizer, const OptimizerState& state, bool unless_found);
+  void end_iteration();
 
   GradScalerOptions options_;
   at::Tensor scale_;           // fp32, 0-dim

@@ -54,8 +54,9 @@ void force_isa(const char* name);
 /// tiny grads multiplied by a small inverse scale, made a step 6 to 16 times
 /// slower. So CPU kernels run with them flushed: while a FlushSubnormals
 /// lives, this thread's SSE/AVX arithmetic reads subnormal inputs as zero
-/// (DAZ) and writes subnormal results as zero (FTZ), which changes only values
-/// below 2^-126 (fp16's subnormals are normal fp32 numbers and are kept).
+/// (DAZ) and writes subnormal results as zero (FTZ): only values below 2^-126
+/// change, and a normal result only by what such a value would have added to
+/// it (fp16's subnormals are normal fp32 numbers and are kept).
 /// keep_subnormals(true), or AMPFUSE_KEEP_SUBNORMALS=1 in the environment,
 /// keeps IEEE subnormals for exact parity with LibTorch, at that cost.
 /// sdk::parallel_chunks and the engine ops hold one in every worker.
