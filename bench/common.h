@@ -34,6 +34,7 @@ void register_sgd(torch::Device device);
 void register_lamb(torch::Device device);
 void register_adagrad_rmsprop(torch::Device device);
 void register_subnormal(torch::Device device);
+void register_float64(torch::Device device);
 void register_host(torch::Device device);
 
 

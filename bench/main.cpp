@@ -20,6 +20,7 @@ int main(int argc, char** argv) {
     ampfuse_bench::register_lamb(device);
     ampfuse_bench::register_adagrad_rmsprop(device);
     ampfuse_bench::register_subnormal(device);
+    ampfuse_bench::register_float64(device);
     ampfuse_bench::register_host(device);
   }
   benchmark::Initialize(&argc, argv);

@@ -41,6 +41,9 @@ TARGETS = [
     ("AdamSubnormal", "8x8M", "ours_normal", 0.77, "the speed of the same step on normal data (at most 1.3x its time)"),
     ("AdamScaledTiny", "8x8M", "ours_normal", 0.77,
      "the speed of the same scaled step on normal grads (at most 1.3x its time)"),
+    ("AdamF64", "8x1M", "torch_optim_adam", 3.0, "the speed of torch::optim::Adam on fp64 params"),
+    ("AdamF64", "8x1M", "aten_fused_adam", 1.0, "the speed of at::_fused_adam_ on fp64 params"),
+    ("SGDF64", "8x1M", "torch_optim_sgd", 2.0, "the speed of torch::optim::SGD on fp64 params"),
 ]
 
 
@@ -66,7 +69,7 @@ def load(path):
 
 
 OP_ORDER = ["Check", "CheckNorm", "Scale", "Scaler", "ScalerClip", "Adam", "AdamScaled", "AdamClip", "SGD", "LAMB",
-            "Adagrad", "RMSprop", "AdamSubnormal", "AdamScaledTiny", "Host", "HostScaler"]
+            "Adagrad", "RMSprop", "AdamSubnormal", "AdamScaledTiny", "AdamF64", "SGDF64", "Host", "HostScaler"]
 
 # (operation, parameter set, most nanoseconds per parameter, what is timed): host-path budgets.
 TIME_TARGETS = [

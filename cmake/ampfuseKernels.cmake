@@ -14,7 +14,7 @@ function(ampfuse_add_cpu_kernel target kernel_file)
   get_filename_component(_abs "${kernel_file}" ABSOLUTE)
   get_filename_component(_name "${kernel_file}" NAME_WE)
   set(_flags_baseline -Wno-psabi)  # vector arguments of internal functions only
-  set(_flags_avx2 -mavx2 -mfma -mf16c)
+  set(_flags_avx2 -mavx2 -mfma -mf16c -Wno-psabi)  # fp64 blocks of 8 lanes: internal functions only
   # GCC 12 warns falsely inside its own avx512fintrin.h (the __Y of
   # _mm512_undefined_*), hence the -Wno: the same kernel code compiled for
   # baseline and avx2 keeps both warnings.

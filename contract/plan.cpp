@@ -11,6 +11,7 @@ const char* to_string(ScalarType t) {
     case ScalarType::Float32: return "Float";
     case ScalarType::Float16: return "Half";
     case ScalarType::BFloat16: return "BFloat16";
+    case ScalarType::Float64: return "Double";
   }
   return "?";
 }

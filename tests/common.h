@@ -58,7 +58,7 @@ inline bool cuda_available() { return torch::cuda::is_available(); }
   } while (0)
 
 inline std::string dtype_name(torch::Dtype t) {
-  return t == torch::kFloat ? "f32" : t == torch::kHalf ? "f16" : t == torch::kBFloat16 ? "bf16" : "other";
+  return t == torch::kFloat ? "f32" : t == torch::kHalf ? "f16" : t == torch::kBFloat16 ? "bf16" : t == torch::kDouble ? "f64" : "other";
 }
 
 /// Bitwise equality, NaNs compared by position (payloads may differ between
@@ -68,11 +68,11 @@ inline ::testing::AssertionResult bitwise_equal(const torch::Tensor& a, const to
     return ::testing::AssertionFailure() << "shape or dtype differ: " << a.sizes() << " " << a.scalar_type()
                                          << " vs " << b.sizes() << " " << b.scalar_type();
   auto ac = a.contiguous().cpu(), bc = b.contiguous().cpu();
-  if (!ac.is_floating_point() || ac.element_size() == 8)  // integers, complex, fp64: plain equality
+  if (!ac.is_floating_point())  // integers, complex: plain equality
     return torch::equal(ac, bc) ? ::testing::AssertionSuccess() : ::testing::AssertionFailure() << "values differ";
   const auto nan_a = ac.isnan(), nan_b = bc.isnan();
   if (!torch::equal(nan_a, nan_b)) return ::testing::AssertionFailure() << "NaN positions differ";
-  const auto int_type = a.element_size() == 4 ? torch::kInt32 : torch::kInt16;
+  const auto int_type = a.element_size() == 8 ? torch::kInt64 : a.element_size() == 4 ? torch::kInt32 : torch::kInt16;
   auto ia = ac.view(int_type).masked_fill(nan_a, 0), ib = bc.view(int_type).masked_fill(nan_b, 0);
   const auto diff = (ia != ib);
   if (diff.any().item<bool>()) {
@@ -117,10 +117,11 @@ inline void expect_step_refused(torch::optim::Optimizer& opt, const std::string&
 /// The differential test of an optimizer against LibTorch's: one to three
 /// groups of three parameters (shapes 0, 1, odd, multi-chunk, 2-d) with
 /// options drawn by random(rng) per group, 100 steps of random grads (negated
-/// for the reference when `maximize`), then every parameter within tol.
+/// for the reference when `maximize`), then every parameter within tol; the
+/// parameters (and so the state and the math) in `dtype`.
 template <class Ours, class Ref, class Options, class Fused, class Random>
 void expect_matches_over_hundred_steps(torch::Device device, std::mt19937_64& rng, Random&& random, Fused fused,
-                                       bool maximize, double tol) {
+                                       bool maximize, double tol, torch::Dtype dtype = torch::kFloat) {
   const std::vector<std::vector<std::int64_t>> pool = {{0}, {1}, {3}, {17}, {33, 3}, {65537}, {129, 31}};
   std::vector<std::vector<torch::Tensor>> ours, ref;
   std::vector<torch::optim::OptimizerParamGroup> og, rg;
@@ -128,8 +129,9 @@ void expect_matches_over_hundred_steps(torch::Device device, std::mt19937_64& rn
   for (int g = 0; g < groups; ++g) {
     ours.emplace_back();
     for (int i = 0; i < 3; ++i)
-      ours.back().push_back(torch::randn(pool[rng() % pool.size()], torch::TensorOptions().device(device)).requires_grad_());
-    ref.push_back(leaf_copies(ours.back()));
+      ours.back().push_back(
+          torch::randn(pool[rng() % pool.size()], torch::TensorOptions().device(device).dtype(dtype)).requires_grad_());
+    ref.push_back(leaf_copies(ours.back(), dtype));
     const Options o = random(rng);
     og.emplace_back(ours.back(), std::make_unique<Options>(o));
     rg.emplace_back(ref.back(), std::make_unique<Options>(o));

@@ -51,10 +51,6 @@ TEST(BadInput, ComplexDtype) {
   expect_refused({torch::randn({4}), torch::randn({3}, torch::kComplexFloat)}, "tensors[1] has dtype ComplexFloat");
 }
 
-TEST(BadInput, DoubleDtype) {
-  expect_refused({torch::randn({4}, torch::kDouble)}, "tensors[0] has dtype Double");
-}
-
 TEST(BadInput, SparseTensor) {
   auto sparse = torch::randn({4, 4}).to_sparse();
   expect_refused({torch::randn({4}), sparse}, "tensors[1] has layout Sparse");

@@ -32,7 +32,7 @@ std::string case_name(const ::testing::TestParamInfo<EngineCase>& info) {
 
 std::vector<EngineCase> engine_cases() {
   std::vector<EngineCase> cases;
-  for (auto dtype : {torch::kFloat, torch::kHalf, torch::kBFloat16}) {
+  for (auto dtype : {torch::kFloat, torch::kHalf, torch::kBFloat16, torch::kDouble}) {
     for (const char* isa : {"avx512", "avx2", "baseline"}) cases.push_back({"cpu", dtype, isa});
     cases.push_back({"cuda", dtype, ""});
   }

@@ -125,7 +125,7 @@ void run_against_reference(FusedLambTest& t, torch::Device device, torch::Dtype 
     p = p.to(dtype).to(device);
     params.push_back(p);
     group_params[g].push_back(p);
-    ref.p.push_back(p.to(torch::kDouble).cpu());
+    ref.p.push_back(p.to(torch::kDouble).cpu().clone());  // a copy, also when p is fp64 on the CPU
     ref.peak.push_back(ref.p.back().abs());
     ref.m.push_back(torch::zeros(shapes[i], torch::kDouble));
     ref.v.push_back(torch::zeros(shapes[i], torch::kDouble));
@@ -186,6 +186,13 @@ TEST_P(FusedLambTest, BiasCorrectionsUseTheBetasAsGiven) {
       ref.p[0] = p.to(torch::kDouble).cpu();  // the next step from the same start
     }
   }
+}
+
+// fp64 params compute in fp64 with fp64 moments: the float64 reference's
+// numbers to rounding, with and without max_grad_norm.
+TEST_P(FusedLambTest, Fp64MatchesFloat64ReferenceOverFiftySteps) {
+  run_against_reference(*this, device_, torch::kDouble, false, false, 1e-12, 1e-12, 0);
+  run_against_reference(*this, device_, torch::kDouble, false, true, 1e-12, 1e-12, 0);
 }
 
 TEST_P(FusedLambTest, MaxGradNormClipsByTheGlobalNorm) {

@@ -14,7 +14,7 @@ struct CheckWorkspace {
   unsigned* counter;   // blocks done; zeroed before the launch
 };
 
-// Calls f(x) for each element of the block's chunk (as fp32), 16-byte loads
+// Calls f(x) for each element of the block's chunk (in opmath), 16-byte loads
 // when the chunk start is aligned, element loads otherwise and for the tail.
 template <class T, class F>
 __device__ __forceinline__ void for_each_element_read(const T* p, std::int64_t n, F&& f) {
@@ -27,12 +27,12 @@ __device__ __forceinline__ void for_each_element_read(const T* p, std::int64_t n
     for (; i < split.num_vec; i += blockDim.x) {
       const V v = pv[i];
 #pragma unroll
-      for (int k = 0; k < V::kSize; ++k) f(to_float(v.v[k]));
+      for (int k = 0; k < V::kSize; ++k) f(to_opmath(v.v[k]));
     }
     tail = split.tail_begin;
     i = tail + threadIdx.x;
   }
-  for (; i < n; i += blockDim.x) f(to_float(p[i]));
+  for (; i < n; i += blockDim.x) f(to_opmath(p[i]));
 }
 
 template <class T, bool kSumSq, class Meta>
@@ -42,7 +42,7 @@ __global__ void __launch_bounds__(kBlockSize)
   const T* p = static_cast<const T*>(meta.data(0, c.slot)) + c.begin;
   bool non_finite = false;
   double acc = 0.0;  // fp64, as on the CPU: the norm feeds clipping of every parameter
-  for_each_element_read(p, c.size, [&](float x) {
+  for_each_element_read(p, c.size, [&](opmath_t<T> x) {
     non_finite |= !isfinite(x);
     if (kSumSq) acc += static_cast<double>(x) * static_cast<double>(x);
   });
@@ -79,12 +79,12 @@ template <class T, bool kCheck, class Meta>
 __global__ void __launch_bounds__(kBlockSize) scale_kernel(Meta meta, const float* scale, float* found_inf) {
   const BlockChunk c = locate_chunk(meta, blockIdx.x);
   T* p = static_cast<T*>(meta.data(0, c.slot)) + c.begin;
-  const float s = *scale;
+  const opmath_t<T> s = *scale;  // for double storage, the float scale in double (as ATen)
   bool non_finite = false;
   auto scaled = [&](T v) {
-    const float x = to_float(v);
+    const opmath_t<T> x = to_opmath(v);
     if (kCheck) non_finite |= !isfinite(x);
-    return from_float<T>(x * s);
+    return from_opmath<T>(x * s);
   };
   using V = Vec16<T>;
   std::int64_t i = threadIdx.x;
@@ -129,7 +129,7 @@ void check_non_finite(const sdk::cuda::LaunchMeta& meta, ScalarType dtype, float
     ws.counter = reinterpret_cast<unsigned*>(ws.partials + meta.num_chunks);
     check_cuda(cudaMemsetAsync(ws.counter, 0, sizeof(unsigned), stream), "cudaMemsetAsync");
   }
-  dispatch_dtype(dtype, [&](auto tag) {
+  dispatch_dtype<true>(dtype, [&](auto tag) {
     using T = decltype(tag);
     launch_with_meta<1>(meta, [&](auto m, dim3 grid) {
       if (sum_sq.wanted())
@@ -143,7 +143,7 @@ void check_non_finite(const sdk::cuda::LaunchMeta& meta, ScalarType dtype, float
 void scale(const sdk::cuda::LaunchMeta& meta, ScalarType dtype, const float* scale, float* found_inf,
            sdk::cuda::Stream stream) {
   using namespace detail;
-  dispatch_dtype(dtype, [&](auto tag) {
+  dispatch_dtype<true>(dtype, [&](auto tag) {
     using T = decltype(tag);
     launch_with_meta<1>(meta, [&](auto m, dim3 grid) {
       if (found_inf != nullptr)

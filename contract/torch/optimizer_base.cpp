@@ -26,8 +26,9 @@ namespace ampfuse::sdk {
 
 namespace {
 
-bool supported_dtype(c10::ScalarType t) {
-  return t == c10::ScalarType::Float || t == c10::ScalarType::Half || t == c10::ScalarType::BFloat16;
+bool supported_dtype(c10::ScalarType t, bool float64) {
+  return t == c10::ScalarType::Float || t == c10::ScalarType::Half || t == c10::ScalarType::BFloat16 ||
+         (float64 && t == c10::ScalarType::Double);
 }
 
 }  // namespace
@@ -98,10 +99,12 @@ class ImplSet {
 
 // The checks of one parameter (the group-membership check aside). Reads
 // only, so that parameters can be checked on several threads.
-bool check_param(const at::Tensor& p, std::size_t g, std::size_t i, const char* name, const StepSignals* signals) {
+bool check_param(const at::Tensor& p, std::size_t g, std::size_t i, const char* name, const StepSignals* signals,
+                 bool float64) {
   TORCH_CHECK(p.defined(), name, ": param group ", g, ", param ", i, " is undefined");
-  TORCH_CHECK(supported_dtype(p.scalar_type()), name, ": param group ", g, ", param ", i, ": dtype ",
-              p.scalar_type(), " is not supported (expected Float, Half or BFloat16)");
+  TORCH_CHECK(supported_dtype(p.scalar_type(), float64), name, ": param group ", g, ", param ", i, ": dtype ",
+              p.scalar_type(), " is not supported (expected Float, Half, BFloat16",
+              float64 ? " or Double)" : "; this optimizer's kernels have no Double path)");
   TORCH_CHECK(p.layout() == c10::kStrided && p.is_non_overlapping_and_dense(), name, ": param group ", g, ", param ",
               i, " is not a dense tensor");
   const at::Tensor& grad = p.grad();
@@ -139,7 +142,7 @@ void check_signals(const StepSignals& signals, const char* name) {
 }
 
 std::vector<Entry> validate_params(torch::optim::Optimizer& opt, const char* name, const StepSignals* signals,
-                                   const CheckState& check_state) {
+                                   const CheckState& check_state, bool float64) {
   if (signals) check_signals(*signals, name);
   auto& groups = opt.param_groups();
   // Kept per thread between steps (no allocation); a plain reference for the
@@ -174,7 +177,7 @@ std::vector<Entry> validate_params(torch::optim::Optimizer& opt, const char* nam
       const Place& place = places[k];
       const at::Tensor& p = *place.param;
       try {
-        if (!check_param(p, place.group, place.index, name, signals)) continue;
+        if (!check_param(p, place.group, place.index, name, signals, float64)) continue;
         torch::optim::OptimizerParamState* state = check_state(p, place.group, place.index);
         local.push_back({place.group, place.index, p, p.grad(), p.device(), p.scalar_type(), state});
       } catch (...) {
@@ -262,7 +265,7 @@ void record_plan(torch::optim::Optimizer& opt, const StateStamp& stamp, PlanKeys
 }
 
 PlanMatch match_plan(torch::optim::Optimizer& opt, const StateStamp& stamp, const char* name,
-                     const StepSignals* signals, PlanKeys& keys) {
+                     const StepSignals* signals, PlanKeys& keys, bool float64) {
   const auto& groups = opt.param_groups();
   if (groups.size() != keys.groups.size()) return PlanMatch::kChanged;
   for (std::size_t g = 0; g < groups.size(); ++g)
@@ -305,7 +308,7 @@ PlanMatch match_plan(torch::optim::Optimizer& opt, const StateStamp& stamp, cons
       if (now.grad != kept.grad || now.grad_data != kept.grad_data || now.grad_numel != kept.grad_numel ||
           now.grad_dtype != kept.grad_dtype) {
         try {
-          check_param(p, g, i, name, signals);
+          check_param(p, g, i, name, signals, float64);
         } catch (...) {
           const std::lock_guard<std::mutex> lock(mutex);
           if (static_cast<std::size_t>(k) < first_error) {
@@ -342,9 +345,13 @@ Lists group_lists(const std::vector<const Entry*>& entries) {
   });
 }
 
-float cpu_grad_factor(const ScaleSignal* signal) {
-  if (!signal) return 1.f;
-  auto value = [](const at::Tensor& t) { return t.defined() ? *t.to(at::kFloat).data_ptr<float>() : 1.f; };
+double cpu_grad_factor(const ScaleSignal* signal) {
+  if (!signal) return 1.0;
+  auto value = [](const at::Tensor& t) {
+    return t.defined() ? static_cast<double>(*t.to(at::kFloat).data_ptr<float>()) : 1.0;
+  };
+  // Exact: a product of two floats fits a double, so rounding it to float
+  // gives the fp32 product bit for bit.
   return value(signal->inv_scale) * value(signal->clip_coef);
 }
 

@@ -30,8 +30,9 @@ ScalarType to_scalar_type(c10::ScalarType t) {
     case c10::ScalarType::Float: return ScalarType::Float32;
     case c10::ScalarType::Half: return ScalarType::Float16;
     case c10::ScalarType::BFloat16: return ScalarType::BFloat16;
+    case c10::ScalarType::Double: return ScalarType::Float64;
     default:
-      TORCH_CHECK(false, "ampfuse: dtype ", t, " is not supported (expected Float, Half or BFloat16)");
+      TORCH_CHECK(false, "ampfuse: dtype ", t, " is not supported (expected Float, Half, BFloat16 or Double)");
   }
 }
 
@@ -42,7 +43,8 @@ std::int64_t cpu_chunk_size() { return sdk::cpu::kChunkSize; }
 namespace {
 
 bool supported_dtype(c10::ScalarType t) {
-  return t == c10::ScalarType::Float || t == c10::ScalarType::Half || t == c10::ScalarType::BFloat16;
+  return t == c10::ScalarType::Float || t == c10::ScalarType::Half || t == c10::ScalarType::BFloat16 ||
+         t == c10::ScalarType::Double;
 }
 
 // What a list's tensors must be: dense (the optimizers' lists, whose tensors
@@ -57,7 +59,7 @@ void check_tensor(const at::Tensor& t, const char* op, const std::string& name, 
   TORCH_CHECK(t.layout() == c10::kStrided, op, ": ", name, "[", i, "] has layout ", t.layout(),
               "; only dense (strided) tensors are supported");
   TORCH_CHECK(supported_dtype(t.scalar_type()), op, ": ", name, "[", i, "] has dtype ", t.scalar_type(),
-              ", which is not supported (expected Float, Half or BFloat16)");
+              ", which is not supported (expected Float, Half, BFloat16 or Double)");
   TORCH_CHECK(!device || t.device() == *device, op, ": ", name, "[", i, "] is on ", t.device(),
               " but ", name, "[0] is on ", *device, "; one list must be on one device");
   TORCH_CHECK(layout != Layout::kDense || t.is_non_overlapping_and_dense(), op, ": ", name, "[", i,
@@ -128,7 +130,7 @@ std::vector<Group> make_groups(const TensorListsView& views, std::int64_t chunk_
     if (plan.num_chunks() > 0) out.emplace_back(list.front().dtype, &views, std::move(plan));
     return out;
   }
-  for (int d = 0; d < 3; ++d) {  // Float32, Float16, BFloat16
+  for (int d = 0; d < kNumScalarTypes; ++d) {
     Group group(static_cast<ScalarType>(d), nullptr, Plan());
     group.owned.lists.resize(1);
     std::vector<std::int64_t> numels;

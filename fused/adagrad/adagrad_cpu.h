@@ -13,10 +13,10 @@ struct AdagradArgs {
   void* const* param;  ///< by tensor index
   void* const* grad;
   void* const* sum;
-  const float* neg_clr;  ///< by tensor index: -clr of the step being taken
-  ScalarType dtype;      ///< of param, grad and sum
-  AdagradHyper hyper;
-  float grad_factor;
+  const double* neg_clr;  ///< by tensor index: -clr of the step being taken (fp64; the kernel rounds it)
+  ScalarType dtype;       ///< of param, grad and sum
+  AdagradHyper hyper;     ///< in fp64, likewise
+  double grad_factor;     ///< inv_scale * clip_coef, exact
 };
 
 using AdagradFn = void (*)(const AdagradArgs&, std::int64_t chunk_begin, std::int64_t chunk_end);

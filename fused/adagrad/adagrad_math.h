@@ -24,36 +24,46 @@ enum class AdagradList : int { kParam, kGrad, kSum, kStep };
 constexpr int kAdagradCpuLists = 3;
 constexpr int kAdagradLists = 4;
 
-/// Hyperparameters of one parameter group, each rounded once from fp64.
-struct AdagradHyper {
-  float weight_decay = 0.f;
-  float eps = 1e-10f;
+/// Hyperparameters of one parameter group in opmath type T (made in double,
+/// narrowed by a kernel with as<T>(), see AdamHyperT).
+template <class T>
+struct AdagradHyperT {
+  T weight_decay = T(0);
+  T eps = T(1e-10);
   bool maximize = false;
   double lr = 1e-2;  ///< for clr, computed in fp64 per tensor and step
   double lr_decay = 0.0;
+
+  template <class U>
+  AMPFUSE_HOST_DEVICE AdagradHyperT<U> as() const {
+    return {static_cast<U>(weight_decay), static_cast<U>(eps), maximize, lr, lr_decay};
+  }
 };
+using AdagradHyper = AdagradHyperT<double>;
 
 inline AdagradHyper make_adagrad_hyper(double lr, double lr_decay, double weight_decay, double eps, bool maximize) {
   AdagradHyper h;
-  h.weight_decay = static_cast<float>(weight_decay);
-  h.eps = static_cast<float>(eps);
+  h.weight_decay = weight_decay;
+  h.eps = eps;
   h.maximize = maximize;
   h.lr = lr;
   h.lr_decay = lr_decay;
   return h;
 }
 
-/// -clr for the step numbered `step` (1 for the first), in fp64 then rounded, as LibTorch.
-AMPFUSE_HOST_DEVICE float adagrad_neg_clr(const AdagradHyper& h, double step) {
-  return static_cast<float>(-(h.lr / (1.0 + (step - 1.0) * h.lr_decay)));
+/// -clr for the step numbered `step` (1 for the first), in fp64 as LibTorch
+/// (a kernel rounds it to its opmath).
+template <class T>
+AMPFUSE_HOST_DEVICE double adagrad_neg_clr(const AdagradHyperT<T>& h, double step) {
+  return -(h.lr / (1.0 + (step - 1.0) * h.lr_decay));
 }
 
 /// One element (or one block of lanes): p and sum in place, g already
 /// multiplied by the scaler's inv_scale * clip_coef.
-template <class V, class Ops>
-AMPFUSE_HOST_DEVICE void adagrad_update(V& p, V g, V& sum, float neg_clr, const AdagradHyper& h) {
+template <class V, class Ops, class T>
+AMPFUSE_HOST_DEVICE void adagrad_update(V& p, V g, V& sum, T neg_clr, const AdagradHyperT<T>& h) {
   if (h.maximize) g = -g;
-  if (h.weight_decay != 0.f) g = g + Ops::splat(h.weight_decay) * p;
+  if (h.weight_decay != T(0)) g = g + Ops::splat(h.weight_decay) * p;
   sum = sum + g * g;
   p = p + (Ops::splat(neg_clr) * g) / (Ops::sqrt(sum) + Ops::splat(h.eps));
 }

@@ -81,10 +81,10 @@ sdk::Launch FusedAdagrad::prepare_list(const sdk::ParamList& list) {
       sum[i] = states[i]->sum().data_ptr();
       steps[i] = states[i]->step() + 1;
     });
-    auto neg_clr = sdk::per_tensor<std::int64_t, float>(
+    auto neg_clr = sdk::per_tensor<std::int64_t, double>(
         steps, [&](std::int64_t step) { return fused::adagrad_neg_clr(hyper, static_cast<double>(step)); });
     auto plan = std::make_shared<const Plan>(numels, sdk::cpu::kChunkSize);
-    const float grad_factor = sdk::cpu_grad_factor(list.signal);
+    const double grad_factor = sdk::cpu_grad_factor(list.signal);
     return [=, states = std::move(states), param = std::move(param), grad = std::move(grad), sum = std::move(sum),
             steps = std::move(steps), neg_clr = std::move(neg_clr)] {
       const fused::cpu::AdagradArgs args{sdk::cpu::plan_ref(*plan), param.data(), grad.data(), sum.data(),

@@ -19,10 +19,10 @@ struct AdamArgs {
   void* const* max_exp_avg_sq;
   void* const* master;             ///< fp32 master copies, or null (then param is updated directly)
   ScalarType dtype;                ///< of param and grad
-  ScalarType state_dtype;          ///< of exp_avg, exp_avg_sq, max_exp_avg_sq
-  const AdamStepScalars* scalars;  ///< by tensor index
-  AdamHyper hyper;
-  float grad_factor;               ///< inv_scale * clip_coef (1 when unscaled and unclipped)
+  ScalarType state_dtype;          ///< of exp_avg, exp_avg_sq, max_exp_avg_sq (Float64 with Float64 params)
+  const AdamStepScalars* scalars;  ///< by tensor index, in fp64 (the kernel rounds them to its opmath)
+  AdamHyper hyper;                 ///< in fp64, likewise
+  double grad_factor;              ///< inv_scale * clip_coef (1 when unscaled and unclipped), exact
 };
 
 using AdamFn = void (*)(const AdamArgs&, std::int64_t chunk_begin, std::int64_t chunk_end);

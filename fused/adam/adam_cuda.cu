@@ -12,23 +12,25 @@ using namespace ampfuse::cuda::detail;
 
 // P: param and grad storage; S: moment storage; kWithMaster: the update runs
 // on an fp32 master copy (list AdamList::kMaster), written back to the param
-// rounded to P.
+// rounded to P. The math is in opmath_t<P>: float, or double for double
+// params (whose moments are double too).
 template <class P, class S, bool kAmsgrad, bool kWithMaster, class Meta>
 __global__ void __launch_bounds__(kBlockSize) adam_kernel(Meta meta, AdamCudaArgs args) {
+  using Op = opmath_t<P>;
   if (step_skipped(args.found_inf)) return;  // contract rule 1: before any write
   const BlockChunk c = locate_chunk(meta, blockIdx.x);
   double* step_ptr = static_cast<double*>(meta.data(list_index(AdamList::kStep), c.slot));  // fp64: exact past 2^24
   const double step = block_broadcast(step_ptr) + 1.0;
   // capturable: lr, and what depends on it, from the device.
   double lr = args.lr;
-  AdamHyper hyper = args.hyper;
+  AdamHyperT<Op> hyper = args.hyper.as<Op>();
   if (args.lr_device != nullptr) {
     lr = *args.lr_device;
-    hyper.lr = static_cast<float>(lr);
-    hyper.decay_factor = static_cast<float>(1.0 - lr * args.weight_decay);
+    hyper.lr = static_cast<Op>(lr);
+    hyper.decay_factor = static_cast<Op>(1.0 - lr * args.weight_decay);
   }
-  const AdamStepScalars s = adam_step_scalars(lr, args.beta1, args.beta2, step);
-  const float grad_factor = signal_grad_factor(args.inv_scale, args.clip_coef);
+  const AdamStepScalarsT<Op> s = adam_step_scalars<Op>(lr, args.beta1, args.beta2, step);
+  const Op grad_factor = signal_grad_factor<Op>(args.inv_scale, args.clip_coef);
 
   P* p = static_cast<P*>(meta.data(list_index(AdamList::kParam), c.slot)) + c.begin;
   const P* g = static_cast<const P*>(meta.data(list_index(AdamList::kGrad), c.slot)) + c.begin;
@@ -39,15 +41,17 @@ __global__ void __launch_bounds__(kBlockSize) adam_kernel(Meta meta, AdamCudaArg
       kWithMaster ? static_cast<float*>(meta.data(list_index(AdamList::kMaster), c.slot)) + c.begin : nullptr;
 
   auto update = [&](std::int64_t i, P& pe, P ge, S& me, S& ve, S* vmaxe) {
-    float pf = kWithMaster ? master[i] : to_float(pe);
-    float mf = to_float(me), vf = to_float(ve);
-    float vmaxf = kAmsgrad ? to_float(*vmaxe) : 0.f;
-    adam_update<float, ScalarOps>(pf, to_float(ge) * grad_factor, mf, vf, &vmaxf, hyper, s);
-    if (kWithMaster) master[i] = pf;
-    pe = from_float<P>(pf);
-    me = from_float<S>(mf);
-    ve = from_float<S>(vf);
-    if (kAmsgrad) *vmaxe = from_float<S>(vmaxf);
+    Op pf;
+    if constexpr (kWithMaster) pf = master[i];
+    else pf = to_opmath(pe);
+    Op mf = to_opmath(me), vf = to_opmath(ve);
+    Op vmaxf = kAmsgrad ? to_opmath(*vmaxe) : Op(0);
+    adam_update<Op, ScalarOpsT<Op>>(pf, to_opmath(ge) * grad_factor, mf, vf, &vmaxf, hyper, s);
+    if constexpr (kWithMaster) master[i] = pf;
+    pe = from_opmath<P>(pf);
+    me = from_opmath<S>(mf);
+    ve = from_opmath<S>(vf);
+    if (kAmsgrad) *vmaxe = from_opmath<S>(vmaxf);
   };
 
   std::int64_t i = threadIdx.x;
@@ -83,20 +87,28 @@ __global__ void __launch_bounds__(kBlockSize) adam_kernel(Meta meta, AdamCudaArg
 
 void adam(const sdk::cuda::LaunchMeta& meta, ScalarType dtype, const AdamCudaArgs& args,
           sdk::cuda::Stream stream) {
-  dispatch_dtype(dtype, [&](auto param_tag) {
+  dispatch_dtype<true>(dtype, [&](auto param_tag) {
     using P = decltype(param_tag);
-    dispatch_dtype(args.state_dtype, [&](auto state_tag) {
-      using S = decltype(state_tag);
+    if constexpr (std::is_same<P, double>::value) {
+      // fp64 params: fp64 moments, no master copy (the adapter refuses both others).
       launch_with_meta<kAdamLists>(meta, [&](auto m, dim3 grid) {
-        if (args.hyper.amsgrad) {
-          if (args.master) adam_kernel<P, S, true, true><<<grid, kBlockSize, 0, stream>>>(m, args);
-          else adam_kernel<P, S, true, false><<<grid, kBlockSize, 0, stream>>>(m, args);
-        } else {
-          if (args.master) adam_kernel<P, S, false, true><<<grid, kBlockSize, 0, stream>>>(m, args);
-          else adam_kernel<P, S, false, false><<<grid, kBlockSize, 0, stream>>>(m, args);
-        }
+        if (args.hyper.amsgrad) adam_kernel<P, P, true, false><<<grid, kBlockSize, 0, stream>>>(m, args);
+        else adam_kernel<P, P, false, false><<<grid, kBlockSize, 0, stream>>>(m, args);
       });
-    });
+    } else {
+      dispatch_dtype(args.state_dtype, [&](auto state_tag) {
+        using S = decltype(state_tag);
+        launch_with_meta<kAdamLists>(meta, [&](auto m, dim3 grid) {
+          if (args.hyper.amsgrad) {
+            if (args.master) adam_kernel<P, S, true, true><<<grid, kBlockSize, 0, stream>>>(m, args);
+            else adam_kernel<P, S, true, false><<<grid, kBlockSize, 0, stream>>>(m, args);
+          } else {
+            if (args.master) adam_kernel<P, S, false, true><<<grid, kBlockSize, 0, stream>>>(m, args);
+            else adam_kernel<P, S, false, false><<<grid, kBlockSize, 0, stream>>>(m, args);
+          }
+        });
+      });
+    }
   });
 }
 

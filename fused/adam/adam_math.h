@@ -1,6 +1,7 @@
 #pragma once
-// The Adam / AdamW update, written once for the CPU kernel (fp32 lane
-// blocks), the CUDA kernel (one float per thread) and the tests' reference.
+// The Adam / AdamW update, written once for the CPU kernel (blocks of fp32
+// or fp64 lanes), the CUDA kernel (one float or double per thread) and the
+// tests' reference.
 // No LibTorch here.
 //
 // The order of operations follows LibTorch's torch::optim::Adam / AdamW step
@@ -24,6 +25,7 @@
 namespace ampfuse::fused {
 
 using sdk::ScalarOps;
+using sdk::ScalarOpsT;
 
 /// FusedAdam's tensor lists, numbered once for the CPU kernel, the CUDA
 /// kernel and the adapter. The CPU kernel takes the first kAdamCpuLists (its
@@ -34,43 +36,66 @@ enum class AdamList : int { kParam, kGrad, kExpAvg, kExpAvgSq, kMaxExpAvgSq, kMa
 constexpr int kAdamCpuLists = 6;
 constexpr int kAdamLists = 7;
 
-/// Hyperparameters of one parameter group, by name (swapping two does not compile silently).
-struct AdamHyper {
-  float lr = 1e-3f;
-  float beta1 = 0.9f;
-  float beta2 = 0.999f;
-  float eps = 1e-8f;
-  float weight_decay = 0.f;
-  float one_minus_beta1 = 0.1f;       ///< 1 - beta1, rounded once from fp64 as LibTorch does
-  float one_minus_beta2 = 0.001f;
-  float decay_factor = 1.f;           ///< AdamW: 1 - lr * weight_decay, from fp64
+/// Hyperparameters of one parameter group, by name (swapping two does not
+/// compile silently), in opmath type T. The adapter makes them in double, as
+/// LibTorch computes them; a kernel narrows them with as<T>() to the type it
+/// computes in (float for fp32/fp16/bf16 storage: LibTorch rounds each once
+/// from double too; double for fp64 storage).
+template <class T>
+struct AdamHyperT {
+  T lr = T(1e-3);
+  T beta1 = T(0.9);
+  T beta2 = T(0.999);
+  T eps = T(1e-8);
+  T weight_decay = T(0);
+  T one_minus_beta1 = T(0.1);  ///< 1 - beta1
+  T one_minus_beta2 = T(0.001);
+  T decay_factor = T(1);       ///< AdamW: 1 - lr * weight_decay
   bool amsgrad = false;
   bool maximize = false;
   bool decoupled_weight_decay = false;  ///< AdamW
-};
 
-/// Per tensor and step: -lr / bc1 and sqrt(bc2), in fp64 then rounded, as LibTorch.
-struct AdamStepScalars {
-  float neg_step_size;
-  float bias_correction2_sqrt;
+  template <class U>
+  AMPFUSE_HOST_DEVICE AdamHyperT<U> as() const {
+    return {static_cast<U>(lr), static_cast<U>(beta1), static_cast<U>(beta2), static_cast<U>(eps),
+            static_cast<U>(weight_decay), static_cast<U>(one_minus_beta1), static_cast<U>(one_minus_beta2),
+            static_cast<U>(decay_factor), amsgrad, maximize, decoupled_weight_decay};
+  }
 };
+using AdamHyper = AdamHyperT<double>;
 
-AMPFUSE_HOST_DEVICE AdamStepScalars adam_step_scalars(double lr, double beta1, double beta2, double step) {
+/// Per tensor and step: -lr / bc1 and sqrt(bc2), computed in fp64 as LibTorch
+/// does, then rounded to T.
+template <class T>
+struct AdamStepScalarsT {
+  T neg_step_size;
+  T bias_correction2_sqrt;
+
+  template <class U>
+  AMPFUSE_HOST_DEVICE AdamStepScalarsT<U> as() const {
+    return {static_cast<U>(neg_step_size), static_cast<U>(bias_correction2_sqrt)};
+  }
+};
+using AdamStepScalars = AdamStepScalarsT<double>;
+
+template <class T = double>
+AMPFUSE_HOST_DEVICE AdamStepScalarsT<T> adam_step_scalars(double lr, double beta1, double beta2, double step) {
 #if defined(__CUDA_ARCH__)
   const double bc1 = 1.0 - pow(beta1, step), bc2 = 1.0 - pow(beta2, step);
-  return {static_cast<float>(-(lr / bc1)), static_cast<float>(sqrt(bc2))};
+  return {static_cast<T>(-(lr / bc1)), static_cast<T>(sqrt(bc2))};
 #else
   const double bc1 = 1.0 - std::pow(beta1, step), bc2 = 1.0 - std::pow(beta2, step);
-  return {static_cast<float>(-(lr / bc1)), static_cast<float>(std::sqrt(bc2))};
+  return {static_cast<T>(-(lr / bc1)), static_cast<T>(std::sqrt(bc2))};
 #endif
 }
 
-/// Element math on V (float, or a block of fp32 lanes on the CPU). Ops
-/// supplies sqrt, max and splat for V.
-template <class V, class Ops>
-AMPFUSE_HOST_DEVICE void adam_update(V& p, V g, V& m, V& v, V* vmax, const AdamHyper& h, const AdamStepScalars& s) {
+/// Element math on V (float or double, or a block of lanes on the CPU) with
+/// hyperparameters in its opmath type T. Ops supplies sqrt, max and splat for V.
+template <class V, class Ops, class T>
+AMPFUSE_HOST_DEVICE void adam_update(V& p, V g, V& m, V& v, V* vmax, const AdamHyperT<T>& h,
+                                     const AdamStepScalarsT<T>& s) {
   if (h.maximize) g = -g;
-  if (h.weight_decay != 0.f) {
+  if (h.weight_decay != T(0)) {
     if (h.decoupled_weight_decay) p = p * Ops::splat(h.decay_factor);
     else g = g + Ops::splat(h.weight_decay) * p;
   }
@@ -85,18 +110,18 @@ AMPFUSE_HOST_DEVICE void adam_update(V& p, V g, V& m, V& v, V* vmax, const AdamH
   p = p + Ops::splat(s.neg_step_size) * (m / denom);
 }
 
-/// Hyperparameters from LibTorch's options (doubles), rounded as LibTorch rounds them.
+/// Hyperparameters from LibTorch's options (doubles), computed as LibTorch computes them.
 inline AdamHyper make_adam_hyper(double lr, double beta1, double beta2, double eps, double weight_decay,
                                  bool amsgrad, bool maximize, bool decoupled) {
   AdamHyper h;
-  h.lr = static_cast<float>(lr);
-  h.beta1 = static_cast<float>(beta1);
-  h.beta2 = static_cast<float>(beta2);
-  h.eps = static_cast<float>(eps);
-  h.weight_decay = static_cast<float>(weight_decay);
-  h.one_minus_beta1 = static_cast<float>(1.0 - beta1);
-  h.one_minus_beta2 = static_cast<float>(1.0 - beta2);
-  h.decay_factor = static_cast<float>(1.0 - lr * weight_decay);
+  h.lr = lr;
+  h.beta1 = beta1;
+  h.beta2 = beta2;
+  h.eps = eps;
+  h.weight_decay = weight_decay;
+  h.one_minus_beta1 = 1.0 - beta1;
+  h.one_minus_beta2 = 1.0 - beta2;
+  h.decay_factor = 1.0 - lr * weight_decay;
   h.amsgrad = amsgrad;
   h.maximize = maximize;
   h.decoupled_weight_decay = decoupled;

@@ -85,10 +85,14 @@ void FusedAdamImpl<Base, Options, State, kDecoupled>::check_state(const at::Tens
 
 template <class Base, class Options, class State, bool kDecoupled>
 void FusedAdamImpl<Base, Options, State, kDecoupled>::check_entries(const std::vector<sdk::Entry>& entries) const {
-  if (!fused_.master_weights()) return;
-  for (const sdk::Entry& e : entries)
-    TORCH_CHECK(e.dtype != at::kFloat, name(), ": param group ", e.group, ", param ", e.index,
-                ": master_weights asked for on a Float parameter; it is for Half and BFloat16 parameters");
+  if (!fused_.master_weights() && !fused_.bf16_moments()) return;
+  for (const sdk::Entry& e : entries) {
+    TORCH_CHECK(!fused_.master_weights() || (e.dtype != at::kFloat && e.dtype != at::kDouble), name(),
+                ": param group ", e.group, ", param ", e.index, ": master_weights asked for on a ", e.dtype,
+                " parameter; it is for Half and BFloat16 parameters");
+    TORCH_CHECK(!fused_.bf16_moments() || e.dtype != at::kDouble, name(), ": param group ", e.group, ", param ",
+                e.index, ": bf16_moments asked for on a Double parameter; Double parameters keep Double moments");
+  }
 }
 
 template <class Base, class Options, class State, bool kDecoupled>
@@ -233,7 +237,7 @@ sdk::Launch FusedAdamImpl<Base, Options, State, kDecoupled>::prepare_list(const 
     sdk::per_tensor(steps, kept->scalars, [&](std::int64_t step) {
       return fused::adam_step_scalars(o.lr(), beta1, beta2, static_cast<double>(step));
     });
-    const float grad_factor = sdk::cpu_grad_factor(pl.signal);
+    const double grad_factor = sdk::cpu_grad_factor(pl.signal);
     if (fresh) pl.slot.keep(kept);
     return [=] {
       const std::vector<std::int64_t>& steps = kept->steps;

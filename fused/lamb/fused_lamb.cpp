@@ -94,21 +94,38 @@ namespace {
 
 fused::LambHyper make_hyper(const FusedLAMBOptions& o) {
   fused::LambHyper h;
-  h.lr = static_cast<float>(o.lr());
-  h.beta1 = static_cast<float>(std::get<0>(o.betas()));
-  h.beta2 = static_cast<float>(std::get<1>(o.betas()));
+  h.lr = o.lr();
+  h.beta1 = std::get<0>(o.betas());
+  h.beta2 = std::get<1>(o.betas());
   h.beta1_f64 = std::get<0>(o.betas());
   h.beta2_f64 = std::get<1>(o.betas());
-  h.beta3 = o.grad_averaging() ? static_cast<float>(1.0 - std::get<0>(o.betas())) : 1.f;
-  h.one_minus_beta2 = static_cast<float>(1.0 - std::get<1>(o.betas()));
-  h.eps = static_cast<float>(o.eps());
-  h.weight_decay = static_cast<float>(o.weight_decay());
+  h.beta3 = o.grad_averaging() ? 1.0 - std::get<0>(o.betas()) : 1.0;
+  h.one_minus_beta2 = 1.0 - std::get<1>(o.betas());
+  h.eps = o.eps();
+  h.weight_decay = o.weight_decay();
   h.bias_correction = o.bias_correction();
   h.use_trust_ratio = o.weight_decay() != 0.0 || o.use_nvlamb();
-  h.trust_ratio_min = static_cast<float>(o.trust_ratio_min());
-  h.trust_ratio_max = static_cast<float>(o.trust_ratio_max());
-  h.max_grad_norm = static_cast<float>(o.max_grad_norm());
+  h.trust_ratio_min = o.trust_ratio_min();
+  h.trust_ratio_max = o.trust_ratio_max();
+  h.max_grad_norm = o.max_grad_norm();
   return h;
+}
+
+// The moments' dtype: fp32 (apex), fp64 for fp64 parameters.
+c10::ScalarType lamb_state_dtype(const at::Tensor& p) {
+  return p.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+}
+
+// inv_scale * clip_coef * the max_grad_norm factor, in opmath T (as the
+// kernels compute it), from the global sum of squares of the scaled grads.
+template <class T>
+double lamb_factor(const fused::LambHyper& hyper, double grad_factor, const at::Tensor& grad_sum_sq) {
+  T factor = static_cast<T>(grad_factor);
+  if (grad_sum_sq.defined()) {
+    const T global_norm = static_cast<T>(std::sqrt(*grad_sum_sq.data_ptr<double>()));
+    factor *= fused::lamb_clip_factor(hyper.as<T>(), global_norm * factor);
+  }
+  return static_cast<double>(factor);
 }
 
 void check_options(const FusedLAMBOptions& o, std::size_t g) {
@@ -136,8 +153,8 @@ FusedLAMB::FusedLAMB(std::vector<at::Tensor> params, FusedLAMBOptions defaults)
 FusedLAMB::~FusedLAMB() = default;
 
 void FusedLAMB::check_state(const at::Tensor& p, const FusedLAMBParamState& st, std::size_t g, std::size_t i) const {
-  sdk::check_state_tensor(st.exp_avg(), p, at::kFloat, name(), "exp_avg", g, i);
-  sdk::check_state_tensor(st.exp_avg_sq(), p, at::kFloat, name(), "exp_avg_sq", g, i);
+  sdk::check_state_tensor(st.exp_avg(), p, lamb_state_dtype(p), name(), "exp_avg", g, i);
+  sdk::check_state_tensor(st.exp_avg_sq(), p, lamb_state_dtype(p), name(), "exp_avg_sq", g, i);
   sdk::check_state_tensor(st.master(), p, at::kFloat, name(), "master", g, i);
   TORCH_CHECK(st.step().defined() && st.step().numel() == 1 && st.step().scalar_type() == at::kDouble &&
                   st.step().device() == p.device(),
@@ -148,9 +165,9 @@ void FusedLAMB::check_state(const at::Tensor& p, const FusedLAMBParamState& st, 
 void FusedLAMB::check_entries(const std::vector<sdk::Entry>& entries) const {
   for (std::size_t g = 0; g < param_groups().size(); ++g) check_options(options_of(g), g);
   for (const sdk::Entry& e : entries)
-    TORCH_CHECK(!options_of(e.group).master_weights() || e.dtype != at::kFloat, name(), ": param group ",
-                e.group, ", param ", e.index,
-                ": master_weights asked for on a Float parameter; it is for Half and BFloat16 parameters");
+    TORCH_CHECK(!options_of(e.group).master_weights() || (e.dtype != at::kFloat && e.dtype != at::kDouble), name(),
+                ": param group ", e.group, ", param ", e.index, ": master_weights asked for on a ", e.dtype,
+                " parameter; it is for Half and BFloat16 parameters");
 }
 
 void FusedLAMB::begin_step(const std::vector<const sdk::Entry*>& entries, const StepSignals*) {
@@ -221,10 +238,10 @@ sdk::Launch FusedLAMB::prepare_list(const sdk::ParamList& pl) {
     const sdk::Entry& e = *list[i];
     const at::Tensor& p = e.param;
     auto& state = state_for(e, [&](FusedLAMBParamState& s) {
-      const auto fp32 = p.options().dtype(at::kFloat);
+      const auto state_options = p.options().dtype(lamb_state_dtype(p));
       s.step(at::zeros({1}, p.options().dtype(at::kDouble)));
-      s.exp_avg(at::zeros_like(p, fp32, at::MemoryFormat::Preserve));
-      s.exp_avg_sq(at::zeros_like(p, fp32, at::MemoryFormat::Preserve));
+      s.exp_avg(at::zeros_like(p, state_options, at::MemoryFormat::Preserve));
+      s.exp_avg_sq(at::zeros_like(p, state_options, at::MemoryFormat::Preserve));
     });
     if (master) prepare_master(e, state);
     states.push_back(&state);
@@ -246,20 +263,18 @@ sdk::Launch FusedLAMB::prepare_list(const sdk::ParamList& pl) {
       steps[i] = *states[i]->step().data_ptr<double>() + 1.0;
     });
     auto scalars = sdk::per_tensor<double, fused::LambStepScalars>(
-        steps, [&](double step) { return fused::lamb_step_scalars(hyper, step); });
-    const float grad_factor = sdk::cpu_grad_factor(pl.signal);
+        steps, [&](double step) { return fused::lamb_step_scalars<double>(hyper, step); });
+    const double grad_factor = sdk::cpu_grad_factor(pl.signal);
+    const bool f64 = st == ScalarType::Float64;
     auto plan = std::make_shared<const Plan>(numels, sdk::cpu::kChunkSize);
     return [=, states = std::move(states), param = std::move(param),
             grad = std::move(grad), m = std::move(m), v = std::move(v),
             masters = std::move(masters), steps = std::move(steps), scalars = std::move(scalars)] {
-      float factor = grad_factor;
-      if (grad_sum_sq.defined()) {
-        const float global_norm = static_cast<float>(std::sqrt(*grad_sum_sq.data_ptr<double>()));
-        factor *= fused::lamb_clip_factor(hyper, global_norm * factor);
-      }
+      const double factor = f64 ? lamb_factor<double>(hyper, grad_factor, grad_sum_sq)
+                                : lamb_factor<float>(hyper, grad_factor, grad_sum_sq);
       std::vector<double> chunk_param_sq(static_cast<std::size_t>(plan->num_chunks()));
       std::vector<double> chunk_update_sq(chunk_param_sq.size());
-      std::vector<float> neg_step(states.size(), 0.f);
+      std::vector<double> neg_step(states.size(), 0.0);
       const fused::cpu::LambArgs args{sdk::cpu::plan_ref(*plan), param.data(), grad.data(), m.data(), v.data(),
                                       master ? masters.data() : nullptr, st, scalars.data(), hyper, factor,
                                       chunk_param_sq.data(), chunk_update_sq.data(), neg_step.data()};
@@ -273,7 +288,9 @@ sdk::Launch FusedLAMB::prepare_list(const sdk::ParamList& pl) {
           us += chunk_update_sq[c];
         }
         neg_step[plan->tensors()[k]] =
-            fused::lamb_neg_step(hyper, static_cast<float>(std::sqrt(ps)), static_cast<float>(std::sqrt(us)));
+            f64 ? fused::lamb_neg_step(hyper, std::sqrt(ps), std::sqrt(us))
+                : fused::lamb_neg_step(hyper.as<float>(), static_cast<float>(std::sqrt(ps)),
+                                       static_cast<float>(std::sqrt(us)));
       }
       const fused::cpu::LambFn apply = fused::cpu::lamb_apply_kernel();
       sdk::parallel_chunks(*plan, [&](std::int64_t b, std::int64_t e) { apply(args, b, e); });
@@ -291,10 +308,9 @@ sdk::Launch FusedLAMB::prepare_list(const sdk::ParamList& pl) {
     if (p.numel() == 0) empty_steps.push_back(s.step());
     views.lists[list_index(fused::LambList::kParam)].push_back({p.data_ptr(), p.numel(), st});
     views.lists[list_index(fused::LambList::kGrad)].push_back({list[i]->grad.data_ptr(), p.numel(), st});
-    views.lists[list_index(fused::LambList::kExpAvg)].push_back(
-        {s.exp_avg().data_ptr(), p.numel(), ScalarType::Float32});
-    views.lists[list_index(fused::LambList::kExpAvgSq)].push_back(
-        {s.exp_avg_sq().data_ptr(), p.numel(), ScalarType::Float32});
+    const ScalarType state_st = to_scalar_type(lamb_state_dtype(p));
+    views.lists[list_index(fused::LambList::kExpAvg)].push_back({s.exp_avg().data_ptr(), p.numel(), state_st});
+    views.lists[list_index(fused::LambList::kExpAvgSq)].push_back({s.exp_avg_sq().data_ptr(), p.numel(), state_st});
     // The fp64 step travels as a pointer; its dtype tag is not read.
     views.lists[list_index(fused::LambList::kStep)].push_back({s.step().data_ptr(), 1, ScalarType::Float32});
     views.lists[list_index(fused::LambList::kMaster)].push_back(
@@ -304,7 +320,7 @@ sdk::Launch FusedLAMB::prepare_list(const sdk::ParamList& pl) {
   const auto meta = sdk::make_launch_meta(views, plan, device);  // held by the Launch
   const auto opts = at::TensorOptions().device(device);
   at::Tensor chunk_sums = at::empty({std::max<std::int64_t>(2 * plan.num_chunks(), 1)}, opts.dtype(at::kDouble));
-  at::Tensor norms = at::empty({std::max<std::int64_t>(2 * meta->launch.num_tensors, 1)}, opts.dtype(at::kFloat));
+  at::Tensor norms = at::empty({std::max<std::int64_t>(2 * meta->launch.num_tensors, 1)}, opts.dtype(at::kDouble));
   const sdk::SignalPointers sig = sdk::signal_pointers(pl.signal);
   const fused::cuda::LambCudaArgs args{master,
                                       hyper,
@@ -313,7 +329,7 @@ sdk::Launch FusedLAMB::prepare_list(const sdk::ParamList& pl) {
                                       sig.clip_coef,
                                       grad_sum_sq.defined() ? grad_sum_sq.data_ptr<double>() : nullptr,
                                       chunk_sums.data_ptr<double>(),
-                                      norms.data_ptr<float>(),
+                                      norms.data_ptr<double>(),
                                       workspace_->counters.get({pl.group, device, pl.dtype}, meta->launch.num_tensors)};
   const ScaleSignal* signal = pl.signal;
   return [=, empty_steps = std::move(empty_steps)] {

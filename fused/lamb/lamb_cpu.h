@@ -1,6 +1,7 @@
 #pragma once
 // CPU kernels of FusedLAMB, one per instruction set (see
-// ampfuse/sdk/cpu_kernel.h). Raw pointers only. State is fp32 always.
+// ampfuse/sdk/cpu_kernel.h). Raw pointers only. State is fp32, fp64 for fp64
+// parameters.
 
 #include <cstdint>
 
@@ -18,12 +19,12 @@ struct LambArgs {
   void* const* exp_avg_sq;
   void* const* master;             ///< fp32 master copies, or null (then param is updated directly)
   ScalarType dtype;                ///< of param and grad
-  const LambStepScalars* scalars;  ///< by tensor index
-  LambHyper hyper;
-  float grad_factor;               ///< inv_scale * clip_coef * the max_grad_norm factor
+  const LambStepScalars* scalars;  ///< by tensor index, in fp64 (the kernels round them to their opmath)
+  LambHyper hyper;                 ///< in fp64, likewise
+  double grad_factor;              ///< inv_scale * clip_coef * the max_grad_norm factor, in the opmath
   double* chunk_param_sq;          ///< pass 1 out, by chunk: sum of p^2 (fp64)
   double* chunk_update_sq;         ///< pass 1 out, by chunk: sum of u^2 (fp64)
-  const float* neg_step;           ///< pass 2 in, by tensor index: -(lr * trust ratio)
+  const double* neg_step;          ///< pass 2 in, by tensor index: -(lr * trust ratio), in the opmath
 };
 
 using LambFn = void (*)(const LambArgs&, std::int64_t chunk_begin, std::int64_t chunk_end);

@@ -2,6 +2,7 @@
 // SDK's device building blocks.
 
 #include <cmath>
+#include <type_traits>
 
 #include "ampfuse/sdk/cuda_kernel.cuh"
 #include "fused/lamb/lamb_cuda.h"
@@ -10,44 +11,49 @@ namespace ampfuse::fused::cuda {
 namespace {
 
 using namespace ampfuse::sdk::cuda;
-using sdk::ScalarOps;
+using sdk::ScalarOpsT;
 
-// inv_scale * clip_coef * the max_grad_norm factor, read on the device.
-__device__ __forceinline__ float lamb_grad_factor(const LambCudaArgs& args) {
-  float f = signal_grad_factor(args.inv_scale, args.clip_coef);
+// inv_scale * clip_coef * the max_grad_norm factor, read on the device, in opmath T.
+template <class T>
+__device__ __forceinline__ T lamb_grad_factor(const LambCudaArgs& args, const LambHyperT<T>& h) {
+  T f = signal_grad_factor<T>(args.inv_scale, args.clip_coef);
   if (args.grad_sum_sq != nullptr) {
     // The global norm of the unscaled grads: sqrt of the scaled sum, times f.
-    const float global_norm = static_cast<float>(sqrt(*args.grad_sum_sq)) * f;
-    f *= lamb_clip_factor(args.hyper, global_norm);
+    const T global_norm = static_cast<T>(sqrt(*args.grad_sum_sq)) * f;
+    f *= lamb_clip_factor(h, global_norm);
   }
   return f;
 }
 
-template <class Meta>
-__device__ __forceinline__ LambStepScalars step_scalars(const Meta& meta, std::int64_t slot, const LambHyper& h) {
-  const auto* step = static_cast<const double*>(meta.data(list_index(LambList::kStep), slot));
-  return lamb_step_scalars(h, block_broadcast(step) + 1.0);
-}
+// The state's storage type: float, or double for double params.
+template <class P>
+using StateOf = typename std::conditional<std::is_same<P, double>::value, double, float>::type;
 
 template <class P, bool kMaster, class Meta>
 __global__ void __launch_bounds__(kBlockSize) lamb_moments_kernel(Meta meta, LambCudaArgs args) {
+  using Op = opmath_t<P>;
+  using S = StateOf<P>;
   if (step_skipped(args.found_inf)) return;  // contract rule 1: before any write
   const BlockChunk c = locate_chunk(meta, blockIdx.x);
-  const LambStepScalars s = step_scalars(meta, c.slot, args.hyper);
-  const float factor = lamb_grad_factor(args);
+  const LambHyperT<Op> hyper = args.hyper.as<Op>();
+  const auto* step = static_cast<const double*>(meta.data(list_index(LambList::kStep), c.slot));
+  const LambStepScalarsT<Op> s = lamb_step_scalars<Op>(args.hyper, block_broadcast(step) + 1.0);
+  const Op factor = lamb_grad_factor(args, hyper);
   const P* p = static_cast<const P*>(meta.data(list_index(LambList::kParam), c.slot)) + c.begin;
   const P* g = static_cast<const P*>(meta.data(list_index(LambList::kGrad), c.slot)) + c.begin;
-  float* m = static_cast<float*>(meta.data(list_index(LambList::kExpAvg), c.slot)) + c.begin;
-  float* v = static_cast<float*>(meta.data(list_index(LambList::kExpAvgSq), c.slot)) + c.begin;
+  S* m = static_cast<S*>(meta.data(list_index(LambList::kExpAvg), c.slot)) + c.begin;
+  S* v = static_cast<S*>(meta.data(list_index(LambList::kExpAvgSq), c.slot)) + c.begin;
   const float* master =
       kMaster ? static_cast<const float*>(meta.data(list_index(LambList::kMaster), c.slot)) + c.begin : nullptr;
   // fp64 sums, as on the CPU: p^2 of a large |p| stays finite, and the norms match.
   double p_sq = 0.0, u_sq = 0.0;
   for_each_element(c, [&](std::int64_t i) {
-    const float pf = kMaster ? master[i] : to_float(p[i]);
-    float mf = m[i], vf = v[i];
-    lamb_moments<float, ScalarOps>(to_float(g[i]) * factor, mf, vf, args.hyper);
-    const float u = lamb_direction<float, ScalarOps>(pf, mf, vf, args.hyper, s);
+    Op pf;
+    if constexpr (kMaster) pf = master[i];
+    else pf = to_opmath(p[i]);
+    Op mf = m[i], vf = v[i];
+    lamb_moments<Op, ScalarOpsT<Op>>(to_opmath(g[i]) * factor, mf, vf, hyper);
+    const Op u = lamb_direction<Op, ScalarOpsT<Op>>(pf, mf, vf, hyper, s);
     m[i] = mf;
     v[i] = vf;
     p_sq += static_cast<double>(pf) * pf;
@@ -80,30 +86,37 @@ __global__ void __launch_bounds__(kBlockSize) lamb_moments_kernel(Meta meta, Lam
   ps = block_sum(ps);
   us = block_sum(us);
   if (threadIdx.x == 0) {
-    args.norms[2 * c.slot] = static_cast<float>(sqrt(ps));
-    args.norms[2 * c.slot + 1] = static_cast<float>(sqrt(us));
+    args.norms[2 * c.slot] = sqrt(ps);
+    args.norms[2 * c.slot + 1] = sqrt(us);
     args.counters[c.slot] = 0;  // re-armed for the next launch
   }
 }
 
 template <class P, bool kMaster, class Meta>
 __global__ void __launch_bounds__(kBlockSize) lamb_apply_kernel(Meta meta, LambCudaArgs args) {
+  using Op = opmath_t<P>;
+  using S = StateOf<P>;
   if (step_skipped(args.found_inf)) return;
   const BlockChunk c = locate_chunk(meta, blockIdx.x);
+  const LambHyperT<Op> hyper = args.hyper.as<Op>();
   double* step_ptr = static_cast<double*>(meta.data(list_index(LambList::kStep), c.slot));
   const double old_step = block_broadcast(step_ptr);
-  const LambStepScalars s = lamb_step_scalars(args.hyper, old_step + 1.0);
-  const float neg_step = lamb_neg_step(args.hyper, args.norms[2 * c.slot], args.norms[2 * c.slot + 1]);
+  const LambStepScalarsT<Op> s = lamb_step_scalars<Op>(args.hyper, old_step + 1.0);
+  // The norms in fp64, rounded to the opmath as the CPU adapter rounds them.
+  const Op neg_step =
+      lamb_neg_step(hyper, static_cast<Op>(args.norms[2 * c.slot]), static_cast<Op>(args.norms[2 * c.slot + 1]));
   P* p = static_cast<P*>(meta.data(list_index(LambList::kParam), c.slot)) + c.begin;
-  const float* m = static_cast<const float*>(meta.data(list_index(LambList::kExpAvg), c.slot)) + c.begin;
-  const float* v = static_cast<const float*>(meta.data(list_index(LambList::kExpAvgSq), c.slot)) + c.begin;
+  const S* m = static_cast<const S*>(meta.data(list_index(LambList::kExpAvg), c.slot)) + c.begin;
+  const S* v = static_cast<const S*>(meta.data(list_index(LambList::kExpAvgSq), c.slot)) + c.begin;
   float* master = kMaster ? static_cast<float*>(meta.data(list_index(LambList::kMaster), c.slot)) + c.begin : nullptr;
   for_each_element(c, [&](std::int64_t i) {
-    float pf = kMaster ? master[i] : to_float(p[i]);
-    const float u = lamb_direction<float, ScalarOps>(pf, m[i], v[i], args.hyper, s);
-    lamb_apply<float, ScalarOps>(pf, u, neg_step);
-    if (kMaster) master[i] = pf;
-    p[i] = from_float<P>(pf);
+    Op pf;
+    if constexpr (kMaster) pf = master[i];
+    else pf = to_opmath(p[i]);
+    const Op u = lamb_direction<Op, ScalarOpsT<Op>>(pf, Op(m[i]), Op(v[i]), hyper, s);
+    lamb_apply<Op, ScalarOpsT<Op>>(pf, u, neg_step);
+    if constexpr (kMaster) master[i] = pf;
+    p[i] = from_opmath<P>(pf);
   });
   // Contract rule 4: the step advances once per tensor, after all its blocks read it.
   once_per_tensor_after_reads(meta, c.slot, args.counters, [&] { *step_ptr = old_step + 1.0; });
@@ -112,10 +125,10 @@ __global__ void __launch_bounds__(kBlockSize) lamb_apply_kernel(Meta meta, LambC
 }  // namespace
 
 void lamb(const sdk::cuda::LaunchMeta& meta, ScalarType dtype, const LambCudaArgs& args, sdk::cuda::Stream stream) {
-  dispatch_dtype(dtype, [&](auto param_tag) {
+  dispatch_dtype<true>(dtype, [&](auto param_tag) {
     using P = decltype(param_tag);
     launch_with_meta<kLambLists>(meta, [&](auto m, dim3 grid) {
-      if (args.master) {
+      if (args.master && !std::is_same<P, double>::value) {
         lamb_moments_kernel<P, true><<<grid, kBlockSize, 0, stream>>>(m, args);
         lamb_apply_kernel<P, true><<<grid, kBlockSize, 0, stream>>>(m, args);
       } else {

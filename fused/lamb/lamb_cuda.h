@@ -7,7 +7,7 @@
 namespace ampfuse::fused::cuda {
 
 // The launch metadata's lists are LambList's (fused/lamb/lamb_math.h). State is
-// fp32; step counters fp64.
+// fp32 (fp64 for fp64 params); step counters fp64.
 
 struct LambCudaArgs {
   bool master;               ///< update an fp32 master copy (list LambList::kMaster), write it back rounded
@@ -17,7 +17,7 @@ struct LambCudaArgs {
   const float* clip_coef;    ///< null: 1
   const double* grad_sum_sq; ///< sum of squares of the (scaled) grads of the whole optimizer, for max_grad_norm; null: no clipping
   double* chunk_sums;        ///< workspace, 2 per chunk
-  float* norms;              ///< workspace, 2 per tensor of the launch: ||p||, ||u||
+  double* norms;             ///< workspace, 2 per tensor of the launch: ||p||, ||u||
   unsigned* counters;        ///< one per tensor of the launch, zero between launches
 };
 

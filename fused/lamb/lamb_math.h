@@ -1,6 +1,7 @@
 #pragma once
-// The LAMB update, written once for the CPU kernels (fp32 lane blocks), the
-// CUDA kernels (one float per thread) and the tests. No LibTorch here.
+// The LAMB update, written once for the CPU kernels (fp32 or fp64 lane
+// blocks), the CUDA kernels (one float or double per thread) and the tests.
+// No LibTorch here. State is fp32 (apex), fp64 for fp64 parameters.
 //
 // LAMB (You et al. 2019, "Large Batch Optimization for Deep Learning:
 // Training BERT in 76 minutes", Algorithm 2) as NVIDIA apex's FusedLAMB
@@ -35,73 +36,96 @@ enum class LambList : int { kParam, kGrad, kExpAvg, kExpAvgSq, kMaster, kStep };
 constexpr int kLambCpuLists = 5;
 constexpr int kLambLists = 6;
 
-struct LambHyper {
-  float lr = 1e-3f;
-  float beta1 = 0.9f;
-  float beta2 = 0.999f;
-  float beta3 = 0.1f;            ///< weight of the new gradient in m: 1 - beta1, or 1 without grad_averaging
-  float one_minus_beta2 = 0.001f;
-  float eps = 1e-6f;
-  float weight_decay = 0.01f;
+/// Hyperparameters in opmath type T (made in double on the host, narrowed
+/// by a kernel with as<T>(), see AdamHyperT).
+template <class T>
+struct LambHyperT {
+  T lr = T(1e-3);
+  T beta1 = T(0.9);
+  T beta2 = T(0.999);
+  T beta3 = T(0.1);              ///< weight of the new gradient in m: 1 - beta1, or 1 without grad_averaging
+  T one_minus_beta2 = T(0.001);
+  T eps = T(1e-6);
+  T weight_decay = T(0.01);
   bool bias_correction = true;
   bool use_trust_ratio = true;   ///< weight_decay != 0 or use_nvlamb
-  float trust_ratio_min = 0.f;
-  float trust_ratio_max = INFINITY;
-  float max_grad_norm = 0.f;     ///< clip by the global norm of the unscaled grads; 0: off
+  T trust_ratio_min = T(0);
+  T trust_ratio_max = T(INFINITY);
+  T max_grad_norm = T(0);        ///< clip by the global norm of the unscaled grads; 0: off
   /// The betas as given (fp64), for the bias corrections: 1 - beta2^step from
   /// an fp32-rounded beta2 = 0.999 is off by up to ~1e-4 relative in the
   /// first steps, a bias of the whole update that apex (which computes the
   /// corrections on the host in double) does not have.
   double beta1_f64 = 0.9;
   double beta2_f64 = 0.999;
-};
 
-/// Per tensor and step: the bias corrections, in fp64 then rounded.
-struct LambStepScalars {
-  float bias_correction1;
-  float bias_correction2;
+  template <class U>
+  AMPFUSE_HOST_DEVICE LambHyperT<U> as() const {
+    return {static_cast<U>(lr),           static_cast<U>(beta1),           static_cast<U>(beta2),
+            static_cast<U>(beta3),        static_cast<U>(one_minus_beta2), static_cast<U>(eps),
+            static_cast<U>(weight_decay), bias_correction,                 use_trust_ratio,
+            static_cast<U>(trust_ratio_min), static_cast<U>(trust_ratio_max), static_cast<U>(max_grad_norm),
+            beta1_f64,                    beta2_f64};
+  }
 };
+using LambHyper = LambHyperT<double>;
 
-AMPFUSE_HOST_DEVICE LambStepScalars lamb_step_scalars(const LambHyper& h, double step) {
-  if (!h.bias_correction) return {1.f, 1.f};
+/// Per tensor and step: the bias corrections, in fp64 then rounded to T.
+template <class T>
+struct LambStepScalarsT {
+  T bias_correction1;
+  T bias_correction2;
+
+  template <class U>
+  AMPFUSE_HOST_DEVICE LambStepScalarsT<U> as() const {
+    return {static_cast<U>(bias_correction1), static_cast<U>(bias_correction2)};
+  }
+};
+using LambStepScalars = LambStepScalarsT<double>;
+
+template <class T, class H>
+AMPFUSE_HOST_DEVICE LambStepScalarsT<T> lamb_step_scalars(const H& h, double step) {
+  if (!h.bias_correction) return {T(1), T(1)};
 #if defined(__CUDA_ARCH__)
-  return {static_cast<float>(1.0 - pow(h.beta1_f64, step)), static_cast<float>(1.0 - pow(h.beta2_f64, step))};
+  return {static_cast<T>(1.0 - pow(h.beta1_f64, step)), static_cast<T>(1.0 - pow(h.beta2_f64, step))};
 #else
-  return {static_cast<float>(1.0 - std::pow(h.beta1_f64, step)), static_cast<float>(1.0 - std::pow(h.beta2_f64, step))};
+  return {static_cast<T>(1.0 - std::pow(h.beta1_f64, step)), static_cast<T>(1.0 - std::pow(h.beta2_f64, step))};
 #endif
 }
 
 /// The factor max_grad_norm applies, given the global norm of the unscaled
 /// grads (apex divides by norm / max_grad_norm when the norm exceeds it).
-AMPFUSE_HOST_DEVICE float lamb_clip_factor(const LambHyper& h, float global_norm) {
-  return h.max_grad_norm > 0.f && global_norm > h.max_grad_norm ? h.max_grad_norm / global_norm : 1.f;
+template <class T>
+AMPFUSE_HOST_DEVICE T lamb_clip_factor(const LambHyperT<T>& h, T global_norm) {
+  return h.max_grad_norm > T(0) && global_norm > h.max_grad_norm ? h.max_grad_norm / global_norm : T(1);
 }
 
 /// First pass: the moments.
-template <class V, class Ops>
-AMPFUSE_HOST_DEVICE void lamb_moments(V g, V& m, V& v, const LambHyper& h) {
+template <class V, class Ops, class T>
+AMPFUSE_HOST_DEVICE void lamb_moments(V g, V& m, V& v, const LambHyperT<T>& h) {
   m = m * Ops::splat(h.beta1) + Ops::splat(h.beta3) * g;
   v = v * Ops::splat(h.beta2) + (Ops::splat(h.one_minus_beta2) * g) * g;
 }
 
 /// The update direction u from the new moments (both passes compute it the same way).
-template <class V, class Ops>
-AMPFUSE_HOST_DEVICE V lamb_direction(V p, V m, V v, const LambHyper& h, const LambStepScalars& s) {
+template <class V, class Ops, class T>
+AMPFUSE_HOST_DEVICE V lamb_direction(V p, V m, V v, const LambHyperT<T>& h, const LambStepScalarsT<T>& s) {
   const V denom = Ops::sqrt(v / Ops::splat(s.bias_correction2)) + Ops::splat(h.eps);
   return (m / Ops::splat(s.bias_correction1)) / denom + Ops::splat(h.weight_decay) * p;
 }
 
 /// Second pass: p - lr * ratio * u, with neg_step = -(lr * ratio).
-template <class V, class Ops>
-AMPFUSE_HOST_DEVICE void lamb_apply(V& p, V u, float neg_step) {
+template <class V, class Ops, class T>
+AMPFUSE_HOST_DEVICE void lamb_apply(V& p, V u, T neg_step) {
   p = p + Ops::splat(neg_step) * u;
 }
 
-/// -(lr * ratio) from the tensor's norms (computed in fp64 or fp32, passed as float).
-AMPFUSE_HOST_DEVICE float lamb_neg_step(const LambHyper& h, float param_norm, float update_norm) {
-  float ratio = 1.f;
+/// -(lr * ratio) from the tensor's norms (summed in fp64, rounded to T).
+template <class T>
+AMPFUSE_HOST_DEVICE T lamb_neg_step(const LambHyperT<T>& h, T param_norm, T update_norm) {
+  T ratio = T(1);
   if (h.use_trust_ratio) {
-    if (param_norm > 0.f && update_norm > 0.f) ratio = param_norm / update_norm;
+    if (param_norm > T(0) && update_norm > T(0)) ratio = param_norm / update_norm;
     ratio = ratio < h.trust_ratio_min ? h.trust_ratio_min : ratio;
     ratio = ratio > h.trust_ratio_max ? h.trust_ratio_max : ratio;
   }

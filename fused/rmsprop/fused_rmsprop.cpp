@@ -83,7 +83,7 @@ sdk::Launch FusedRMSprop::prepare_list(const sdk::ParamList& list) {
   if (!on_cuda) {
     sdk::parallel_entries(n, gather);
     auto plan = std::make_shared<const Plan>(numels, sdk::cpu::kChunkSize);
-    const float grad_factor = sdk::cpu_grad_factor(list.signal);
+    const double grad_factor = sdk::cpu_grad_factor(list.signal);
     return [=, states = std::move(states), ptrs = std::move(ptrs)] {
       fused::cpu::RmspropArgs args{sdk::cpu::plan_ref(*plan), {}, st, hyper, grad_factor};
       for (int l = 0; l < fused::kRmspropLists; ++l) args.lists[l] = ptrs[l].data();

@@ -12,8 +12,8 @@ struct RmspropArgs {
   sdk::cpu::PlanRef plan;
   void* const* lists[kRmspropLists];  ///< by RmspropList, each by tensor index (null when unused)
   ScalarType dtype;                   ///< of param, grad and state
-  RmspropHyper hyper;
-  float grad_factor;
+  RmspropHyper hyper;  ///< in fp64 (the kernel rounds it to its opmath)
+  double grad_factor;  ///< inv_scale * clip_coef, exact
 };
 
 using RmspropFn = void (*)(const RmspropArgs&, std::int64_t chunk_begin, std::int64_t chunk_end);

@@ -10,8 +10,10 @@ using namespace ampfuse::cuda::detail;
 
 template <class T, bool kMomentum, bool kCentered, class Meta>
 __global__ void __launch_bounds__(kBlockSize) rmsprop_kernel(Meta meta, RmspropCudaArgs args) {
+  using Op = opmath_t<T>;
   if (step_skipped(args.found_inf)) return;  // contract rule 1: before any write
-  const float grad_factor = signal_grad_factor(args.inv_scale, args.clip_coef);
+  const Op grad_factor = signal_grad_factor<Op>(args.inv_scale, args.clip_coef);
+  const RmspropHyperT<Op> hyper = args.hyper.as<Op>();
   const BlockChunk c = locate_chunk(meta, blockIdx.x);
   auto at = [&](RmspropList l) { return static_cast<T*>(meta.data(list_index(l), c.slot)) + c.begin; };
   T* p = at(RmspropList::kParam);
@@ -20,13 +22,13 @@ __global__ void __launch_bounds__(kBlockSize) rmsprop_kernel(Meta meta, RmspropC
   T* buf = kMomentum ? at(RmspropList::kMomentumBuffer) : nullptr;
   T* grad_avg = kCentered ? at(RmspropList::kGradAvg) : nullptr;
   for_each_element(c, [&](std::int64_t i) {
-    float pf = to_float(p[i]), sf = to_float(square_avg[i]);
-    float bf = kMomentum ? to_float(buf[i]) : 0.f, af = kCentered ? to_float(grad_avg[i]) : 0.f;
-    rmsprop_update<float, sdk::ScalarOps>(pf, to_float(g[i]) * grad_factor, sf, &bf, &af, args.hyper);
-    p[i] = from_float<T>(pf);
-    square_avg[i] = from_float<T>(sf);
-    if (kMomentum) buf[i] = from_float<T>(bf);
-    if (kCentered) grad_avg[i] = from_float<T>(af);
+    Op pf = to_opmath(p[i]), sf = to_opmath(square_avg[i]);
+    Op bf = kMomentum ? to_opmath(buf[i]) : Op(0), af = kCentered ? to_opmath(grad_avg[i]) : Op(0);
+    rmsprop_update<Op, sdk::ScalarOpsT<Op>>(pf, to_opmath(g[i]) * grad_factor, sf, &bf, &af, hyper);
+    p[i] = from_opmath<T>(pf);
+    square_avg[i] = from_opmath<T>(sf);
+    if (kMomentum) buf[i] = from_opmath<T>(bf);
+    if (kCentered) grad_avg[i] = from_opmath<T>(af);
   });
 }
 
@@ -34,7 +36,7 @@ __global__ void __launch_bounds__(kBlockSize) rmsprop_kernel(Meta meta, RmspropC
 
 void rmsprop(const sdk::cuda::LaunchMeta& meta, ScalarType dtype, const RmspropCudaArgs& args,
              sdk::cuda::Stream stream) {
-  dispatch_dtype(dtype, [&](auto tag) {
+  dispatch_dtype<true>(dtype, [&](auto tag) {
     using T = decltype(tag);
     launch_with_meta<kRmspropLists>(meta, [&](auto m, dim3 grid) {
       const bool momentum = args.hyper.use_momentum;

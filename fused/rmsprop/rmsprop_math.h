@@ -22,28 +22,37 @@ namespace ampfuse::fused {
 enum class RmspropList : int { kParam, kGrad, kSquareAvg, kMomentumBuffer, kGradAvg };
 constexpr int kRmspropLists = 5;
 
-/// Hyperparameters of one parameter group, each rounded once from fp64.
-struct RmspropHyper {
-  float neg_lr = -1e-2f;
-  float alpha = 0.99f;
-  float one_minus_alpha = 0.01f;
-  float eps = 1e-8f;
-  float weight_decay = 0.f;
-  float momentum = 0.f;
+/// Hyperparameters of one parameter group in opmath type T (made in double,
+/// narrowed by a kernel with as<T>(), see AdamHyperT).
+template <class T>
+struct RmspropHyperT {
+  T neg_lr = T(-1e-2);
+  T alpha = T(0.99);
+  T one_minus_alpha = T(0.01);
+  T eps = T(1e-8);
+  T weight_decay = T(0);
+  T momentum = T(0);
   bool use_momentum = false;  ///< momentum > 0, decided on the fp64 option (LibTorch's test)
   bool centered = false;
   bool maximize = false;
+
+  template <class U>
+  AMPFUSE_HOST_DEVICE RmspropHyperT<U> as() const {
+    return {static_cast<U>(neg_lr), static_cast<U>(alpha), static_cast<U>(one_minus_alpha), static_cast<U>(eps),
+            static_cast<U>(weight_decay), static_cast<U>(momentum), use_momentum, centered, maximize};
+  }
 };
+using RmspropHyper = RmspropHyperT<double>;
 
 inline RmspropHyper make_rmsprop_hyper(double lr, double alpha, double eps, double weight_decay, double momentum,
                                        bool centered, bool maximize) {
   RmspropHyper h;
-  h.neg_lr = static_cast<float>(-lr);
-  h.alpha = static_cast<float>(alpha);
-  h.one_minus_alpha = static_cast<float>(1 - alpha);
-  h.eps = static_cast<float>(eps);
-  h.weight_decay = static_cast<float>(weight_decay);
-  h.momentum = static_cast<float>(momentum);
+  h.neg_lr = -lr;
+  h.alpha = alpha;
+  h.one_minus_alpha = 1 - alpha;
+  h.eps = eps;
+  h.weight_decay = weight_decay;
+  h.momentum = momentum;
   h.use_momentum = momentum > 0;
   h.centered = centered;
   h.maximize = maximize;
@@ -53,10 +62,10 @@ inline RmspropHyper make_rmsprop_hyper(double lr, double alpha, double eps, doub
 /// One element (or one block of lanes): p and the state in place, g already
 /// multiplied by the scaler's inv_scale * clip_coef. buf is read only with
 /// use_momentum, grad_avg only when centered.
-template <class V, class Ops>
-AMPFUSE_HOST_DEVICE void rmsprop_update(V& p, V g, V& square_avg, V* buf, V* grad_avg, const RmspropHyper& h) {
+template <class V, class Ops, class T>
+AMPFUSE_HOST_DEVICE void rmsprop_update(V& p, V g, V& square_avg, V* buf, V* grad_avg, const RmspropHyperT<T>& h) {
   if (h.maximize) g = -g;
-  if (h.weight_decay != 0.f) g = g + Ops::splat(h.weight_decay) * p;
+  if (h.weight_decay != T(0)) g = g + Ops::splat(h.weight_decay) * p;
   square_avg = square_avg * Ops::splat(h.alpha) + (Ops::splat(h.one_minus_alpha) * g) * g;
   V second = square_avg;
   if (h.centered) {

@@ -107,7 +107,7 @@ sdk::Launch FusedSGD::prepare_list(const sdk::ParamList& pl) {
       if (momentum) buf[i] = states[i]->momentum_buffer().data_ptr();
     });
     auto plan = std::make_shared<const Plan>(numels, sdk::cpu::kChunkSize);
-    const float grad_factor = sdk::cpu_grad_factor(pl.signal);
+    const double grad_factor = sdk::cpu_grad_factor(pl.signal);
     return [=, param = std::move(param), grad = std::move(grad), buf = std::move(buf), first = std::move(first)] {
       const fused::cpu::SgdArgs args{sdk::cpu::plan_ref(*plan), param.data(), grad.data(), buf.data(), first.data(),
                                      st, hyper, grad_factor};

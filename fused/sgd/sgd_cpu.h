@@ -15,8 +15,8 @@ struct SgdArgs {
   void* const* momentum_buffer;  ///< null when momentum is 0
   const unsigned char* first;    ///< by tensor index: 1 when this step creates the buffer
   ScalarType dtype;
-  SgdHyper hyper;
-  float grad_factor;
+  SgdHyper hyper;      ///< in fp64 (the kernel rounds it to its opmath)
+  double grad_factor;  ///< inv_scale * clip_coef, exact
 };
 
 using SgdFn = void (*)(const SgdArgs&, std::int64_t chunk_begin, std::int64_t chunk_end);

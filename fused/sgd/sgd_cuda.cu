@@ -10,22 +10,24 @@ using namespace ampfuse::cuda::detail;
 
 template <class T, bool kMomentum, class Meta>
 __global__ void __launch_bounds__(kBlockSize) sgd_kernel(Meta meta, SgdCudaArgs args) {
+  using Op = opmath_t<T>;
   if (step_skipped(args.found_inf)) return;  // contract rule 1: before any write
   const BlockChunk c = locate_chunk(meta, blockIdx.x);
   float* flag = kMomentum ? static_cast<float*>(meta.data(kSgdInitialized, c.slot)) : nullptr;
   const bool is_first = kMomentum && block_broadcast(flag) == 0.f;
-  const float grad_factor = signal_grad_factor(args.inv_scale, args.clip_coef);
+  const Op grad_factor = signal_grad_factor<Op>(args.inv_scale, args.clip_coef);
+  const SgdHyperT<Op> hyper = args.hyper.as<Op>();
 
   T* p = static_cast<T*>(meta.data(kSgdParam, c.slot)) + c.begin;
   const T* g = static_cast<const T*>(meta.data(kSgdGrad, c.slot)) + c.begin;
   T* buf = kMomentum ? static_cast<T*>(meta.data(kSgdMomentumBuffer, c.slot)) + c.begin : nullptr;
 
   auto update = [&](T& pe, T ge, T* bufe) {
-    float pf = to_float(pe);
-    float bf = kMomentum && !is_first ? to_float(*bufe) : 0.f;
-    sgd_update<float, ScalarOps>(pf, to_float(ge) * grad_factor, &bf, is_first, args.hyper);
-    pe = from_float<T>(pf);
-    if (kMomentum) *bufe = from_float<T>(bf);
+    Op pf = to_opmath(pe);
+    Op bf = kMomentum && !is_first ? to_opmath(*bufe) : Op(0);
+    sgd_update<Op, ScalarOpsT<Op>>(pf, to_opmath(ge) * grad_factor, &bf, is_first, hyper);
+    pe = from_opmath<T>(pf);
+    if (kMomentum) *bufe = from_opmath<T>(bf);
   };
 
   using V = Vec16<T>;
@@ -54,9 +56,9 @@ __global__ void __launch_bounds__(kBlockSize) sgd_kernel(Meta meta, SgdCudaArgs 
 
 void sgd(const sdk::cuda::LaunchMeta& meta, ScalarType dtype, const SgdCudaArgs& args,
          sdk::cuda::Stream stream) {
-  dispatch_dtype(dtype, [&](auto tag) {
+  dispatch_dtype<true>(dtype, [&](auto tag) {
     using T = decltype(tag);
-    if (args.hyper.momentum != 0.f) {
+    if (args.hyper.momentum != 0) {
       launch_with_meta<4>(meta, [&](auto m, dim3 grid) {
         sgd_kernel<T, true><<<grid, kBlockSize, 0, stream>>>(m, args);
       });

@@ -15,35 +15,44 @@
 namespace ampfuse::fused {
 
 using sdk::ScalarOps;
+using sdk::ScalarOpsT;
 
-struct SgdHyper {
-  float neg_lr = -1e-2f;
-  float momentum = 0.f;
-  float one_minus_dampening = 1.f;  ///< 1 - dampening, rounded once from fp64
-  float weight_decay = 0.f;
+/// In opmath type T; made in double as LibTorch computes them, narrowed by a
+/// kernel with as<T>() (see AdamHyperT).
+template <class T>
+struct SgdHyperT {
+  T neg_lr = T(-1e-2);
+  T momentum = T(0);
+  T one_minus_dampening = T(1);  ///< 1 - dampening
+  T weight_decay = T(0);
   bool nesterov = false;
   bool maximize = false;
+
+  template <class U>
+  AMPFUSE_HOST_DEVICE SgdHyperT<U> as() const {
+    return {static_cast<U>(neg_lr), static_cast<U>(momentum), static_cast<U>(one_minus_dampening),
+            static_cast<U>(weight_decay), nesterov, maximize};
+  }
 };
+using SgdHyper = SgdHyperT<double>;
 
 inline SgdHyper make_sgd_hyper(double lr, double momentum, double dampening, double weight_decay, bool nesterov,
                                bool maximize) {
   SgdHyper h;
-  h.neg_lr = static_cast<float>(-1 * lr);
-  h.momentum = static_cast<float>(momentum);
-  h.one_minus_dampening = static_cast<float>(1 - dampening);
-  h.weight_decay = static_cast<float>(weight_decay);
+  h.neg_lr = -1 * lr;
+  h.momentum = momentum;
+  h.one_minus_dampening = 1 - dampening;
+  h.weight_decay = weight_decay;
   h.nesterov = nesterov;
   h.maximize = maximize;
   return h;
 }
 
-/// buf is ignored when momentum is 0. first: the buffer is created by this
-/// step (the first one applied), as a copy of the gradient.
-template <class V, class Ops>
-AMPFUSE_HOST_DEVICE void sgd_update(V& p, V g, V* buf, bool first, const SgdHyper& h) {
+template <class V, class Ops, class T>
+AMPFUSE_HOST_DEVICE void sgd_update(V& p, V g, V* buf, bool first, const SgdHyperT<T>& h) {
   if (h.maximize) g = -g;
-  if (h.weight_decay != 0.f) g = g + Ops::splat(h.weight_decay) * p;
-  if (h.momentum != 0.f) {
+  if (h.weight_decay != T(0)) g = g + Ops::splat(h.weight_decay) * p;
+  if (h.momentum != T(0)) {
     *buf = first ? g : *buf * Ops::splat(h.momentum) + Ops::splat(h.one_minus_dampening) * g;
     g = h.nesterov ? g + Ops::splat(h.momentum) * *buf : *buf;
   }

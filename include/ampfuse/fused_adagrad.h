@@ -63,6 +63,7 @@ class FusedAdagrad
 
  protected:
   const char* name() const override { return "FusedAdagrad"; }
+  bool takes_float64() const override { return true; }
   void check_state(const at::Tensor& param, const FusedAdagradParamState& state, std::size_t group,
                    std::size_t index) const override;
   sdk::Launch prepare_list(const sdk::ParamList& list) override;

@@ -113,6 +113,7 @@ class FusedAdamImpl : public sdk::FusedOptimizer<Base, Options, State> {
 
  protected:
   const char* name() const override;
+  bool takes_float64() const override { return true; }
   void check_state(const at::Tensor& param, const State& state, std::size_t group, std::size_t index) const override;
   void check_entries(const std::vector<sdk::Entry>& entries) const override;
   sdk::Launch prepare_list(const sdk::ParamList& list) override;

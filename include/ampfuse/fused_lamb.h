@@ -19,7 +19,7 @@
 // parameter (read p, g, m, v, write m, v; read p, m, v, write p), plus 4 with
 // max_grad_norm.
 //
-// Parameters: fp32, fp16 or bf16; the moments are always fp32. With
+// Parameters: fp32, fp16, bf16 or fp64; the moments are fp32 (fp64 for fp64 parameters). With
 // master_weights, fp16/bf16 parameters also get an fp32 master copy (saved
 // in the state) that the update runs on.
 
@@ -97,6 +97,7 @@ class FusedLAMB : public sdk::FusedOptimizer<torch::optim::Optimizer, FusedLAMBO
 
  protected:
   const char* name() const override { return "FusedLAMB"; }
+  bool takes_float64() const override { return true; }
   void check_state(const at::Tensor& param, const FusedLAMBParamState& state, std::size_t group,
                    std::size_t index) const override;
   void check_entries(const std::vector<sdk::Entry>& entries) const override;

@@ -63,6 +63,7 @@ class FusedRMSprop
 
  protected:
   const char* name() const override { return "FusedRMSprop"; }
+  bool takes_float64() const override { return true; }
   void check_state(const at::Tensor& param, const FusedRMSpropParamState& state, std::size_t group,
                    std::size_t index) const override;
   sdk::Launch prepare_list(const sdk::ParamList& list) override;

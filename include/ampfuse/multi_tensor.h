@@ -11,11 +11,14 @@
 
 namespace ampfuse {
 
-/// Storage types the engine reads and writes. Math is always fp32 (opmath).
-enum class ScalarType : std::uint8_t { Float32, Float16, BFloat16 };
+/// Storage types the engine reads and writes. Math is in fp32 (opmath) for
+/// Float32, Float16 and BFloat16, and in fp64 for Float64, as ATen's opmath_t.
+enum class ScalarType : std::uint8_t { Float32, Float16, BFloat16, Float64 };
+/// The number of ScalarType values (they are numbered from 0).
+constexpr int kNumScalarTypes = 4;
 
 constexpr std::size_t element_size(ScalarType t) {
-  return t == ScalarType::Float32 ? 4 : 2;
+  return t == ScalarType::Float64 ? 8 : t == ScalarType::Float32 ? 4 : 2;
 }
 
 const char* to_string(ScalarType t);

@@ -55,8 +55,9 @@ void force_isa(const char* name);
 /// slower. So CPU kernels run with them flushed: while a FlushSubnormals
 /// lives, this thread's SSE/AVX arithmetic reads subnormal inputs as zero
 /// (DAZ) and writes subnormal results as zero (FTZ): only values below 2^-126
-/// change, and a normal result only by what such a value would have added to
-/// it (fp16's subnormals are normal fp32 numbers and are kept).
+/// change (2^-1022 in fp64 kernels), and a normal result only by what such a
+/// value would have added to it (fp16's subnormals are normal fp32 numbers
+/// and are kept).
 /// keep_subnormals(true), or AMPFUSE_KEEP_SUBNORMALS=1 in the environment,
 /// keeps IEEE subnormals for exact parity with LibTorch, at that cost.
 /// sdk::parallel_chunks and the engine ops hold one in every worker.

@@ -12,8 +12,9 @@
 //
 // Memory access is kept apart from the math: load_block / store_block move
 // kWidth elements between storage (fp32, fp16, bf16) and a VecF of fp32
-// lanes; the update works on VecF through VecOps (the CPU twin of
-// ampfuse::sdk::ScalarOps). A tensor's tail is copied into a zero-padded
+// lanes, or fp64 storage and a VecD of fp64 lanes (Lanes<ST> names the
+// type); the update works on VecF through VecOps, on VecD through VecOpsD
+// (the CPU twins of ampfuse::sdk::ScalarOpsT; OpsOf<ST> names them). A tensor's tail is copied into a zero-padded
 // block and run through the same code, so body and tail round identically.
 // for_each_chunk_block is the executor: it walks chunks of a plan and hands
 // the per-block functor the blocks of every list side by side.
@@ -95,6 +96,20 @@ inline float bits_float(u32 u) {
 typedef float VecF __attribute__((vector_size(kWidth * sizeof(float))));
 typedef float HalfVecF __attribute__((vector_size(kWidth / 2 * sizeof(float))));
 typedef double HalfVecD __attribute__((vector_size(kWidth / 2 * sizeof(double))));
+// One block of kWidth fp64 lanes (two registers): fp64 storage computes in fp64.
+typedef double VecD __attribute__((vector_size(kWidth * sizeof(double))));
+
+/// The lanes a block of storage type ST is loaded into: VecF, or VecD for Float64.
+template <ScalarType ST>
+struct LanesOf {
+  using type = VecF;
+};
+template <>
+struct LanesOf<ScalarType::Float64> {
+  using type = VecD;
+};
+template <ScalarType ST>
+using Lanes = typename LanesOf<ST>::type;
 
 inline VecF load_f32(const void* src) {
   VecF v;
@@ -104,9 +119,18 @@ inline VecF load_f32(const void* src) {
 inline void store_f32(VecF v, void* dst) { std::memcpy(dst, &v, sizeof v); }
 
 template <ScalarType ST>
-inline VecF load_block(const void* src);
+inline Lanes<ST> load_block(const void* src);
 template <ScalarType ST>
-inline void store_block(VecF v, void* dst);
+inline void store_block(Lanes<ST> v, void* dst);
+
+template <>
+inline VecD load_block<ScalarType::Float64>(const void* src) {
+  VecD v;
+  std::memcpy(&v, src, sizeof v);
+  return v;
+}
+template <>
+inline void store_block<ScalarType::Float64>(VecD v, void* dst) { std::memcpy(dst, &v, sizeof v); }
 
 template <>
 inline VecF load_block<ScalarType::Float32>(const void* src) { return load_f32(src); }
@@ -229,7 +253,22 @@ inline HalfVecD high_f64(VecF v) {
 }
 #endif
 
+// The two halves of a block of fp64 lanes.
+inline HalfVecD low_f64(VecD v) {
+  HalfVecD h;
+  std::memcpy(&h, &v, sizeof h);
+  return h;
+}
+inline HalfVecD high_f64(VecD v) {
+  HalfVecD h;
+  std::memcpy(&h, reinterpret_cast<const char*>(&v) + sizeof h, sizeof h);
+  return h;
+}
+
 constexpr std::size_t size_of(ScalarType st) { return element_size(st); }
+
+// The largest storage element (fp64): a tail block holds kWidth of them.
+constexpr std::size_t kMaxElementSize = 8;
 
 // Calls f(chunk, tensor, begin, size) for chunks [chunk_begin, chunk_end).
 template <class F>
@@ -274,7 +313,7 @@ inline void for_each_chunk_with_next(const PlanRef& plan, std::int64_t chunk_beg
 // adds that carry a sum from one block to the next.
 constexpr int kUnroll = 4;
 
-// Copies a tail's bytes (fewer than a block's, so fewer than 64) as
+// Copies a tail's bytes (fewer than a block's, so fewer than 128) as
 // fixed-size copies, which compile to moves: a memcpy of a run-time size is
 // a call that costs more than a one-element tensor's whole update.
 template <std::size_t kBytes>
@@ -286,9 +325,10 @@ template <std::size_t kBytes>
 }
 
 [[gnu::always_inline]] inline void copy_tail(void* dst, const void* src, std::size_t bytes) {
-  static_assert(kWidth * 4 <= 64, "a tail holds fewer than 64 bytes");
+  static_assert(kWidth * kMaxElementSize <= 128, "a tail holds fewer than 128 bytes");
   auto* d = static_cast<unsigned char*>(dst);
   const auto* s = static_cast<const unsigned char*>(src);
+  copy_part<64>(d, s, bytes);
   copy_part<32>(d, s, bytes);
   copy_part<16>(d, s, bytes);
   copy_part<8>(d, s, bytes);
@@ -305,7 +345,7 @@ inline void for_each_block_rw(char* data, std::int64_t n, BlockFn&& block_fn) {
     for (int u = 0; u < kUnroll; ++u) block_fn(data + (i + u * kWidth) * es, u);
   for (; i + kWidth <= n; i += kWidth) block_fn(data + i * es, 0);
   if (i < n) {
-    alignas(64) unsigned char tail[kWidth * 4] = {};
+    alignas(64) unsigned char tail[kWidth * size_of(ST)] = {};
     const std::size_t bytes = static_cast<std::size_t>(n - i) * es;
     copy_tail(tail, data + i * es, bytes);
     block_fn(tail, 0);
@@ -314,7 +354,8 @@ inline void for_each_block_rw(char* data, std::int64_t n, BlockFn&& block_fn) {
 }
 
 // True when any lane of the accumulators is NaN (see check_chunks).
-inline bool any_poisoned(VecF (&poison)[kUnroll]) {
+template <class V>
+inline bool any_poisoned(V (&poison)[kUnroll]) {
   for (int u = 1; u < kUnroll; ++u) poison[0] += poison[u];
   bool any = false;
   for (int j = 0; j < kWidth; ++j) any |= poison[0][j] != poison[0][j];
@@ -331,6 +372,22 @@ inline VecF vsqrt(VecF v) {
   return v;
 }
 #endif
+#if defined(__AVX512F__)
+inline HalfVecD vsqrt_half(HalfVecD v) { return (HalfVecD)_mm512_sqrt_pd((__m512d)v); }
+#elif defined(__AVX2__)
+inline HalfVecD vsqrt_half(HalfVecD v) { return (HalfVecD)_mm256_sqrt_pd((__m256d)v); }
+#else
+inline HalfVecD vsqrt_half(HalfVecD v) {
+  for (int j = 0; j < kWidth / 2; ++j) v[j] = __builtin_sqrt(v[j]);
+  return v;
+}
+#endif
+inline VecD vsqrt(VecD v) {
+  const HalfVecD lo = vsqrt_half(low_f64(v)), hi = vsqrt_half(high_f64(v));
+  std::memcpy(&v, &lo, sizeof lo);
+  std::memcpy(reinterpret_cast<char*>(&v) + sizeof lo, &hi, sizeof hi);
+  return v;
+}
 inline VecF vmax(VecF a, VecF b) { return a > b ? a : b; }
 inline VecF splat(float x) { return VecF{} + x; }
 
@@ -379,7 +436,7 @@ inline void for_each_block_read(const char* src, const char* next, std::int64_t 
     block_fn(src + i * es, 0);
   }
   if (i < n) {
-    alignas(64) unsigned char tail[kWidth * 4] = {};
+    alignas(64) unsigned char tail[kWidth * size_of(ST)] = {};
     copy_tail(tail, src + i * es, static_cast<std::size_t>(n - i) * es);
     block_fn(tail, 0);
   }
@@ -410,7 +467,7 @@ inline void for_each_block_lists(char* const (&base)[Depth], char* const* next, 
     block_fn(blocks);
   }
   if (i < n) {
-    alignas(64) unsigned char tail[Depth][kWidth * 4] = {};
+    alignas(64) unsigned char tail[Depth][kWidth * kMaxElementSize] = {};
     for (int l = 0; l < Depth; ++l) {
       if (!used(l)) continue;
       copy_tail(tail[l], base[l] + i * elem_size[l], static_cast<std::size_t>(n - i) * elem_size[l]);
@@ -434,6 +491,35 @@ struct VecOps {
     return (x > zero ? one : zero) - (x < zero ? one : zero);
   }
 };
+
+/// VecOps for blocks of fp64 lanes (fp64 storage).
+struct VecOpsD {
+  static VecD splat(double x) { return VecD{} + x; }
+  static VecD max(VecD a, VecD b) { return a > b ? a : b; }
+  static VecD min(VecD a, VecD b) { return a < b ? a : b; }
+  static VecD sqrt(VecD x) { return vsqrt(x); }
+  static VecD sign(VecD x) {
+    const VecD one = splat(1.0), zero = {};
+    return (x > zero ? one : zero) - (x < zero ? one : zero);
+  }
+};
+
+/// The ops and the opmath scalar of storage type ST's lanes.
+template <ScalarType ST>
+struct OpmathOf {
+  using Ops = VecOps;
+  using scalar = float;
+};
+template <>
+struct OpmathOf<ScalarType::Float64> {
+  using Ops = VecOpsD;
+  using scalar = double;
+};
+template <ScalarType ST>
+using OpsOf = typename OpmathOf<ST>::Ops;
+/// float, or double for Float64: the type hyperparameters are narrowed to.
+template <ScalarType ST>
+using opmath_t = typename OpmathOf<ST>::scalar;
 
 /// Sum of the lanes, in a fixed order (deterministic).
 inline float horizontal_sum(VecF v) {

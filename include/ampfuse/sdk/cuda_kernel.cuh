@@ -27,6 +27,7 @@
 #include <cstdint>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 
 #include "ampfuse/sdk/chunk_math.h"
 #include "ampfuse/sdk/cuda.h"
@@ -118,6 +119,24 @@ template <> __device__ __forceinline__ float from_float<float>(float v) { return
 template <> __device__ __forceinline__ __half from_float<__half>(float v) { return __float2half_rn(v); }
 template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
 
+/// The type a kernel computes in for storage T: float, or double for double
+/// storage (ATen's opmath_t).
+template <class T> struct OpmathOf { using type = float; };
+template <> struct OpmathOf<double> { using type = double; };
+template <class T> using opmath_t = typename OpmathOf<T>::type;
+
+/// Storage <-> opmath conversions (to_float / from_float, or none for double).
+template <class T>
+__device__ __forceinline__ opmath_t<T> to_opmath(T v) {
+  if constexpr (std::is_same<T, double>::value) return v;
+  else return to_float(v);
+}
+template <class T>
+__device__ __forceinline__ T from_opmath(opmath_t<T> v) {
+  if constexpr (std::is_same<T, double>::value) return v;
+  else return from_float<T>(v);
+}
+
 /// 16 bytes of T, for the aligned vector path.
 template <class T>
 struct alignas(16) Vec16 {
@@ -129,15 +148,22 @@ template <ScalarType ST> struct StorageOf;
 template <> struct StorageOf<ScalarType::Float32> { using type = float; };
 template <> struct StorageOf<ScalarType::Float16> { using type = __half; };
 template <> struct StorageOf<ScalarType::BFloat16> { using type = __nv_bfloat16; };
+template <> struct StorageOf<ScalarType::Float64> { using type = double; };
 
-/// Calls f(T{}) with T the storage type of dtype.
-template <class F>
+/// Calls f(T{}) with T the storage type of dtype. Float64 is dispatched only
+/// when kFloat64 (the kernel computes in opmath_t<T>); otherwise, as for any
+/// dtype the kernel was not built for, it throws.
+template <bool kFloat64 = false, class F>
 void dispatch_dtype(ScalarType dtype, F&& f) {
   switch (dtype) {
     case ScalarType::Float32: return f(float{});
     case ScalarType::Float16: return f(__half{});
     case ScalarType::BFloat16: return f(__nv_bfloat16{});
+    case ScalarType::Float64:
+      if constexpr (kFloat64) return f(double{});
+      break;
   }
+  throw std::runtime_error("ampfuse: internal error: a CUDA kernel was given a dtype it was not built for");
 }
 
 /// Launches kernel<Meta> over every chunk once: metadata in the arguments when
@@ -178,12 +204,14 @@ __device__ __forceinline__ bool step_skipped(const float* found_inf) {
   return found_inf != nullptr && *found_inf != 0.f;
 }
 
-/// Contract rule 2 on the device: the factor grads are multiplied by (in
-/// fp32), inv_scale * clip_coef, each 1 when null.
-__device__ __forceinline__ float signal_grad_factor(const float* inv_scale, const float* clip_coef) {
-  float f = 1.f;
-  if (inv_scale != nullptr) f *= *inv_scale;
-  if (clip_coef != nullptr) f *= *clip_coef;
+/// Contract rule 2 on the device: the factor grads are multiplied by,
+/// inv_scale * clip_coef, each 1 when null, in T (the kernel's opmath: fp32,
+/// or fp64 for fp64 storage, where the product is exact).
+template <class T = float>
+__device__ __forceinline__ T signal_grad_factor(const float* inv_scale, const float* clip_coef) {
+  T f = T(1);
+  if (inv_scale != nullptr) f *= static_cast<T>(*inv_scale);
+  if (clip_coef != nullptr) f *= static_cast<T>(*clip_coef);
   return f;
 }
 

@@ -7,7 +7,9 @@
 //
 // and call it with V = float, Ops = ScalarOps in CUDA kernels and test
 // references, and with V = VecF, Ops = VecOps (ampfuse/sdk/cpu_kernel.h,
-// kWidth fp32 lanes) in CPU kernels. Use +, -, *, / and unary - on V, and
+// kWidth fp32 lanes) in CPU kernels; for fp64 storage, V = double with
+// ScalarOpsT<double>, or VecD with VecOpsD. Templating the hyperparameters
+// on the opmath type too (MyHyper<T>) lets one formula serve both. Use +, -, *, / and unary - on V, and
 // Ops for everything else; constants go through Ops::splat.
 // No LibTorch here, so .cu files can include it.
 
@@ -17,20 +19,26 @@
 
 namespace ampfuse::sdk {
 
-/// Ops for plain floats (CUDA kernels, scalar references).
-struct ScalarOps {
-  static AMPFUSE_HOST_DEVICE float splat(float x) { return x; }
-  static AMPFUSE_HOST_DEVICE float max(float a, float b) { return a > b ? a : b; }
-  static AMPFUSE_HOST_DEVICE float min(float a, float b) { return a < b ? a : b; }
+/// Ops for plain scalars of type T (CUDA kernels, scalar references): T is
+/// the opmath type, float for fp32/fp16/bf16 storage, double for fp64.
+template <class T>
+struct ScalarOpsT {
+  static AMPFUSE_HOST_DEVICE T splat(T x) { return x; }
+  static AMPFUSE_HOST_DEVICE T max(T a, T b) { return a > b ? a : b; }
+  static AMPFUSE_HOST_DEVICE T min(T a, T b) { return a < b ? a : b; }
   /// -1, 0 or 1 (0 for +-0 and NaN), as torch.sign.
-  static AMPFUSE_HOST_DEVICE float sign(float x) { return static_cast<float>((x > 0.f) - (x < 0.f)); }
-  static AMPFUSE_HOST_DEVICE float sqrt(float x) {
+  static AMPFUSE_HOST_DEVICE T sign(T x) { return static_cast<T>((x > T(0)) - (x < T(0))); }
+  static AMPFUSE_HOST_DEVICE T sqrt(T x) {
 #if defined(__CUDA_ARCH__)
-    return ::sqrtf(x);
+    if constexpr (sizeof(T) == sizeof(float)) return ::sqrtf(x);
+    else return ::sqrt(x);
 #else
     return std::sqrt(x);
 #endif
   }
 };
+
+/// Ops for plain floats.
+using ScalarOps = ScalarOpsT<float>;
 
 }  // namespace ampfuse::sdk

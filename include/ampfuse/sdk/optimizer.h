@@ -122,7 +122,8 @@ inline std::size_t stamp_of(std::size_t seed, const at::Tensor& t) {
 }
 
 /// Validates every parameter of every group of `opt` (and the signals) and
-/// returns those with grads. Accepted: fp32, fp16 and bf16 dense parameters
+/// returns those with grads. Accepted: fp32, fp16 and bf16 (and fp64 when
+/// `float64`: the optimizer's kernels have a Double path) dense parameters
 /// on CPU or CUDA, in one group only, with a dense grad of the same dtype,
 /// device, shape and strides. check_state is called for each parameter with
 /// a grad, to validate its existing state; it returns that state (null when
@@ -134,7 +135,7 @@ inline std::size_t stamp_of(std::size_t seed, const at::Tensor& t) {
 using CheckState =
     std::function<torch::optim::OptimizerParamState*(const at::Tensor& param, std::size_t group, std::size_t index)>;
 std::vector<Entry> validate_params(torch::optim::Optimizer& opt, const char* name, const StepSignals* signals,
-                                   const CheckState& check_state);
+                                   const CheckState& check_state, bool float64 = false);
 
 /// Throws unless every signal's tensors are float32 one-element tensors on
 /// the signal's device (contract rule 0), naming `name`.
@@ -179,7 +180,7 @@ void record_plan(torch::optim::Optimizer& opt, const StateStamp& stamp, PlanKeys
 /// moved is checked against its parameter as validate_params would (throwing
 /// its error, naming `name`) and recorded in `keys`.
 PlanMatch match_plan(torch::optim::Optimizer& opt, const StateStamp& stamp, const char* name,
-                     const StepSignals* signals, PlanKeys& keys);
+                     const StepSignals* signals, PlanKeys& keys, bool float64 = false);
 
 /// Throws unless state tensor `s` (when defined) fits parameter p: its
 /// shape, strides and device, and the dtype the optimizer keeps it in.
@@ -208,8 +209,9 @@ void save_counted(const S& s, torch::serialize::OutputArchive& archive) {
 /// device sync): the CPU part of the step is then skipped on the host.
 bool cpu_step_skipped(const StepSignals* signals);
 
-/// inv_scale * clip_coef read on the host (CPU signals only); 1 without a signal.
-float cpu_grad_factor(const ScaleSignal* signal);
+/// inv_scale * clip_coef read on the host (CPU signals only); 1 without a
+/// signal. Exact in double: rounded to float it is the fp32 product.
+double cpu_grad_factor(const ScaleSignal* signal);
 
 /// A signal's fields as device pointers for a CUDA kernel (null when absent).
 struct SignalPointers {
@@ -422,7 +424,8 @@ struct ParamList {
   /// slot must be read again.
   bool grads_moved;
 
-  /// The storage type the kernels take (Float32, Float16 or BFloat16).
+  /// The storage type the kernels take (Float32, Float16, BFloat16, or
+  /// Float64 when the optimizer takes_float64()).
   ScalarType kernel_dtype() const { return to_scalar_type(dtype); }
 };
 
@@ -500,6 +503,9 @@ class FusedOptimizer : public Base, public ScalerAware {
  protected:
   /// The optimizer's name in error messages.
   virtual const char* name() const = 0;
+  /// True when the kernels take Double parameters (ScalarType::Float64,
+  /// computing in fp64); otherwise such parameters are refused.
+  virtual bool takes_float64() const { return false; }
   /// Validates a parameter's existing state (use check_state_tensor); throw to
   /// refuse. May run on several threads at once, for different parameters:
   /// read only.
@@ -638,7 +644,7 @@ class FusedOptimizer : public Base, public ScalerAware {
     try {
       if (plan_valid_) {
         if (signals) check_signals(*signals, name());
-        match = match_plan(*this, stamp, name(), signals, plan_keys_);
+        match = match_plan(*this, stamp, name(), signals, plan_keys_, takes_float64());
       }
       if (match == PlanMatch::kChanged) {
         forget_plan();
@@ -651,7 +657,8 @@ class FusedOptimizer : public Base, public ScalerAware {
                           ": its state is not a ", name(), " state (was it put into state() by hand?)");
               check_state(p, *st, g, i);
               return st;
-            });
+            },
+            takes_float64());
         check_entries(plan_entries_);
         std::vector<const Entry*> all;
         all.reserve(plan_entries_.size());
