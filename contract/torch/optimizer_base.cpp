@@ -148,6 +148,51 @@ struct Place {
   std::size_t group, index;
 };
 
+// Parameters whose memory overlaps (views of one tensor, or tensors made
+// over one buffer) would be written by two threads or blocks of a step at
+// once, and twice per step: refused, naming both. Sorted by address, so
+// O(n log n); only when a step validates from scratch (a reused step plan
+// compares the parameters' data addresses instead). The parameters were
+// checked dense, so each covers [data, data + numel * itemsize) exactly.
+void check_no_shared_memory(const std::vector<Place>& places, const char* name) {
+  struct Extent {
+    c10::Device device;
+    std::uintptr_t begin, end;
+    std::size_t place;
+  };
+  thread_local std::vector<Extent> kept_extents;
+  std::vector<Extent>& extents = kept_extents;
+  extents.clear();
+  for (std::size_t k = 0; k < places.size(); ++k) {
+    const at::Tensor& p = *places[k].param;
+    if (!p.defined() || p.numel() == 0) continue;
+    const auto begin = reinterpret_cast<std::uintptr_t>(p.const_data_ptr());
+    extents.push_back({p.device(), begin, begin + static_cast<std::uintptr_t>(p.numel()) * p.itemsize(), k});
+  }
+  auto key = [](const Extent& e) {
+    return std::make_tuple(static_cast<int>(e.device.type()), static_cast<int>(e.device.index()), e.begin, e.place);
+  };
+  std::sort(extents.begin(), extents.end(), [&](const Extent& a, const Extent& b) { return key(a) < key(b); });
+  // The extent reaching furthest so far on the same device; an extent that
+  // begins before its end overlaps it.
+  std::size_t furthest = 0;
+  for (std::size_t j = 1; j < extents.size(); ++j) {
+    if (extents[j].device != extents[furthest].device) {
+      furthest = j;
+      continue;
+    }
+    if (extents[j].begin < extents[furthest].end) {
+      const Place& a = places[std::min(extents[j].place, extents[furthest].place)];
+      const Place& b = places[std::max(extents[j].place, extents[furthest].place)];
+      TORCH_CHECK(false, name, ": param group ", b.group, ", param ", b.index, " shares memory with param group ",
+                  a.group, ", param ", a.index,
+                  " (overlapping views of one tensor): a step would write both at once; give the optimizer tensors "
+                  "that do not overlap");
+    }
+    if (extents[j].end > extents[furthest].end) furthest = j;
+  }
+}
+
 }  // namespace
 
 void check_signals(const StepSignals& signals, const char* name) {
@@ -214,6 +259,7 @@ std::vector<Entry> validate_params(torch::optim::Optimizer& opt, const char* nam
                 " of group ", first.group, "; a parameter may belong to one group only");
   }
   if (error) std::rethrow_exception(error);
+  check_no_shared_memory(places, name);
   std::sort(parts.begin(), parts.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
   if (parts.size() == 1) return std::move(parts.front().second);
   std::vector<Entry> entries;

@@ -130,7 +130,8 @@ inline std::size_t stamp_of(std::size_t seed, const at::Tensor& t) {
 /// `name`, the group and the parameter: of several bad parameters, the first
 /// in group order. With many parameters the checks run on ATen's threads,
 /// each over a contiguous range, so check_state must only read (it may run
-/// for different parameters at once).
+/// for different parameters at once). Parameters whose memory overlaps (views
+/// of one tensor) are refused, naming both: a step would write them at once.
 using CheckState =
     std::function<torch::optim::OptimizerParamState*(const at::Tensor& param, std::size_t group, std::size_t index)>;
 std::vector<Entry> validate_params(torch::optim::Optimizer& opt, const char* name, const StepSignals* signals,
