@@ -16,6 +16,8 @@
 #include <deque>
 #include <iterator>
 #include <cmath>
+#include <limits>
+#include <string>
 
 #include "ampfuse/sdk/optimizer.h"
 #include "ampfuse/tensor_ops.h"
@@ -475,6 +477,9 @@ void GradScaler::load(torch::serialize::InputArchive& archive) {
   c10::IValue values[5];
   int present = 0;
   for (int i = 0; i < 5; ++i) present += archive.try_read(keys[i], values[i]) ? 1 : 0;
+  c10::IValue probe;
+  TORCH_CHECK(present > 0 || !archive.try_read("pytorch_version", probe),
+              "GradScaler::load: the archive holds an optimizer's checkpoint, not a GradScaler's");
   TORCH_CHECK(present > 0,
               "The source state dict is empty, possibly because it was saved from a disabled instance of GradScaler.");
   for (int i = 0; i < 5; ++i) {
@@ -484,16 +489,33 @@ void GradScaler::load(torch::serialize::InputArchive& archive) {
     TORCH_CHECK(is_int_key ? values[i].isInt() : values[i].isDouble(), "GradScaler::load: '", keys[i], "' is a ",
                 values[i].tagKind(), ", expected ", is_int_key ? "an int" : "a float");
   }
+  for (const std::string& key : archive.keys())
+    TORCH_CHECK(std::find(std::begin(keys), std::end(keys), key) != std::end(keys), "GradScaler::load: the archive has "
+                "the key '", key, "', which a GradScaler does not save (a damaged or foreign checkpoint?)");
   // Validate before the first write: a rejected archive changes nothing.
   const double new_scale = values[0].toDouble();
+  TORCH_CHECK(std::isfinite(new_scale) && new_scale > 0, "GradScaler::load: 'scale' is ", new_scale,
+              "; a scale is finite and > 0");
   GradScalerOptions options = options_;
   options.growth_factor(values[1].toDouble()).backoff_factor(values[2].toDouble()).growth_interval(values[3].toInt());
-  GradScaler check(options);  // throws on factors PyTorch would refuse
-  (void)check;
+  TORCH_CHECK(std::isfinite(options.growth_factor()) && options.backoff_factor() > 0, "GradScaler::load: growth_factor ",
+              options.growth_factor(), " and backoff_factor ", options.backoff_factor(),
+              ": a scale grows by a finite factor and backs off by a positive one");
+  try {
+    GradScaler check(options);  // the factors PyTorch would refuse
+  } catch (const c10::Error& e) {
+    TORCH_CHECK(false, "GradScaler::load: ", e.what_without_backtrace());
+  }
+  const std::int64_t tracker = values[4].toInt();
+  // The tracker counts clean steps since the last growth: below the interval,
+  // and an int32 on the device.
+  TORCH_CHECK(tracker >= 0 && tracker < options.growth_interval() && tracker <= std::numeric_limits<std::int32_t>::max(),
+              "GradScaler::load: '_growth_tracker' is ", tracker, "; expected 0 <= it < growth_interval (",
+              options.growth_interval(), ")");
   options_ = options;
   init_scale_ = new_scale;
   if (scale_.defined()) scale_.fill_(new_scale);
-  init_growth_tracker_ = values[4].toInt();
+  init_growth_tracker_ = tracker;
   if (growth_tracker_.defined()) growth_tracker_.fill_(init_growth_tracker_);
 }
 

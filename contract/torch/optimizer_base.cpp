@@ -12,7 +12,11 @@
 #include <atomic>
 #include <cstdint>
 #include <exception>
+#include <map>
 #include <mutex>
+#include <sstream>
+#include <string>
+#include <tuple>
 #include <utility>
 
 #if defined(AMPFUSE_WITH_CUDA)
@@ -41,6 +45,18 @@ void check_state_tensor(const at::Tensor& s, const at::Tensor& p, c10::ScalarTyp
               name, ": param group ", g, ", param ", i, ": state ", what, " has shape ", s.sizes(), ", dtype ",
               s.scalar_type(), " on ", s.device(), " but ", name, " keeps it with shape ", p.sizes(), ", dtype ", dtype,
               " on ", p.device(), " (a checkpoint of another model, or of other options?)");
+}
+
+void check_required_state_tensor(const at::Tensor& s, const at::Tensor& p, c10::ScalarType dtype, const char* name,
+                                 const char* what, std::size_t g, std::size_t i) {
+  TORCH_CHECK(s.defined(), name, ": param group ", g, ", param ", i, ": state ", what,
+              " is missing (a checkpoint of another optimizer, or a damaged one?)");
+  check_state_tensor(s, p, dtype, name, what, g, i);
+}
+
+void check_state_step(std::int64_t step, const char* name, std::size_t g, std::size_t i) {
+  TORCH_CHECK(step >= 0, name, ": param group ", g, ", param ", i, ": state step is ", step,
+              "; a step count is never negative (a damaged checkpoint?)");
 }
 
 void check_device_step(const at::Tensor& step, const at::Tensor& p, const char* name, std::size_t g, std::size_t i) {
@@ -135,6 +151,51 @@ struct Place {
   std::size_t group, index;
 };
 
+// Parameters whose memory overlaps (views of one tensor, or tensors made
+// over one buffer) would be written by two threads or blocks of a step at
+// once, and twice per step: refused, naming both. Sorted by address, so
+// O(n log n); only when a step validates from scratch (a reused step plan
+// compares the parameters' data addresses instead). The parameters were
+// checked dense, so each covers [data, data + numel * itemsize) exactly.
+void check_no_shared_memory(const std::vector<Place>& places, const char* name) {
+  struct Extent {
+    c10::Device device;
+    std::uintptr_t begin, end;
+    std::size_t place;
+  };
+  thread_local std::vector<Extent> kept_extents;
+  std::vector<Extent>& extents = kept_extents;
+  extents.clear();
+  for (std::size_t k = 0; k < places.size(); ++k) {
+    const at::Tensor& p = *places[k].param;
+    if (!p.defined() || p.numel() == 0) continue;
+    const auto begin = reinterpret_cast<std::uintptr_t>(p.const_data_ptr());
+    extents.push_back({p.device(), begin, begin + static_cast<std::uintptr_t>(p.numel()) * p.itemsize(), k});
+  }
+  auto key = [](const Extent& e) {
+    return std::make_tuple(static_cast<int>(e.device.type()), static_cast<int>(e.device.index()), e.begin, e.place);
+  };
+  std::sort(extents.begin(), extents.end(), [&](const Extent& a, const Extent& b) { return key(a) < key(b); });
+  // The extent reaching furthest so far on the same device; an extent that
+  // begins before its end overlaps it.
+  std::size_t furthest = 0;
+  for (std::size_t j = 1; j < extents.size(); ++j) {
+    if (extents[j].device != extents[furthest].device) {
+      furthest = j;
+      continue;
+    }
+    if (extents[j].begin < extents[furthest].end) {
+      const Place& a = places[std::min(extents[j].place, extents[furthest].place)];
+      const Place& b = places[std::max(extents[j].place, extents[furthest].place)];
+      TORCH_CHECK(false, name, ": param group ", b.group, ", param ", b.index, " shares memory with param group ",
+                  a.group, ", param ", a.index,
+                  " (overlapping views of one tensor): a step would write both at once; give the optimizer tensors "
+                  "that do not overlap");
+    }
+    if (extents[j].end > extents[furthest].end) furthest = j;
+  }
+}
+
 }  // namespace
 
 void check_signals(const StepSignals& signals, const char* name) {
@@ -201,6 +262,7 @@ std::vector<Entry> validate_params(torch::optim::Optimizer& opt, const char* nam
                 " of group ", first.group, "; a parameter may belong to one group only");
   }
   if (error) std::rethrow_exception(error);
+  check_no_shared_memory(places, name);
   std::sort(parts.begin(), parts.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
   if (parts.size() == 1) return std::move(parts.front().second);
   std::vector<Entry> entries;
@@ -208,6 +270,157 @@ std::vector<Entry> validate_params(torch::optim::Optimizer& opt, const char* nam
   for (const auto& part : parts)
     for (const Entry& e : part.second) entries.push_back(e);  // Entry holds references: not assignable
   return entries;
+}
+
+namespace {
+
+std::string joined(const std::vector<std::string>& keys) {
+  std::string out;
+  for (const std::string& k : keys) out += (out.empty() ? "" : ", ") + k;
+  return out.empty() ? "none" : out;
+}
+
+// A checkpoint's key of a parameter (the address of its TensorImpl when
+// saved, in decimal), strictly: std::stoull would take "12abc" and throw
+// std::invalid_argument on "abc".
+bool parse_key(const std::string& text, std::uint64_t& key) {
+  if (text.empty() || text.size() > 20) return false;
+  std::uint64_t value = 0;
+  for (const char c : text) {
+    if (c < '0' || c > '9') return false;
+    const auto digit = static_cast<std::uint64_t>(c - '0');
+    if (value > (~std::uint64_t{0} - digit) / 10) return false;
+    value = value * 10 + digit;
+  }
+  key = value;
+  return true;
+}
+
+// A count LibTorch writes as a one-element integer tensor.
+std::int64_t read_count(torch::serialize::InputArchive& archive, const std::string& key, const char* name,
+                        const std::string& where) {
+  at::Tensor t;
+  TORCH_CHECK(archive.try_read(key, t), name, ": ", where, "the checkpoint has no ", key,
+              " (not an optimizer's checkpoint, or a damaged one?)");
+  TORCH_CHECK(t.defined() && t.numel() == 1 && c10::isIntegralType(t.scalar_type(), /*includeBool=*/false), name,
+              ": ", where, "the checkpoint's ", key, " is not an integer (a damaged checkpoint?)");
+  const std::int64_t n = t.item<std::int64_t>();
+  TORCH_CHECK(n >= 0, name, ": ", where, "the checkpoint's ", key, " is ", n, " (a damaged checkpoint?)");
+  return n;
+}
+
+}  // namespace
+
+CheckpointLayout read_checkpoint_layout(torch::serialize::InputArchive& archive, const char* name,
+                                        const std::vector<std::size_t>& group_sizes) {
+  c10::IValue version;
+  if (!archive.try_read("pytorch_version", version)) {
+    c10::IValue probe;
+    TORCH_CHECK(!archive.try_read("scale", probe) && !archive.try_read("_growth_tracker", probe), name,
+                ": the checkpoint holds a GradScaler's state, not an optimizer's");
+    TORCH_CHECK(false, name,
+                ": the checkpoint has no pytorch_version: it is not an optimizer's, or predates LibTorch 1.5's "
+                "optimizer format (then load it into the LibTorch optimizer and save it again); its keys: ",
+                joined(archive.keys()));
+  }
+  TORCH_CHECK(version.isString() && version.toStringRef() == "1.5.0", name,
+              ": the checkpoint's pytorch_version is not \"1.5.0\", LibTorch's optimizer format");
+  torch::serialize::InputArchive states, groups;
+  TORCH_CHECK(archive.try_read("state", states) && archive.try_read("param_groups", groups), name,
+              ": the checkpoint has no state or no param_groups (a damaged checkpoint?)");
+  const std::int64_t num_groups = read_count(groups, "param_groups/size", name, "");
+  TORCH_CHECK(static_cast<std::size_t>(num_groups) == group_sizes.size(), name, ": the checkpoint has ", num_groups,
+              " param groups but the optimizer has ", group_sizes.size());
+  CheckpointLayout layout;
+  std::map<std::uint64_t, std::pair<std::size_t, std::size_t>> owner;  // key -> (group, index)
+  for (std::size_t g = 0; g < group_sizes.size(); ++g) {
+    const std::string where = "param group " + std::to_string(g) + ": ";
+    torch::serialize::InputArchive group;
+    TORCH_CHECK(groups.try_read("param_groups/" + std::to_string(g), group), name, ": ", where,
+                "the checkpoint does not hold it (a damaged checkpoint?)");
+    const std::int64_t size = read_count(group, "params/size", name, where);
+    TORCH_CHECK(static_cast<std::size_t>(size) == group_sizes[g], name, ": ", where, "the checkpoint has ", size,
+                " params but the optimizer's group has ", group_sizes[g]);
+    for (std::size_t i = 0; i < group_sizes[g]; ++i) {
+      c10::IValue text;
+      std::uint64_t key = 0;
+      TORCH_CHECK(group.try_read("params/" + std::to_string(i), text) && text.isString() &&
+                      parse_key(text.toStringRef(), key),
+                  name, ": param group ", g, ", param ", i,
+                  ": the checkpoint has no key for it, or one that is not a number (a damaged checkpoint?)");
+      const auto [it, inserted] = owner.emplace(key, std::make_pair(g, i));
+      TORCH_CHECK(inserted, name, ": param group ", g, ", param ", i, " has the same key in the checkpoint as param group ",
+                  it->second.first, ", param ", it->second.second, " (a damaged checkpoint?)");
+    }
+    torch::serialize::InputArchive options;
+    TORCH_CHECK(group.try_read("options", options), name, ": ", where,
+                "the checkpoint has no options (a damaged checkpoint?)");
+    layout.options.push_back(std::move(options));
+  }
+  for (const std::string& text : states.keys()) {
+    std::uint64_t key = 0;
+    TORCH_CHECK(parse_key(text, key), name, ": the checkpoint has a state under the key '", text,
+                "', which is not a number (a damaged checkpoint?)");
+    const auto it = owner.find(key);
+    TORCH_CHECK(it != owner.end(), name, ": the checkpoint has a state under the key ", text,
+                " that none of its param groups names (a damaged checkpoint?)");
+    const auto [g, i] = it->second;
+    torch::serialize::InputArchive one;
+    TORCH_CHECK(states.try_read(text, one), name, ": param group ", g, ", param ", i,
+                ": the checkpoint's state is not an archive (a damaged checkpoint?)");
+    layout.states.push_back({g, i, std::move(one)});
+  }
+  std::sort(layout.states.begin(), layout.states.end(), [](const auto& a, const auto& b) {
+    return std::tie(a.group, a.index) < std::tie(b.group, b.index);
+  });
+  return layout;
+}
+
+void read_checkpoint_part(torch::serialize::InputArchive& archive, const char* name, std::size_t group,
+                          std::size_t index, const char* what, const std::function<void()>& read) {
+  std::string reason;
+  try {
+    read();
+    return;
+  } catch (const c10::Error& e) {
+    // LibTorch's readers report a missing key as an internal assert ("please
+    // report a bug to PyTorch"), which would mislead: that one is left out.
+    const std::string message = e.what_without_backtrace();
+    if (message.find("INTERNAL ASSERT") == std::string::npos) reason = ": " + message.substr(0, message.find('\n'));
+  } catch (const std::exception& e) {
+    reason = std::string(": ") + e.what();
+  }
+  const std::string place = index == kNoIndex ? "" : ", param " + std::to_string(index);
+  TORCH_CHECK(false, name, ": param group ", group, place, ": the checkpoint's ", what, " could not be read as ", name,
+              "'s: a key it needs is missing or holds a value of another type (a checkpoint of another optimizer, or "
+              "a damaged one?); its keys: ",
+              joined(archive.keys()), reason);
+}
+
+void check_saved_option_keys(torch::serialize::InputArchive& archive, const torch::optim::OptimizerOptions& read,
+                             const char* name, std::size_t group) {
+  // The keys the options write, read back from an archive of their own:
+  // options hold a few numbers, so the round trip costs little.
+  torch::serialize::OutputArchive written;
+  read.serialize(written);
+  std::stringstream bytes;
+  written.save_to(bytes);
+  torch::serialize::InputArchive back;
+  back.load_from(bytes);
+  const std::vector<std::string> known = back.keys();
+  for (const std::string& key : archive.keys())
+    TORCH_CHECK(std::find(known.begin(), known.end(), key) != known.end(), name, ": param group ", group,
+                ": the checkpoint's options have the key '", key, "', which ", name,
+                "'s options do not have (a checkpoint of another optimizer, or of a later version?); they have ",
+                joined(known));
+}
+
+void check_saved_state_keys(torch::serialize::InputArchive& archive, const std::vector<std::string>& known,
+                            const char* name, std::size_t group, std::size_t index) {
+  for (const std::string& key : archive.keys())
+    TORCH_CHECK(std::find(known.begin(), known.end(), key) != known.end(), name, ": param group ", group, ", param ",
+                index, ": the checkpoint's state has the key '", key, "', which ", name,
+                " does not keep (a checkpoint of another optimizer, or of a later version?); it keeps ", joined(known));
 }
 
 namespace {

@@ -13,7 +13,6 @@
 #include <cstring>
 
 #include "contract/cpu/kernels.h"
-#include "contract/torch/meta_cache.h"
 #include "contract/torch/tensor_ops_views.h"
 
 #if defined(AMPFUSE_WITH_CUDA)
@@ -21,6 +20,7 @@
 #include <c10/cuda/CUDAStream.h>
 
 #include "contract/cuda/launch.h"
+#include "contract/torch/meta_cache.h"
 #endif
 
 namespace ampfuse {

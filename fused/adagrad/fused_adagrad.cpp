@@ -45,7 +45,8 @@ FusedAdagrad::FusedAdagrad(std::vector<at::Tensor> params, torch::optim::Adagrad
 
 void FusedAdagrad::check_state(const at::Tensor& p, const FusedAdagradParamState& st, std::size_t g,
                                std::size_t i) const {
-  sdk::check_state_tensor(st.sum(), p, p.scalar_type(), name(), "sum", g, i);
+  sdk::check_state_step(st.step(), name(), g, i);
+  sdk::check_required_state_tensor(st.sum(), p, p.scalar_type(), name(), "sum", g, i);
   sdk::check_device_step(st.device_step(), p, name(), g, i);
 }
 

@@ -76,8 +76,9 @@ template <class Base, class Options, class State, bool kDecoupled>
 void FusedAdamImpl<Base, Options, State, kDecoupled>::check_state(const at::Tensor& p, const State& st,
                                                                   std::size_t g, std::size_t i) const {
   const c10::ScalarType dtype = state_dtype(p, fused_);
-  sdk::check_state_tensor(st.exp_avg(), p, dtype, name(), "exp_avg", g, i);
-  sdk::check_state_tensor(st.exp_avg_sq(), p, dtype, name(), "exp_avg_sq", g, i);
+  sdk::check_state_step(st.step(), name(), g, i);
+  sdk::check_required_state_tensor(st.exp_avg(), p, dtype, name(), "exp_avg", g, i);
+  sdk::check_required_state_tensor(st.exp_avg_sq(), p, dtype, name(), "exp_avg_sq", g, i);
   sdk::check_state_tensor(st.max_exp_avg_sq(), p, dtype, name(), "max_exp_avg_sq", g, i);
   sdk::check_state_tensor(st.master(), p, at::kFloat, name(), "master", g, i);
   sdk::check_device_step(st.device_step(), p, name(), g, i);
@@ -96,25 +97,21 @@ void FusedAdamImpl<Base, Options, State, kDecoupled>::check_entries(const std::v
 }
 
 template <class Base, class Options, class State, bool kDecoupled>
-void FusedAdamImpl<Base, Options, State, kDecoupled>::load(torch::serialize::InputArchive& archive) {
-  sdk::FusedOptimizer<Base, Options, State>::load(archive);
+void FusedAdamImpl<Base, Options, State, kDecoupled>::load_extra(torch::serialize::InputArchive& archive,
+                                                                 const at::Tensor& p, std::size_t g, std::size_t i,
+                                                                 State& state) {
   // Checkpoints written before the master copy moved into the state keep it
-  // under a top-level key per parameter.
-  const auto& groups = this->param_groups();
-  for (std::size_t g = 0; g < groups.size(); ++g)
-    for (std::size_t i = 0; i < groups[g].params().size(); ++i) {
-      const at::Tensor& p = groups[g].params()[i];
-      State* s = this->find_state(p);
-      at::Tensor saved;
-      if (s == nullptr || s->master().defined() ||
-          !archive.try_read("ampfuse_master_weights_" + std::to_string(g) + "_" + std::to_string(i), saved))
-        continue;
-      TORCH_CHECK(saved.sizes() == p.sizes() && saved.scalar_type() == at::kFloat, name(), ": param group ", g,
-                  ", param ", i, ": the checkpoint's master copy has shape ", saved.sizes(), " and dtype ",
-                  saved.scalar_type(), "; expected ", p.sizes(), " and Float");
-      s->master(saved.to(p.device()));
-      s->master_version(p._version());
-    }
+  // under a top-level key per parameter (check_state validates it).
+  at::Tensor saved;
+  if (state.master().defined() ||
+      !archive.try_read("ampfuse_master_weights_" + std::to_string(g) + "_" + std::to_string(i), saved))
+    return;
+  state.master(saved.device() == p.device() ? saved : saved.to(p.device()));
+}
+
+template <class Base, class Options, class State, bool kDecoupled>
+std::vector<std::string> FusedAdamImpl<Base, Options, State, kDecoupled>::saved_state_keys() const {
+  return {"step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master"};
 }
 
 template <class Base, class Options, class State, bool kDecoupled>

@@ -153,8 +153,8 @@ FusedLAMB::FusedLAMB(std::vector<at::Tensor> params, FusedLAMBOptions defaults)
 FusedLAMB::~FusedLAMB() = default;
 
 void FusedLAMB::check_state(const at::Tensor& p, const FusedLAMBParamState& st, std::size_t g, std::size_t i) const {
-  sdk::check_state_tensor(st.exp_avg(), p, lamb_state_dtype(p), name(), "exp_avg", g, i);
-  sdk::check_state_tensor(st.exp_avg_sq(), p, lamb_state_dtype(p), name(), "exp_avg_sq", g, i);
+  sdk::check_required_state_tensor(st.exp_avg(), p, lamb_state_dtype(p), name(), "exp_avg", g, i);
+  sdk::check_required_state_tensor(st.exp_avg_sq(), p, lamb_state_dtype(p), name(), "exp_avg_sq", g, i);
   sdk::check_state_tensor(st.master(), p, at::kFloat, name(), "master", g, i);
   TORCH_CHECK(st.step().defined() && st.step().numel() == 1 && st.step().scalar_type() == at::kDouble &&
                   st.step().device() == p.device(),

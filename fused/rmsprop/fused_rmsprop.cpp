@@ -32,7 +32,8 @@ FusedRMSprop::FusedRMSprop(std::vector<at::Tensor> params, torch::optim::RMSprop
 
 void FusedRMSprop::check_state(const at::Tensor& p, const FusedRMSpropParamState& st, std::size_t g,
                                std::size_t i) const {
-  sdk::check_state_tensor(st.square_avg(), p, p.scalar_type(), name(), "square_avg", g, i);
+  sdk::check_state_step(st.step(), name(), g, i);
+  sdk::check_required_state_tensor(st.square_avg(), p, p.scalar_type(), name(), "square_avg", g, i);
   sdk::check_state_tensor(st.momentum_buffer(), p, p.scalar_type(), name(), "momentum_buffer", g, i);
   sdk::check_state_tensor(st.grad_avg(), p, p.scalar_type(), name(), "grad_avg", g, i);
   sdk::check_device_step(st.device_step(), p, name(), g, i);

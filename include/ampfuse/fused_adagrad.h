@@ -20,6 +20,7 @@
 #include <torch/optim/adagrad.h>
 
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "ampfuse/contract.h"
@@ -67,6 +68,7 @@ class FusedAdagrad
   void check_state(const at::Tensor& param, const FusedAdagradParamState& state, std::size_t group,
                    std::size_t index) const override;
   sdk::Launch prepare_list(const sdk::ParamList& list) override;
+  std::vector<std::string> saved_state_keys() const override { return {"step", "sum"}; }
   std::size_t state_stamp(const FusedAdagradParamState& state) const override {
     return sdk::stamp_of(sdk::stamp_of(1, state.sum()), state.device_step());
   }

@@ -27,6 +27,7 @@
 #include <torch/optim/adamw.h>
 
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "ampfuse/contract.h"
@@ -99,9 +100,6 @@ class FusedAdamImpl : public sdk::FusedOptimizer<Base, Options, State> {
 
   /// Copies device step counters into the state's step (syncs on CUDA).
   void sync_state();
-  /// LibTorch's format (sdk::FusedOptimizer::load), and master copies that a
-  /// checkpoint of an earlier ampfuse kept under top-level keys.
-  void load(torch::serialize::InputArchive& archive) override;
 
   const FusedAdamOptions& fused_options() const { return fused_; }
 
@@ -118,6 +116,10 @@ class FusedAdamImpl : public sdk::FusedOptimizer<Base, Options, State> {
   void check_entries(const std::vector<sdk::Entry>& entries) const override;
   sdk::Launch prepare_list(const sdk::ParamList& list) override;
   void after_load(const at::Tensor& param, State& state) override;
+  /// Master copies that a checkpoint of an earlier ampfuse kept under top-level keys.
+  void load_extra(torch::serialize::InputArchive& archive, const at::Tensor& param, std::size_t group,
+                  std::size_t index, State& state) override;
+  std::vector<std::string> saved_state_keys() const override;
   std::size_t state_stamp(const State& state) const override;
 
  private:

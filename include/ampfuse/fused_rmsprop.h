@@ -20,6 +20,7 @@
 #include <torch/optim/rmsprop.h>
 
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "ampfuse/contract.h"
@@ -67,6 +68,9 @@ class FusedRMSprop
   void check_state(const at::Tensor& param, const FusedRMSpropParamState& state, std::size_t group,
                    std::size_t index) const override;
   sdk::Launch prepare_list(const sdk::ParamList& list) override;
+  std::vector<std::string> saved_state_keys() const override {
+    return {"step", "square_avg", "momentum_buffer", "grad_avg"};
+  }
   std::size_t state_stamp(const FusedRMSpropParamState& state) const override {
     std::size_t h = 1;
     for (const at::Tensor* t : {&state.square_avg(), &state.momentum_buffer(), &state.grad_avg(), &state.device_step()})

@@ -15,6 +15,8 @@
 #include <torch/optim/sgd.h>
 
 #include <memory>
+#include <string>
+#include <vector>
 
 #include "ampfuse/contract.h"
 #include "ampfuse/sdk/optimizer.h"
@@ -61,6 +63,7 @@ class FusedSGD : public sdk::FusedOptimizer<torch::optim::SGD, torch::optim::SGD
                    std::size_t index) const override;
   sdk::Launch prepare_list(const sdk::ParamList& list) override;
   bool has_saved_state(const FusedSGDParamState& state) const override;
+  std::vector<std::string> saved_state_keys() const override { return {"momentum_buffer"}; }
   std::size_t state_stamp(const FusedSGDParamState& state) const override {
     return sdk::stamp_of(sdk::stamp_of(1, state.momentum_buffer()), state.momentum_initialized());
   }

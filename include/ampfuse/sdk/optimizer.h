@@ -131,7 +131,8 @@ inline std::size_t stamp_of(std::size_t seed, const at::Tensor& t) {
 /// `name`, the group and the parameter: of several bad parameters, the first
 /// in group order. With many parameters the checks run on ATen's threads,
 /// each over a contiguous range, so check_state must only read (it may run
-/// for different parameters at once).
+/// for different parameters at once). Parameters whose memory overlaps (views
+/// of one tensor) are refused, naming both: a step would write them at once.
 using CheckState =
     std::function<torch::optim::OptimizerParamState*(const at::Tensor& param, std::size_t group, std::size_t index)>;
 std::vector<Entry> validate_params(torch::optim::Optimizer& opt, const char* name, const StepSignals* signals,
@@ -187,6 +188,16 @@ PlanMatch match_plan(torch::optim::Optimizer& opt, const StateStamp& stamp, cons
 void check_state_tensor(const at::Tensor& s, const at::Tensor& p, c10::ScalarType dtype, const char* name,
                         const char* what, std::size_t group, std::size_t index);
 
+/// check_state_tensor for a tensor that every state of the optimizer holds:
+/// also throws when `s` is undefined (a state made by hand, or read from a
+/// checkpoint that lacks the key).
+void check_required_state_tensor(const at::Tensor& s, const at::Tensor& p, c10::ScalarType dtype, const char* name,
+                                 const char* what, std::size_t group, std::size_t index);
+
+/// Throws unless a state's host step count is not negative (a count below 0
+/// would divide by a zero bias correction).
+void check_state_step(std::int64_t step, const char* name, std::size_t group, std::size_t index);
+
 /// Throws unless a state's device step counter (when defined) is an fp64
 /// tensor of one element on p's device.
 void check_device_step(const at::Tensor& step, const at::Tensor& p, const char* name, std::size_t group,
@@ -204,6 +215,49 @@ void save_counted(const S& s, torch::serialize::OutputArchive& archive) {
   counted.step(static_cast<std::int64_t>(s.device_step().template item<double>()));
   counted.BaseState::serialize(archive);
 }
+
+/// What FusedOptimizer::load reads of a checkpoint (LibTorch's optimizer
+/// format) before it reads any state or options: its layout, checked
+/// against the optimizer's parameter groups and against itself.
+struct CheckpointLayout {
+  /// Each group's "options" archive, for Options::serialize.
+  std::vector<torch::serialize::InputArchive> options;
+  /// A state the checkpoint holds, with the parameter it belongs to.
+  struct SavedState {
+    std::size_t group;
+    std::size_t index;
+    torch::serialize::InputArchive archive;
+  };
+  /// In group order.
+  std::vector<SavedState> states;
+};
+
+/// Reads the layout of `archive`: throws, naming `name` and what is wrong,
+/// unless it holds LibTorch's optimizer format with group_sizes.size()
+/// groups of group_sizes[g] parameters each, every parameter's key a number
+/// that no other parameter has, and every state under a key that some
+/// parameter has.
+CheckpointLayout read_checkpoint_layout(torch::serialize::InputArchive& archive, const char* name,
+                                        const std::vector<std::size_t>& group_sizes);
+
+/// Runs read(), which reads part of a checkpoint (a State's or an Options'
+/// serialize()), and turns what it throws into a c10::Error that names
+/// `name`, the group, the parameter (none when index is kNoIndex), `what`
+/// was read and the keys `archive` holds.
+constexpr std::size_t kNoIndex = ~std::size_t{0};
+void read_checkpoint_part(torch::serialize::InputArchive& archive, const char* name, std::size_t group,
+                          std::size_t index, const char* what, const std::function<void()>& read);
+
+/// Throws, naming `name`, the group and the key, when a checkpoint's
+/// options archive holds a key that `read` (the options read from it) does
+/// not write back: a key its serialize() ignored.
+void check_saved_option_keys(torch::serialize::InputArchive& archive, const torch::optim::OptimizerOptions& read,
+                             const char* name, std::size_t group);
+
+/// Throws, naming `name`, the group, the parameter and the key, when a
+/// checkpoint's state archive holds a key that is not in `known`.
+void check_saved_state_keys(torch::serialize::InputArchive& archive, const std::vector<std::string>& known,
+                            const char* name, std::size_t group, std::size_t index);
 
 /// True when a CPU signal's found_inf is set (reading a CPU tensor is no
 /// device sync): the CPU part of the step is then skipped on the host.
@@ -479,25 +533,64 @@ class FusedOptimizer : public Base, public ScalerAware {
     torch::optim::detail::serialize<Options>(groups_archive, this->param_groups());
     archive.write("param_groups", groups_archive);
   }
-  /// Reads LibTorch's optimizer format into State objects, then calls
-  /// after_load() for every parameter whose state the checkpoint replaced.
+  /// Reads LibTorch's optimizer format into fresh State and Options
+  /// objects, puts them in place of state() and of every group's options,
+  /// validates them as a step would (check_state for every loaded state,
+  /// check_entries with no entries), and calls after_load() for every
+  /// loaded state. A checkpoint that does not fit this optimizer (another
+  /// optimizer's, other counts of groups or parameters, a state tensor of
+  /// another shape, dtype or device, a key missing or unknown, a damaged
+  /// layout) is refused with a c10::Error naming the group, the parameter
+  /// and the key, and changes nothing: the state, the options and the step
+  /// plan stay as they were. As in PyTorch's load_state_dict, the state
+  /// after a load is the checkpoint's: a parameter it holds no state for
+  /// has none (LibTorch's load would keep that parameter's earlier state).
   void load(torch::serialize::InputArchive& archive) override {
-    c10::IValue version;
-    TORCH_CHECK(archive.try_read("pytorch_version", version), name(),
-                ": the checkpoint has no pytorch_version: it predates LibTorch 1.5's optimizer format; load it into "
-                "the LibTorch optimizer and save it again");
-    std::vector<const State*> before;
-    for (const auto& group : this->param_groups())
-      for (const at::Tensor& p : group.params()) before.push_back(find_state(p));
+    auto& groups = this->param_groups();
+    std::vector<std::size_t> sizes;
+    for (const auto& group : groups) sizes.push_back(group.params().size());
+    CheckpointLayout layout = read_checkpoint_layout(archive, name(), sizes);
+    std::vector<Options> options;
+    options.reserve(groups.size());
+    for (std::size_t g = 0; g < groups.size(); ++g) {
+      options.emplace_back(0);  // as LibTorch's load: what the checkpoint lacks takes Options(0)'s values
+      read_checkpoint_part(layout.options[g], name(), g, kNoIndex, "options",
+                           [&] { options[g].serialize(layout.options[g]); });
+      check_saved_option_keys(layout.options[g], options[g], name(), g);
+    }
+    const std::vector<std::string> known = saved_state_keys();
+    std::remove_reference_t<decltype(this->state())> states;
+    std::vector<std::pair<const CheckpointLayout::SavedState*, State*>> loaded;
+    for (CheckpointLayout::SavedState& saved : layout.states) {
+      const at::Tensor& p = groups[saved.group].params()[saved.index];
+      auto st = std::make_unique<State>();
+      read_checkpoint_part(saved.archive, name(), saved.group, saved.index, "state",
+                           [&] { st->serialize(saved.archive); });
+      if (!known.empty()) check_saved_state_keys(saved.archive, known, name(), saved.group, saved.index);
+      load_extra(archive, p, saved.group, saved.index, *st);
+      TORCH_CHECK(states.count(p.unsafeGetTensorImpl()) == 0, name(), ": param group ", saved.group, ", param ",
+                  saved.index, " is in the optimizer twice; a parameter may belong to one group only");
+      loaded.emplace_back(&saved, st.get());
+      states[p.unsafeGetTensorImpl()] = std::move(st);
+    }
+    // In place, validated with the options they come with, and swapped back
+    // when refused: the same objects as before the load, so the step plan
+    // still holds.
+    auto swap_in = [&] {
+      std::swap(this->state(), states);
+      for (std::size_t g = 0; g < groups.size(); ++g) std::swap(static_cast<Options&>(groups[g].options()), options[g]);
+    };
+    swap_in();
+    try {
+      for (const auto& [saved, st] : loaded)
+        check_state(groups[saved->group].params()[saved->index], *st, saved->group, saved->index);
+      check_entries({});
+    } catch (...) {
+      swap_in();
+      throw;
+    }
     forget_plan();
-    torch::optim::serialize<State, Options>(archive, *this);
-    std::size_t k = 0;
-    for (const auto& group : this->param_groups())
-      for (const at::Tensor& p : group.params()) {
-        State* s = find_state(p);
-        if (s != nullptr && s != before[k]) after_load(p, *s);
-        ++k;
-      }
+    for (const auto& [saved, st] : loaded) after_load(groups[saved->group].params()[saved->index], *st);
   }
 
  protected:
@@ -506,12 +599,16 @@ class FusedOptimizer : public Base, public ScalerAware {
   /// True when the kernels take Double parameters (ScalarType::Float64,
   /// computing in fp64); otherwise such parameters are refused.
   virtual bool takes_float64() const { return false; }
-  /// Validates a parameter's existing state (use check_state_tensor); throw to
-  /// refuse. May run on several threads at once, for different parameters:
-  /// read only.
+  /// Validates a parameter's existing state (use check_state_tensor and
+  /// check_required_state_tensor); throw to refuse. load() calls it for every
+  /// state a checkpoint holds, so that what a step would refuse is refused
+  /// when loaded. May run on several threads at once, for different
+  /// parameters: read only.
   virtual void check_state(const at::Tensor& /*param*/, const State& /*state*/, std::size_t /*group*/,
                            std::size_t /*index*/) const {}
-  /// Validates anything else about the step's parameters; throw to refuse.
+  /// Validates anything else about the step's parameters, and the groups'
+  /// options; throw to refuse. load() calls it with no entries, with the
+  /// checkpoint's options in place.
   virtual void check_entries(const std::vector<Entry>& /*entries*/) const {}
   /// Called once per step after validation, before the first prepare_list():
   /// for optimizer-wide work such as a global gradient norm (it may launch
@@ -524,8 +621,19 @@ class FusedOptimizer : public Base, public ScalerAware {
   /// step made but has not filled yet, such as a CUDA momentum buffer before
   /// its first applied step).
   virtual bool has_saved_state(const State& /*state*/) const { return true; }
-  /// Called by load() for every parameter whose state it read from the checkpoint.
+  /// Called by load() for every parameter whose state it read from the
+  /// checkpoint, once the checkpoint was accepted; must not throw.
   virtual void after_load(const at::Tensor& /*param*/, State& /*state*/) {}
+  /// Called by load() for every state it read, before validation: for what a
+  /// checkpoint keeps of a parameter outside its state (an earlier format).
+  /// Writes only into `state`, which the optimizer does not hold yet.
+  virtual void load_extra(torch::serialize::InputArchive& /*archive*/, const at::Tensor& /*param*/,
+                          std::size_t /*group*/, std::size_t /*index*/, State& /*state*/) {}
+  /// Every key State::serialize reads from a checkpoint's state: load()
+  /// refuses a state that holds any other (a checkpoint of another optimizer
+  /// or of a later version, whose key would be dropped). Empty (the default):
+  /// not checked.
+  virtual std::vector<std::string> saved_state_keys() const { return {}; }
   /// A fingerprint of every tensor a state holds (stamp_of over each, from
   /// seed 1), so that the step plan sees a state tensor replaced from
   /// outside: its steps then validate the state again. Read only; may run

@@ -1,0 +1,787 @@
+// Corrupted and mismatched checkpoints: every optimizer and the GradScaler
+// refuse what does not fit with an error naming what is wrong, and a refused
+// load changes nothing (state, options, step plan). A fuzz test mutates
+// saved archives (their bytes, and their tensors and keys) and checks that
+// each load is refused whole or accepted whole.
+
+#include <ampfuse/ampfuse.h>
+
+#include <algorithm>
+#include <cmath>
+#include <functional>
+#include <iterator>
+#include <limits>
+#include <memory>
+#include <random>
+#include <sstream>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "tests/common.h"
+
+namespace {
+
+using ampfuse_test::bitwise_equal;
+using ampfuse_test::seed_for_test;
+
+enum class Kind { kAdam, kAdamWMaster, kSGD, kLAMB, kAdagrad, kRMSprop };
+const Kind kKinds[] = {Kind::kAdam, Kind::kAdamWMaster, Kind::kSGD, Kind::kLAMB, Kind::kAdagrad, Kind::kRMSprop};
+
+std::string kind_name(Kind k) {
+  switch (k) {
+    case Kind::kAdam: return "FusedAdam";
+    case Kind::kAdamWMaster: return "FusedAdamW";
+    case Kind::kSGD: return "FusedSGD";
+    case Kind::kLAMB: return "FusedLAMB";
+    case Kind::kAdagrad: return "FusedAdagrad";
+    case Kind::kRMSprop: return "FusedRMSprop";
+  }
+  return "?";
+}
+
+// The state tensors and host step count of a state, by kind: what a refused
+// load must leave bit-identical (the same objects holding the same bits).
+struct StateView {
+  std::vector<torch::Tensor> tensors;
+  std::int64_t step = 0;
+};
+
+StateView view_of(Kind k, const torch::optim::OptimizerParamState& s) {
+  switch (k) {
+    case Kind::kAdam: {
+      const auto& a = static_cast<const ampfuse::FusedAdamParamState&>(s);
+      return {{a.exp_avg(), a.exp_avg_sq(), a.max_exp_avg_sq(), a.master(), a.device_step()}, a.step()};
+    }
+    case Kind::kAdamWMaster: {
+      const auto& a = static_cast<const ampfuse::FusedAdamWParamState&>(s);
+      return {{a.exp_avg(), a.exp_avg_sq(), a.max_exp_avg_sq(), a.master(), a.device_step()}, a.step()};
+    }
+    case Kind::kSGD: {
+      const auto& a = static_cast<const ampfuse::FusedSGDParamState&>(s);
+      return {{a.momentum_buffer(), a.momentum_initialized()}, 0};
+    }
+    case Kind::kLAMB: {
+      const auto& a = static_cast<const ampfuse::FusedLAMBParamState&>(s);
+      return {{a.step(), a.exp_avg(), a.exp_avg_sq(), a.master()}, 0};
+    }
+    case Kind::kAdagrad: {
+      const auto& a = static_cast<const ampfuse::FusedAdagradParamState&>(s);
+      return {{a.sum(), a.device_step()}, a.step()};
+    }
+    case Kind::kRMSprop: {
+      const auto& a = static_cast<const ampfuse::FusedRMSpropParamState&>(s);
+      return {{a.square_avg(), a.momentum_buffer(), a.grad_avg(), a.device_step()}, a.step()};
+    }
+  }
+  return {};
+}
+
+// An optimizer of one kind over two groups (two parameters, then one), with
+// grads written in place each step so that its step plan is reused.
+struct Rig {
+  Kind kind;
+  std::vector<torch::Tensor> params;
+  std::unique_ptr<torch::optim::Optimizer> opt;
+  std::function<ampfuse::sdk::PlanMatch()> last_plan_match;
+
+  Rig(Kind k, std::uint64_t seed) : kind(k) {
+    torch::manual_seed(seed);
+    const auto dtype = k == Kind::kAdamWMaster ? torch::kBFloat16 : torch::kFloat;
+    for (const auto& shape : std::vector<std::vector<std::int64_t>>{{5}, {3, 4}, {7}})
+      params.push_back(torch::randn(shape).to(dtype).requires_grad_());
+    auto groups = [&](auto options) {
+      using O = decltype(options);
+      std::vector<torch::optim::OptimizerParamGroup> g;
+      g.emplace_back(std::vector<torch::Tensor>{params[0], params[1]}, std::make_unique<O>(options));
+      g.emplace_back(std::vector<torch::Tensor>{params[2]}, std::make_unique<O>(options));
+      return g;
+    };
+    switch (k) {
+      case Kind::kAdam:
+        make<ampfuse::FusedAdam>(groups(torch::optim::AdamOptions(0.01).amsgrad(true)),
+                                 torch::optim::AdamOptions(0.01));
+        break;
+      case Kind::kAdamWMaster:
+        make<ampfuse::FusedAdamW>(groups(torch::optim::AdamWOptions(0.01)), torch::optim::AdamWOptions(0.01),
+                                  ampfuse::FusedAdamOptions().master_weights(true));
+        break;
+      case Kind::kSGD:
+        make<ampfuse::FusedSGD>(groups(torch::optim::SGDOptions(0.1).momentum(0.9)), torch::optim::SGDOptions(0.1));
+        break;
+      case Kind::kLAMB:
+        make<ampfuse::FusedLAMB>(groups(ampfuse::FusedLAMBOptions(0.01)), ampfuse::FusedLAMBOptions(0.01));
+        break;
+      case Kind::kAdagrad:
+        make<ampfuse::FusedAdagrad>(groups(torch::optim::AdagradOptions(0.05)), torch::optim::AdagradOptions(0.05));
+        break;
+      case Kind::kRMSprop:
+        make<ampfuse::FusedRMSprop>(groups(torch::optim::RMSpropOptions(0.01).momentum(0.5).centered(true)),
+                                    torch::optim::RMSpropOptions(0.01));
+        break;
+    }
+    for (auto& p : params) p.mutable_grad() = torch::zeros_like(p);
+  }
+
+  template <class Opt, class... Args>
+  void make(Args&&... args) {
+    auto o = std::make_unique<Opt>(std::forward<Args>(args)...);
+    Opt* raw = o.get();
+    last_plan_match = [raw] { return raw->last_plan_match(); };
+    opt = std::move(o);
+  }
+
+  // One step on grads drawn from `rng` (the same draws give the same grads).
+  void step(std::mt19937_64& rng) {
+    std::normal_distribution<float> normal;
+    {
+      torch::NoGradGuard no_grad;
+      for (auto& p : params) {
+        auto g = torch::empty(p.sizes());
+        auto* d = g.data_ptr<float>();
+        for (std::int64_t i = 0; i < g.numel(); ++i) d[i] = normal(rng);
+        p.mutable_grad().copy_(g);
+      }
+    }
+    opt->step();
+  }
+
+  std::string save() const {
+    std::ostringstream out;
+    torch::save(*opt, out);
+    return out.str();
+  }
+};
+
+// What a refused load must leave as it was: each parameter's state object,
+// its tensors (objects and bits) and step count, and each group's options.
+struct Snapshot {
+  std::vector<const void*> states;
+  std::vector<StateView> views;  // clones
+  std::vector<const void*> impls;
+  std::vector<std::string> options;
+};
+
+Snapshot snapshot(const Rig& rig) {
+  Snapshot s;
+  for (const auto& group : rig.opt->param_groups()) {
+    for (const auto& p : group.params()) {
+      const auto it = rig.opt->state().find(p.unsafeGetTensorImpl());
+      s.states.push_back(it == rig.opt->state().end() ? nullptr : it->second.get());
+      StateView v;
+      if (it != rig.opt->state().end()) v = view_of(rig.kind, *it->second);
+      for (auto& t : v.tensors) {
+        s.impls.push_back(t.defined() ? t.unsafeGetTensorImpl() : nullptr);
+        if (t.defined()) t = t.clone();
+      }
+      s.views.push_back(std::move(v));
+    }
+    torch::serialize::OutputArchive out;
+    group.options().serialize(out);
+    std::ostringstream bytes;
+    out.save_to(bytes);
+    s.options.push_back(bytes.str());
+  }
+  return s;
+}
+
+::testing::AssertionResult same(const Snapshot& a, const Snapshot& b) {
+  if (a.states != b.states) return ::testing::AssertionFailure() << "a state object was replaced";
+  if (a.impls != b.impls) return ::testing::AssertionFailure() << "a state tensor was replaced";
+  if (a.options != b.options) return ::testing::AssertionFailure() << "a group's options changed";
+  for (std::size_t k = 0; k < a.views.size(); ++k) {
+    if (a.views[k].step != b.views[k].step) return ::testing::AssertionFailure() << "param " << k << ": step changed";
+    for (std::size_t t = 0; t < a.views[k].tensors.size(); ++t) {
+      const auto& x = a.views[k].tensors[t];
+      const auto& y = b.views[k].tensors[t];
+      if (x.defined() != y.defined()) return ::testing::AssertionFailure() << "param " << k << ": tensor " << t;
+      if (x.defined() && !bitwise_equal(x, y))
+        return ::testing::AssertionFailure() << "param " << k << ": tensor " << t << " changed";
+    }
+  }
+  return ::testing::AssertionSuccess();
+}
+
+// torch::load from bytes; returns the error's message, or "" when accepted.
+template <class T>
+std::string load_error(T& target, const std::string& bytes) {
+  std::istringstream in(bytes);
+  try {
+    torch::load(target, in);
+    return "";
+  } catch (const c10::Error& e) {
+    return e.what_without_backtrace();
+  }
+}
+
+template <class T>
+void expect_refused(T& target, const std::string& bytes, const std::vector<std::string>& parts) {
+  const std::string message = load_error(target, bytes);
+  ASSERT_FALSE(message.empty()) << "accepted; expected refused with: " << parts.front();
+  for (const auto& part : parts) EXPECT_THAT(message, ::testing::HasSubstr(part));
+}
+
+// An archive as a tree of keys (sub-archives, tensors, other values), to be
+// changed and written back.
+struct Tree {
+  struct Item {
+    std::string key;
+    std::shared_ptr<Tree> sub;
+    torch::Tensor tensor;
+    c10::IValue value;
+    bool is_tensor = false;
+  };
+  std::vector<Item> items;
+
+  Item* find(const std::string& key) {
+    for (auto& item : items)
+      if (item.key == key) return &item;
+    return nullptr;
+  }
+};
+
+Tree read_tree(torch::serialize::InputArchive& in) {
+  Tree tree;
+  for (const std::string& key : in.keys()) {
+    Tree::Item item;
+    item.key = key;
+    torch::serialize::InputArchive sub;
+    if (in.try_read(key, sub)) {
+      item.sub = std::make_shared<Tree>(read_tree(sub));
+    } else if (in.try_read(key, item.tensor)) {
+      item.is_tensor = true;
+    } else {
+      in.read(key, item.value);
+    }
+    tree.items.push_back(std::move(item));
+  }
+  return tree;
+}
+
+Tree read_tree(const std::string& bytes) {
+  std::istringstream in(bytes);
+  torch::serialize::InputArchive archive;
+  archive.load_from(in);
+  return read_tree(archive);
+}
+
+void write_tree(const Tree& tree, torch::serialize::OutputArchive& out) {
+  for (const auto& item : tree.items) {
+    if (item.sub) {
+      torch::serialize::OutputArchive sub(out.compilation_unit());
+      write_tree(*item.sub, sub);
+      out.write(item.key, sub);
+    } else if (item.is_tensor) {
+      out.write(item.key, item.tensor);
+    } else {
+      out.write(item.key, item.value);
+    }
+  }
+}
+
+std::string write_tree(const Tree& tree) {
+  torch::serialize::OutputArchive out;
+  write_tree(tree, out);
+  std::ostringstream bytes;
+  out.save_to(bytes);
+  return bytes.str();
+}
+
+// The state tree of group g, param i of a saved optimizer, found through its key.
+Tree& state_tree(Tree& root, std::size_t g, std::size_t i) {
+  Tree& groups = *root.find("param_groups")->sub;
+  Tree& group = *groups.find("param_groups/" + std::to_string(g))->sub;
+  const std::string key = group.find("params/" + std::to_string(i))->value.toStringRef();
+  return *root.find("state")->sub->find(key)->sub;
+}
+
+class CheckpointTest : public ::testing::Test {
+ protected:
+  void SetUp() override { seed_ = seed_for_test(); }
+  std::uint64_t seed_ = 0;
+};
+
+// A stepped optimizer of each kind, the optimizer that a refused load must leave as it was.
+Rig stepped(Kind k, std::uint64_t seed, int steps) {
+  Rig rig(k, seed);
+  std::mt19937_64 rng(seed);
+  for (int s = 0; s < steps; ++s) rig.step(rng);
+  return rig;
+}
+
+TEST_F(CheckpointTest, TruncatedFilesAreRefusedAndChangeNothing) {
+  for (Kind k : kKinds) {
+    SCOPED_TRACE(kind_name(k));
+    const std::string bytes = stepped(k, seed_ + 1, 3).save();
+    Rig victim = stepped(k, seed_, 2);
+    const Snapshot before = snapshot(victim);
+    for (std::size_t cut : {std::size_t{0}, std::size_t{10}, bytes.size() / 2, bytes.size() - 1}) {
+      EXPECT_FALSE(load_error(*victim.opt, bytes.substr(0, cut)).empty()) << "cut at " << cut;
+      EXPECT_TRUE(same(before, snapshot(victim)));
+    }
+  }
+}
+
+TEST_F(CheckpointTest, AnotherOptimizersFileIsRefusedNamingTheOptimizer) {
+  std::vector<std::string> files;
+  for (Kind k : kKinds) files.push_back(stepped(k, seed_, 2).save());
+  for (std::size_t a = 0; a < std::size(kKinds); ++a)
+    for (std::size_t b = 0; b < std::size(kKinds); ++b) {
+      const Kind from = kKinds[a], into = kKinds[b];
+      // FusedAdam's and FusedAdamW's formats are the same (LibTorch's Adam
+      // and AdamW share theirs): one loads the other's checkpoints.
+      const bool adam_pair = (from == Kind::kAdam || from == Kind::kAdamWMaster) &&
+                             (into == Kind::kAdam || into == Kind::kAdamWMaster);
+      if (from == into || adam_pair) continue;
+      SCOPED_TRACE(kind_name(from) + " into " + kind_name(into));
+      Rig victim = stepped(into, seed_ + 7, 2);
+      const Snapshot before = snapshot(victim);
+      expect_refused(*victim.opt, files[a], {kind_name(into) + ": param group "});
+      EXPECT_TRUE(same(before, snapshot(victim)));
+    }
+  // A GradScaler's file into an optimizer, and an optimizer's into a GradScaler.
+  ampfuse::GradScaler scaler;
+  scaler.scale(torch::ones({}));
+  std::ostringstream scaler_file;
+  torch::save(scaler, scaler_file);
+  Rig victim = stepped(Kind::kAdam, seed_, 2);
+  expect_refused(*victim.opt, scaler_file.str(), {"FusedAdam: the checkpoint holds a GradScaler's state"});
+  ampfuse::GradScaler target;
+  expect_refused(target, files[0], {"GradScaler::load: the archive holds an optimizer's checkpoint"});
+  EXPECT_EQ(target.get_scale(), 65536.0);
+}
+
+TEST_F(CheckpointTest, StateTensorsOfAnotherShapeOrDtypeAreRefusedNamingTheKey) {
+  const std::string bytes = stepped(Kind::kAdam, seed_, 2).save();
+  for (int change = 0; change < 2; ++change) {
+    SCOPED_TRACE(change);
+    Tree tree = read_tree(bytes);
+    Tree::Item* item = state_tree(tree, 1, 0).find("exp_avg_sq");
+    ASSERT_NE(item, nullptr);
+    item->tensor = change == 0 ? torch::zeros({8}) : item->tensor.to(torch::kDouble);
+    Rig victim = stepped(Kind::kAdam, seed_ + 3, 2);
+    const Snapshot before = snapshot(victim);
+    expect_refused(*victim.opt, write_tree(tree),
+                   {change == 0 ? "FusedAdam: param group 1, param 0: state exp_avg_sq has shape [8], dtype Float"
+                                : "FusedAdam: param group 1, param 0: state exp_avg_sq has shape [7], dtype Double"});
+    EXPECT_TRUE(same(before, snapshot(victim)));
+  }
+  // Strides: a transposed state for a 3x4 parameter.
+  Tree tree = read_tree(bytes);
+  Tree::Item* item = state_tree(tree, 0, 1).find("exp_avg");
+  item->tensor = torch::zeros({4, 3}).t();
+  Rig victim = stepped(Kind::kAdam, seed_ + 3, 2);
+  const Snapshot before = snapshot(victim);
+  expect_refused(*victim.opt, write_tree(tree), {"FusedAdam: param group 0, param 1: state exp_avg"});
+  EXPECT_TRUE(same(before, snapshot(victim)));
+}
+
+TEST_F(CheckpointTest, MissingOrUnknownKeysAreRefusedNamingTheKey) {
+  struct Case {
+    Kind kind;
+    std::string remove, add;  // in the state of group 0, param 1
+    std::string expected;
+  };
+  const std::vector<Case> cases = {
+      {Kind::kAdam, "exp_avg", "", "FusedAdam: param group 0, param 1: state exp_avg is missing"},
+      {Kind::kAdam, "step", "", "FusedAdam: param group 0, param 1: the checkpoint's state could not be read"},
+      {Kind::kAdam, "", "momentum_buffer", "FusedAdam: param group 0, param 1: the checkpoint's state has the key "
+                                           "'momentum_buffer'"},
+      {Kind::kLAMB, "exp_avg_sq", "", "FusedLAMB: param group 0, param 1: state exp_avg_sq is missing"},
+      {Kind::kLAMB, "step", "", "FusedLAMB: param group 0, param 1: state step must be"},
+      {Kind::kAdagrad, "sum", "", "FusedAdagrad: param group 0, param 1: state sum is missing"},
+      {Kind::kRMSprop, "square_avg", "", "FusedRMSprop: param group 0, param 1: state square_avg is missing"},
+      {Kind::kSGD, "", "exp_avg", "FusedSGD: param group 0, param 1: the checkpoint's state has the key 'exp_avg'"},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.expected);
+    Tree tree = read_tree(stepped(c.kind, seed_, 2).save());
+    Tree& st = state_tree(tree, 0, 1);
+    if (!c.remove.empty()) {
+      auto& items = st.items;
+      items.erase(std::remove_if(items.begin(), items.end(), [&](const auto& i) { return i.key == c.remove; }),
+                  items.end());
+    }
+    if (!c.add.empty()) st.items.push_back({c.add, nullptr, torch::zeros({3, 4}), {}, true});
+    Rig victim = stepped(c.kind, seed_ + 5, 2);
+    const Snapshot before = snapshot(victim);
+    expect_refused(*victim.opt, write_tree(tree), {c.expected});
+    EXPECT_TRUE(same(before, snapshot(victim)));
+  }
+  // An option missing: the group is named, and the keys the checkpoint has.
+  Tree tree = read_tree(stepped(Kind::kSGD, seed_, 2).save());
+  Tree& group1 = *tree.find("param_groups")->sub->find("param_groups/1")->sub;
+  auto& options = group1.find("options")->sub->items;
+  options.erase(std::remove_if(options.begin(), options.end(), [](const auto& i) { return i.key == "momentum"; }),
+                options.end());
+  Rig victim = stepped(Kind::kSGD, seed_ + 5, 2);
+  const Snapshot before = snapshot(victim);
+  expect_refused(*victim.opt, write_tree(tree),
+                 {"FusedSGD: param group 1: the checkpoint's options could not be read as FusedSGD's", "its keys: lr"});
+  EXPECT_TRUE(same(before, snapshot(victim)));
+}
+
+TEST_F(CheckpointTest, OtherCountsOfGroupsOrParamsAreRefused) {
+  Rig source = stepped(Kind::kRMSprop, seed_, 2);
+  const std::string bytes = source.save();
+  // One group of three parameters.
+  {
+    auto params = ampfuse_test::leaf_copies(source.params);
+    ampfuse::FusedRMSprop one(params, torch::optim::RMSpropOptions(0.01));
+    expect_refused(one, bytes, {"FusedRMSprop: the checkpoint has 2 param groups but the optimizer has 1"});
+    EXPECT_TRUE(one.state().empty());
+  }
+  // Two groups, the first with one parameter fewer.
+  {
+    auto params = ampfuse_test::leaf_copies(source.params);
+    std::vector<torch::optim::OptimizerParamGroup> groups;
+    groups.emplace_back(std::vector<torch::Tensor>{params[0]});
+    groups.emplace_back(std::vector<torch::Tensor>{params[2]});
+    ampfuse::FusedRMSprop two(groups, torch::optim::RMSpropOptions(0.01));
+    expect_refused(two, bytes, {"FusedRMSprop: param group 0: the checkpoint has 2 params but the optimizer's group "
+                                "has 1"});
+  }
+  // A checkpoint whose two parameters have one key; a state that no parameter names.
+  Tree tree = read_tree(bytes);
+  Tree& group0 = *tree.find("param_groups")->sub->find("param_groups/0")->sub;
+  group0.find("params/1")->value = group0.find("params/0")->value;
+  Rig victim = stepped(Kind::kRMSprop, seed_ + 1, 2);
+  const Snapshot before = snapshot(victim);
+  expect_refused(*victim.opt, write_tree(tree),
+                 {"FusedRMSprop: param group 0, param 1 has the same key in the checkpoint as param group 0, param 0"});
+  Tree orphan = read_tree(bytes);
+  Tree& states = *orphan.find("state")->sub;
+  states.items.push_back(states.items.front());
+  states.items.back().key = "12345";
+  expect_refused(*victim.opt, write_tree(orphan),
+                 {"FusedRMSprop: the checkpoint has a state under the key 12345 that none of its param groups names"});
+  EXPECT_TRUE(same(before, snapshot(victim)));
+}
+
+// A refused load leaves the step plan as it was (the next step reuses it),
+// and the load that follows it and is accepted replaces the whole state:
+// a parameter the checkpoint holds no state for has none.
+TEST_F(CheckpointTest, RefusedLoadKeepsTheStepPlanAcceptedLoadReplacesTheWholeState) {
+  Rig victim = stepped(Kind::kAdam, seed_, 3);
+  Rig twin = stepped(Kind::kAdam, seed_, 3);
+  Tree tree = read_tree(stepped(Kind::kAdam, seed_ + 1, 2).save());
+  state_tree(tree, 1, 0).find("exp_avg")->tensor = torch::zeros({3});
+  expect_refused(*victim.opt, write_tree(tree), {"FusedAdam: param group 1, param 0: state exp_avg has shape [3]"});
+  std::mt19937_64 a(seed_ + 9), b(seed_ + 9);
+  victim.step(a);
+  twin.step(b);
+  EXPECT_EQ(victim.last_plan_match(), ampfuse::sdk::PlanMatch::kSame) << "a refused load changed the step plan";
+  for (std::size_t i = 0; i < victim.params.size(); ++i) EXPECT_TRUE(bitwise_equal(victim.params[i], twin.params[i]));
+
+  // Accepted: the checkpoint without the state of group 1's parameter.
+  Tree partial = read_tree(stepped(Kind::kAdam, seed_ + 1, 2).save());
+  Tree& states = *partial.find("state")->sub;
+  const std::string key = partial.find("param_groups")->sub->find("param_groups/1")->sub->find("params/0")->value
+                              .toStringRef();
+  states.items.erase(std::remove_if(states.items.begin(), states.items.end(), [&](const auto& i) { return i.key == key; }),
+                     states.items.end());
+  ASSERT_EQ(load_error(*victim.opt, write_tree(partial)), "");
+  EXPECT_EQ(victim.opt->state().count(victim.params[2].unsafeGetTensorImpl()), 0u);
+  EXPECT_EQ(victim.opt->state().size(), 2u);
+  victim.step(a);
+  EXPECT_EQ(victim.last_plan_match(), ampfuse::sdk::PlanMatch::kChanged);
+}
+
+TEST_F(CheckpointTest, GradScalerRefusesWhatDoesNotFitAndChangesNothing) {
+  ampfuse::GradScaler source(ampfuse::GradScalerOptions().init_scale(1024.0).growth_interval(4));
+  source.scale(torch::ones({}));
+  std::ostringstream file;
+  torch::save(source, file);
+  const std::string bytes = file.str();
+  struct Case {
+    std::string key;
+    c10::IValue value;  // None: remove the key
+    std::string expected;
+  };
+  const std::vector<Case> cases = {
+      {"scale", c10::IValue(-2.0), "GradScaler::load: 'scale' is -2"},
+      {"scale", c10::IValue(std::numeric_limits<double>::quiet_NaN()), "GradScaler::load: 'scale' is nan"},
+      {"_growth_tracker", c10::IValue(std::int64_t{4}), "'_growth_tracker' is 4; expected 0 <= it < growth_interval (4)"},
+      {"_growth_tracker", c10::IValue(std::int64_t{-1}), "'_growth_tracker' is -1"},
+      {"backoff_factor", c10::IValue(0.0), "GradScaler::load: growth_factor 2 and backoff_factor 0"},
+      {"growth_factor", c10::IValue(0.5), "GradScaler::load: The growth factor must be > 1.0."},
+      {"growth_interval", c10::IValue(std::int64_t{0}), "GradScaler::load: ampfuse::GradScaler: growth_interval"},
+      {"growth_interval", c10::IValue(), "GradScaler::load: the archive has no 'growth_interval'"},
+      {"extra", c10::IValue(1.0), "GradScaler::load: the archive has the key 'extra'"},
+      {"scale", c10::IValue(std::int64_t{8}), "GradScaler::load: 'scale' is a Int, expected a float"},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.expected);
+    Tree tree = read_tree(bytes);
+    Tree::Item* item = tree.find(c.key);
+    if (c.value.isNone()) {
+      tree.items.erase(tree.items.begin() + (item - tree.items.data()));
+    } else if (item == nullptr) {
+      tree.items.push_back({c.key, nullptr, {}, c.value, false});
+    } else {
+      item->value = c.value;
+    }
+    ampfuse::GradScaler target(ampfuse::GradScalerOptions().init_scale(8.0));
+    target.scale(torch::ones({}));
+    expect_refused(target, write_tree(tree), {c.expected});
+    EXPECT_EQ(target.get_scale(), 8.0);
+    EXPECT_EQ(target.get_growth_tracker(), 0);
+    EXPECT_EQ(target.options().growth_interval(), 2000);
+  }
+  // Truncated.
+  ampfuse::GradScaler target;
+  EXPECT_FALSE(load_error(target, bytes.substr(0, bytes.size() / 2)).empty());
+  EXPECT_EQ(target.get_scale(), 65536.0);
+}
+
+#if defined(AMPFUSE_WITH_CUDA)
+// State saved on CPU and loaded into an optimizer of CUDA parameters without
+// a device to map it to: refused at load, naming the device.
+TEST_F(CheckpointTest, StateOnAnotherDeviceIsRefused) {
+  if (!ampfuse_test::cuda_available()) GTEST_SKIP() << "no CUDA device here; this test runs on a GPU machine";
+  Rig source = stepped(Kind::kAdam, seed_, 2);
+  std::vector<torch::Tensor> params;
+  for (const auto& p : source.params) params.push_back(p.detach().cuda().requires_grad_());
+  ampfuse::FusedAdam target(params, torch::optim::AdamOptions(0.01));
+  expect_refused(target, source.save(), {"FusedAdam: param group 0, param 0: state exp_avg", "on cpu but"});
+  EXPECT_TRUE(target.state().empty());
+}
+#endif
+
+// ---------------------------------------------------------------------------
+// The fuzz test.
+
+// Byte mutations of a saved file: truncation, flipped bytes, a run of random bytes.
+std::string mutate_bytes(std::string bytes, std::mt19937_64& rng) {
+  const auto n = bytes.size();
+  switch (rng() % 3) {
+    case 0: return bytes.substr(0, rng() % n);
+    case 1:
+      for (int k = 1 + static_cast<int>(rng() % 4); k > 0; --k) bytes[rng() % n] ^= static_cast<char>(1 + rng() % 255);
+      return bytes;
+    default: {
+      const std::size_t at = rng() % n, len = 1 + rng() % 64;
+      for (std::size_t i = at; i < std::min(n, at + len); ++i) bytes[i] = static_cast<char>(rng());
+      return bytes;
+    }
+  }
+}
+
+// Every item of a tree, with the tree that holds it.
+void collect(Tree& tree, std::vector<std::pair<Tree*, std::size_t>>& out) {
+  for (std::size_t i = 0; i < tree.items.size(); ++i) {
+    out.emplace_back(&tree, i);
+    if (tree.items[i].sub) collect(*tree.items[i].sub, out);
+  }
+}
+
+// One structural mutation: a tensor's shape or dtype, a value's type or a
+// count, a key removed, renamed or added.
+void mutate_tree(Tree& root, std::mt19937_64& rng) {
+  std::vector<std::pair<Tree*, std::size_t>> all;
+  collect(root, all);
+  auto [tree, index] = all[rng() % all.size()];
+  Tree::Item& item = tree->items[index];
+  const bool ends_in_size = item.key.size() >= 4 && item.key.compare(item.key.size() - 4, 4, "size") == 0;
+  switch (rng() % 6) {
+    case 0:  // shape
+      if (item.is_tensor) {
+        item.tensor = item.tensor.numel() > 1 && rng() % 2 ? item.tensor.reshape({-1}).narrow(0, 0, item.tensor.numel() - 1)
+                                                           : torch::zeros({item.tensor.numel() + 1}).to(item.tensor.dtype());
+        return;
+      }
+      [[fallthrough]];
+    case 1:  // dtype, or a count off by one
+      if (item.is_tensor) {
+        if (ends_in_size) {
+          item.tensor = item.tensor + (rng() % 2 ? 1 : -1);
+        } else {
+          const torch::Dtype types[] = {torch::kDouble, torch::kHalf, torch::kInt, torch::kFloat};
+          item.tensor = item.tensor.to(types[rng() % 4]);
+        }
+        return;
+      }
+      [[fallthrough]];
+    case 2:  // a value of another type
+      if (item.is_tensor) {
+        item.is_tensor = false;
+        item.tensor = torch::Tensor();
+        item.value = c10::IValue(std::int64_t{3});
+      } else if (!item.sub) {
+        item.is_tensor = rng() % 2 == 0;
+        if (item.is_tensor)
+          item.tensor = torch::ones({2});
+        else
+          item.value = item.value.isString() ? c10::IValue(1.5) : c10::IValue(std::string("17"));
+      }
+      return;
+    case 3:  // removed
+      tree->items.erase(tree->items.begin() + static_cast<std::ptrdiff_t>(index));
+      return;
+    case 4:  // renamed
+      item.key = rng() % 2 ? std::to_string(rng() % 1000000) : item.key + "_x";
+      return;
+    default:  // added
+      tree->items.push_back({"extra_" + std::to_string(rng() % 100), nullptr, torch::zeros({2}), {}, true});
+      return;
+  }
+}
+
+// The fuzz: archives of every optimizer (and of the GradScaler) after a few
+// steps, mutated in bytes and in structure, loaded into a stepped
+// optimizer. Each load is refused (a c10::Error; the optimizer bit-identical,
+// its step plan kept: the next step equals its twin's, which never saw the
+// load) or accepted whole (then the twin loads it too, and both step alike).
+TEST_F(CheckpointTest, FuzzedArchivesAreRefusedWholeOrAcceptedWhole) {
+  std::mt19937_64 rng(seed_);
+  constexpr int kBytesPerKind = 25, kTreesPerKind = 40, kScaler = 50;
+  int iterations = 0, refused = 0, accepted = 0, bytes_refused = 0, reader_refused = 0;
+  std::vector<std::string> files;
+  for (Kind k : kKinds) files.push_back(stepped(k, seed_ + 100, 3).save());
+  for (std::size_t a = 0; a < std::size(kKinds); ++a) {
+    const Kind k = kKinds[a];
+    SCOPED_TRACE(kind_name(k));
+    Rig victim = stepped(k, seed_, 2), twin = stepped(k, seed_, 2);
+    std::mt19937_64 grads_victim(seed_ + 1), grads_twin(seed_ + 1);
+    for (int it = 0; it < kBytesPerKind + kTreesPerKind; ++it) {
+      ++iterations;
+      std::string bytes;
+      if (it < kBytesPerKind) {
+        // Mostly this kind's file; sometimes another optimizer's, damaged or not.
+        const std::size_t from = rng() % 4 == 0 ? rng() % files.size() : a;
+        bytes = rng() % 8 == 0 ? files[from] : mutate_bytes(files[from], rng);
+      } else {
+        Tree tree = read_tree(files[a]);
+        for (int m = 1 + static_cast<int>(rng() % 2); m > 0; --m) mutate_tree(tree, rng);
+        try {
+          bytes = write_tree(tree);
+        } catch (const c10::Error&) {
+          continue;  // a tree the archive writer refuses: not a file anyone can load
+        }
+      }
+      const Snapshot before = snapshot(victim);
+      std::string message;
+      bool threw_other = false;
+      {
+        std::istringstream in(bytes);
+        try {
+          torch::load(*victim.opt, in);
+        } catch (const c10::Error& e) {
+          message = e.what_without_backtrace();
+          if (message.empty()) message = "?";
+        } catch (const std::exception& e) {
+          // Only the archive reader (before any optimizer code runs) may throw other types.
+          message = e.what();
+          threw_other = true;
+        }
+      }
+      if (!message.empty()) {
+        ++refused;
+        ASSERT_TRUE(same(before, snapshot(victim))) << "iteration " << it << ": a refused load changed the optimizer: "
+                                                    << message;
+        if (threw_other || it < kBytesPerKind) {
+          torch::serialize::InputArchive archive;
+          std::istringstream in(bytes);
+          bool read = true;
+          try {
+            archive.load_from(in);
+          } catch (...) {
+            read = false;
+          }
+          bytes_refused += it < kBytesPerKind ? 1 : 0;
+          reader_refused += read || it >= kBytesPerKind ? 0 : 1;
+          // The optimizer's own load throws c10::Error only: a file the archive reader accepted must not get here.
+          EXPECT_FALSE(read && threw_other) << "iteration " << it << ": load() threw a non-c10 error: " << message;
+        }
+      } else {
+        ++accepted;
+        ASSERT_EQ(load_error(*twin.opt, bytes), "") << "iteration " << it;
+      }
+      victim.step(grads_victim);
+      twin.step(grads_twin);
+      if (!message.empty())
+        EXPECT_NE(victim.last_plan_match(), ampfuse::sdk::PlanMatch::kChanged)
+            << "iteration " << it << ": a refused load changed the step plan";
+      for (std::size_t i = 0; i < victim.params.size(); ++i)
+        ASSERT_TRUE(bitwise_equal(victim.params[i], twin.params[i])) << "iteration " << it << ", param " << i;
+    }
+  }
+
+  // The GradScaler: its file after a few steps, mutated alike; after each
+  // load, a scaled step of an optimizer and an update() by the scaler and
+  // by its twin.
+  auto make_scaler = [] { return ampfuse::GradScaler(ampfuse::GradScalerOptions().init_scale(256.0).growth_interval(3)); };
+  auto run = [](ampfuse::GradScaler& scaler, Rig& rig, std::mt19937_64& grads) {
+    scaler.scale(torch::ones({}));
+    std::normal_distribution<float> normal;
+    {
+      torch::NoGradGuard no_grad;
+      for (auto& p : rig.params) p.mutable_grad().fill_(normal(grads) * static_cast<float>(scaler.get_scale()));
+    }
+    scaler.step(*rig.opt);
+    scaler.update();
+  };
+  Rig source_rig(Kind::kSGD, seed_ + 2), victim_rig(Kind::kSGD, seed_ + 3), twin_rig(Kind::kSGD, seed_ + 3);
+  auto source = make_scaler(), victim = make_scaler(), twin = make_scaler();
+  std::mt19937_64 g0(seed_), g1(seed_ + 4), g2(seed_ + 4);
+  for (int s = 0; s < 5; ++s) run(source, source_rig, g0);
+  std::ostringstream file;
+  torch::save(source, file);
+  for (int it = 0; it < kScaler; ++it) {
+    ++iterations;
+    std::string bytes;
+    if (it % 2 == 0) {
+      bytes = mutate_bytes(file.str(), rng);
+    } else {
+      Tree tree = read_tree(file.str());
+      mutate_tree(tree, rng);
+      if (rng() % 3 == 0 && !tree.items.empty()) {  // a value out of range
+        Tree::Item& item = tree.items[rng() % tree.items.size()];
+        if (item.value.isDouble()) item.value = c10::IValue(rng() % 2 ? -1.0 : std::numeric_limits<double>::infinity());
+        if (item.value.isInt()) item.value = c10::IValue(std::int64_t{-5});
+      }
+      try {
+        bytes = write_tree(tree);
+      } catch (const c10::Error&) {
+        continue;
+      }
+    }
+    const double scale = victim.get_scale();
+    const std::int64_t tracker = victim.get_growth_tracker();
+    const auto options = victim.options();
+    const std::string message = [&] {
+      std::istringstream in(bytes);
+      try {
+        torch::load(victim, in);
+        return std::string();
+      } catch (const std::exception& e) {
+        return std::string("refused: ") + e.what();
+      }
+    }();
+    if (!message.empty()) {
+      ++refused;
+      ASSERT_EQ(victim.get_scale(), scale) << message;
+      ASSERT_EQ(victim.get_growth_tracker(), tracker) << message;
+      ASSERT_EQ(victim.options().growth_interval(), options.growth_interval()) << message;
+      ASSERT_EQ(victim.options().growth_factor(), options.growth_factor()) << message;
+      ASSERT_EQ(victim.options().backoff_factor(), options.backoff_factor()) << message;
+    } else {
+      ++accepted;
+      ASSERT_EQ(load_error(twin, bytes), "") << "iteration " << it;
+    }
+    run(victim, victim_rig, g1);
+    run(twin, twin_rig, g2);
+    ASSERT_EQ(victim.get_scale(), twin.get_scale()) << "iteration " << it;
+    ASSERT_EQ(victim.get_growth_tracker(), twin.get_growth_tracker()) << "iteration " << it;
+    for (std::size_t i = 0; i < victim_rig.params.size(); ++i)
+      ASSERT_TRUE(bitwise_equal(victim_rig.params[i], twin_rig.params[i])) << "iteration " << it;
+  }
+  std::cout << "[ fuzz     ] " << iterations << " loads of mutated archives (seed " << seed_ << "): " << refused
+            << " refused, " << accepted << " accepted whole; of the " << bytes_refused
+            << " optimizer files refused after byte mutations, " << reader_refused
+            << " by LibTorch's archive reader\n";
+  ::testing::Test::RecordProperty("fuzz_iterations", std::to_string(iterations));
+  EXPECT_GT(refused, iterations / 2);
+}
+
+}  // namespace
