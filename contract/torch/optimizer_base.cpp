@@ -113,10 +113,20 @@ class ImplSet {
   std::size_t mask_ = 0;
 };
 
+// A grad the kernels cannot read in place: laid out otherwise than its
+// parameter (other strides, or a view with gaps), read through a copy in the
+// parameter's layout.
+bool grad_needs_staging(const at::Tensor& p, const at::Tensor& grad) {
+  return grad.defined() && grad.strides() != p.strides();
+}
+
+enum class GradKind { kNone, kInPlace, kStaged };
+
 // The checks of one parameter (the group-membership check aside). Reads
-// only, so that parameters can be checked on several threads.
-bool check_param(const at::Tensor& p, std::size_t g, std::size_t i, const char* name, const StepSignals* signals,
-                 bool float64) {
+// only, so that parameters can be checked on several threads. A grad laid
+// out otherwise than its parameter is kStaged when `stage_grads`, else refused.
+GradKind check_param(const at::Tensor& p, std::size_t g, std::size_t i, const char* name,
+                     const StepSignals* signals, bool float64, bool stage_grads) {
   TORCH_CHECK(p.defined(), name, ": param group ", g, ", param ", i, " is undefined");
   TORCH_CHECK(supported_dtype(p.scalar_type(), float64), name, ": param group ", g, ", param ", i, ": dtype ",
               p.scalar_type(), " is not supported (expected Float, Half, BFloat16",
@@ -124,7 +134,7 @@ bool check_param(const at::Tensor& p, std::size_t g, std::size_t i, const char* 
   TORCH_CHECK(p.layout() == c10::kStrided && p.is_non_overlapping_and_dense(), name, ": param group ", g, ", param ",
               i, " is not a dense tensor");
   const at::Tensor& grad = p.grad();
-  if (!grad.defined()) return false;
+  if (!grad.defined()) return GradKind::kNone;
   TORCH_CHECK(!grad.is_sparse(), name, ": param group ", g, ", param ", i,
               ": the grad is sparse; sparse gradients are not supported");
   TORCH_CHECK(grad.scalar_type() == p.scalar_type(), name, ": param group ", g, ", param ", i, ": grad dtype ",
@@ -133,8 +143,8 @@ bool check_param(const at::Tensor& p, std::size_t g, std::size_t i, const char* 
               " but the parameter is on ", p.device());
   TORCH_CHECK(grad.sizes() == p.sizes(), name, ": param group ", g, ", param ", i, ": grad shape ", grad.sizes(),
               " differs from the parameter's ", p.sizes());
-  TORCH_CHECK(grad.strides() == p.strides(), name, ": param group ", g, ", param ", i, ": grad strides ",
-              grad.strides(), " differ from the parameter's ", p.strides());
+  TORCH_CHECK(stage_grads || grad.strides() == p.strides(), name, ": param group ", g, ", param ", i,
+              ": grad strides ", grad.strides(), " differ from the parameter's ", p.strides());
   TORCH_CHECK(p.device().is_cpu() || p.device().is_cuda(), name, ": param group ", g, ", param ", i, " is on ",
               p.device(), "; only CPU and CUDA are supported");
 #if !defined(AMPFUSE_WITH_CUDA)
@@ -143,7 +153,7 @@ bool check_param(const at::Tensor& p, std::size_t g, std::size_t i, const char* 
 #endif
   TORCH_CHECK(!signals || signals->contains(p.device()), name, ": param group ", g, ", param ", i, " is on ",
               p.device(), " but the scaler sent no signal for that device");
-  return true;
+  return grad_needs_staging(p, grad) ? GradKind::kStaged : GradKind::kInPlace;
 }
 
 struct Place {
@@ -203,7 +213,7 @@ void check_signals(const StepSignals& signals, const char* name) {
 }
 
 std::vector<Entry> validate_params(torch::optim::Optimizer& opt, const char* name, const StepSignals* signals,
-                                   const CheckState& check_state, bool float64) {
+                                   const CheckState& check_state, bool float64, std::deque<StagedGrad>* staged) {
   if (signals) check_signals(*signals, name);
   auto& groups = opt.param_groups();
   // Kept per thread between steps (no allocation); a plain reference for the
@@ -229,6 +239,7 @@ std::vector<Entry> validate_params(torch::optim::Optimizer& opt, const char* nam
   // failing parameter in order, as a sequential pass would report it.
   std::mutex mutex;
   std::vector<std::pair<std::int64_t, std::vector<Entry>>> parts;
+  std::atomic<bool> any_staged{false};
   std::int64_t first_error = n;
   std::exception_ptr error;
   at::parallel_for(0, n, kEntriesGrain, [&](std::int64_t begin, std::int64_t end) {
@@ -238,7 +249,9 @@ std::vector<Entry> validate_params(torch::optim::Optimizer& opt, const char* nam
       const Place& place = places[k];
       const at::Tensor& p = *place.param;
       try {
-        if (!check_param(p, place.group, place.index, name, signals, float64)) continue;
+        const GradKind kind = check_param(p, place.group, place.index, name, signals, float64, staged != nullptr);
+        if (kind == GradKind::kNone) continue;
+        if (kind == GradKind::kStaged) any_staged.store(true, std::memory_order_relaxed);
         torch::optim::OptimizerParamState* state = check_state(p, place.group, place.index);
         local.push_back({place.group, place.index, p, p.grad(), p.device(), p.scalar_type(), state});
       } catch (...) {
@@ -264,11 +277,19 @@ std::vector<Entry> validate_params(torch::optim::Optimizer& opt, const char* nam
   if (error) std::rethrow_exception(error);
   check_no_shared_memory(places, name);
   std::sort(parts.begin(), parts.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
-  if (parts.size() == 1) return std::move(parts.front().second);
+  if (parts.size() == 1 && !any_staged.load()) return std::move(parts.front().second);
   std::vector<Entry> entries;
   entries.reserve(places.size());
   for (const auto& part : parts)
-    for (const Entry& e : part.second) entries.push_back(e);  // Entry holds references: not assignable
+    for (const Entry& e : part.second) {  // Entry holds references: not assignable
+      if (!grad_needs_staging(e.param, e.grad)) {
+        entries.push_back(e);
+        continue;
+      }
+      // Allocated here, not on the checking threads; filled by refresh_staged_grads.
+      staged->push_back({&e.param, at::empty_like(e.param, at::MemoryFormat::Preserve)});
+      entries.push_back({e.group, e.index, e.param, staged->back().buffer, e.device, e.dtype, e.state});
+    }
   return entries;
 }
 
@@ -474,11 +495,18 @@ void record_plan(torch::optim::Optimizer& opt, const StateStamp& stamp, PlanKeys
   for (const auto& group : opt.param_groups()) keys.groups.emplace_back(group.params().data(), group.params().size());
   const std::vector<const at::Tensor*> params = all_params(opt);
   keys.params.resize(params.size());
-  parallel_entries(params.size(), [&](std::size_t k) { keys.params[k] = plan_param(*params[k], opt, stamp); });
+  parallel_entries(params.size(), [&](std::size_t k) {
+    keys.params[k] = plan_param(*params[k], opt, stamp);
+    keys.params[k].grad_staged = grad_needs_staging(*params[k], params[k]->grad());
+  });
+}
+
+void refresh_staged_grads(std::deque<StagedGrad>& staged) {
+  for (StagedGrad& s : staged) s.buffer.copy_(s.param->grad());
 }
 
 PlanMatch match_plan(torch::optim::Optimizer& opt, const StateStamp& stamp, const char* name,
-                     const StepSignals* signals, PlanKeys& keys, bool float64) {
+                     const StepSignals* signals, PlanKeys& keys, bool float64, bool stage_grads) {
   const auto& groups = opt.param_groups();
   if (groups.size() != keys.groups.size()) return PlanMatch::kChanged;
   for (std::size_t g = 0; g < groups.size(); ++g)
@@ -521,7 +549,10 @@ PlanMatch match_plan(torch::optim::Optimizer& opt, const StateStamp& stamp, cons
       if (now.grad != kept.grad || now.grad_data != kept.grad_data || now.grad_numel != kept.grad_numel ||
           now.grad_dtype != kept.grad_dtype) {
         try {
-          check_param(p, g, i, name, signals, float64);
+          if ((check_param(p, g, i, name, signals, float64, stage_grads) == GradKind::kStaged) != kept.grad_staged) {
+            changed = true;  // a grad now read through a copy, or no longer: its Entry changes
+            break;
+          }
         } catch (...) {
           const std::lock_guard<std::mutex> lock(mutex);
           if (static_cast<std::size_t>(k) < first_error) {

@@ -61,6 +61,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <algorithm>
+#include <deque>
 #include <functional>
 #include <iterator>
 #include <map>
@@ -135,8 +136,25 @@ inline std::size_t stamp_of(std::size_t seed, const at::Tensor& t) {
 /// of one tensor) are refused, naming both: a step would write them at once.
 using CheckState =
     std::function<torch::optim::OptimizerParamState*(const at::Tensor& param, std::size_t group, std::size_t index)>;
+
+/// A grad laid out otherwise than its parameter (other strides, or a view
+/// with gaps), which the kernels read through `buffer`, a copy in the
+/// parameter's layout; refresh_staged_grads fills it before each step.
+struct StagedGrad {
+  const at::Tensor* param;
+  at::Tensor buffer;
+};
+
+/// With `staged` (not null), a grad laid out otherwise than its parameter is
+/// accepted, as torch::optim accepts it: a StagedGrad is appended for it and
+/// its Entry's grad is the buffer. Without, such a grad is refused.
 std::vector<Entry> validate_params(torch::optim::Optimizer& opt, const char* name, const StepSignals* signals,
-                                   const CheckState& check_state, bool float64 = false);
+                                   const CheckState& check_state, bool float64 = false,
+                                   std::deque<StagedGrad>* staged = nullptr);
+
+/// Copies every staged grad's current values into its buffer (one copy per
+/// such grad; grads laid out as their parameters cost nothing).
+void refresh_staged_grads(std::deque<StagedGrad>& staged);
 
 /// Throws unless every signal's tensors are float32 one-element tensors on
 /// the signal's device (contract rule 0), naming `name`.
@@ -156,6 +174,7 @@ struct PlanParam {
   c10::ScalarType grad_dtype = c10::ScalarType::Undefined;
   const void* state = nullptr;  ///< its state object in state(); null without state
   std::size_t stamp = 0;        ///< StateStamp of that state
+  bool grad_staged = false;     ///< the grad is read through a StagedGrad
 };
 
 /// A fingerprint of a state object's tensors (their TensorImpl addresses),
@@ -181,7 +200,7 @@ void record_plan(torch::optim::Optimizer& opt, const StateStamp& stamp, PlanKeys
 /// moved is checked against its parameter as validate_params would (throwing
 /// its error, naming `name`) and recorded in `keys`.
 PlanMatch match_plan(torch::optim::Optimizer& opt, const StateStamp& stamp, const char* name,
-                     const StepSignals* signals, PlanKeys& keys, bool float64 = false);
+                     const StepSignals* signals, PlanKeys& keys, bool float64 = false, bool stage_grads = false);
 
 /// Throws unless state tensor `s` (when defined) fits parameter p: its
 /// shape, strides and device, and the dtype the optimizer keeps it in.
@@ -646,6 +665,9 @@ class FusedOptimizer : public Base, public ScalerAware {
   void forget_plan() {
     plan_valid_ = false;
     plan_slots_.clear();
+    plan_lists_.clear();
+    plan_entries_.clear();  // they may refer to the staged grads' buffers
+    staged_grads_.clear();
   }
 
   /// In prepare_list: how to take back a change made to state that existed
@@ -752,7 +774,7 @@ class FusedOptimizer : public Base, public ScalerAware {
     try {
       if (plan_valid_) {
         if (signals) check_signals(*signals, name());
-        match = match_plan(*this, stamp, name(), signals, plan_keys_, takes_float64());
+        match = match_plan(*this, stamp, name(), signals, plan_keys_, takes_float64(), /*stage_grads=*/true);
       }
       if (match == PlanMatch::kChanged) {
         forget_plan();
@@ -766,7 +788,7 @@ class FusedOptimizer : public Base, public ScalerAware {
               check_state(p, *st, g, i);
               return st;
             },
-            takes_float64());
+            takes_float64(), &staged_grads_);
         check_entries(plan_entries_);
         std::vector<const Entry*> all;
         all.reserve(plan_entries_.size());
@@ -779,6 +801,9 @@ class FusedOptimizer : public Base, public ScalerAware {
                       ", param ", list.front()->index, " is on ", std::get<1>(key),
                       " but the scaler sent no signal for that device");
       }
+      // Grads laid out otherwise than their parameters: this step's values,
+      // in the parameters' layout, before anything reads them.
+      refresh_staged_grads(staged_grads_);
       const bool skip_cpu = cpu_step_skipped(signals);
       std::vector<const Entry*> stepped;
       stepped.reserve(plan_entries_.size());
@@ -827,6 +852,7 @@ class FusedOptimizer : public Base, public ScalerAware {
   std::vector<Entry> plan_entries_;
   Lists plan_lists_;
   std::vector<ListSlot> plan_slots_;
+  std::deque<StagedGrad> staged_grads_;  ///< grads read through copies (see validate_params)
 };
 
 }  // namespace ampfuse::sdk
