@@ -12,9 +12,11 @@
 #include <limits>
 
 #include "tests/common.h"
+#include "tests/random_options.h"
 
 namespace {
 
+using namespace ampfuse_test::random_options;
 using ampfuse_test::expect_close;
 using ::testing::HasSubstr;
 
@@ -26,47 +28,6 @@ struct F64Case {
 void PrintTo(const F64Case& c, std::ostream* os) { *os << c.device << (c.isa.empty() ? "" : "/" + c.isa); }
 
 constexpr double kTol = 1e-12;
-
-double uniform(std::mt19937_64& rng) { return std::uniform_real_distribution<double>(0, 1)(rng); }
-
-template <class Options>
-Options random_adam(std::mt19937_64& rng) {
-  Options o(std::pow(10.0, -4 + 2 * uniform(rng)));
-  o.betas({0.8 + 0.15 * uniform(rng), 0.99 + 0.0099 * uniform(rng)});
-  o.eps(std::pow(10.0, -10 + 4 * uniform(rng)));
-  if (uniform(rng) < 0.5) o.weight_decay(0.05 * uniform(rng));
-  o.amsgrad(uniform(rng) < 0.5);
-  return o;
-}
-
-torch::optim::SGDOptions random_sgd(std::mt19937_64& rng) {
-  torch::optim::SGDOptions o(std::pow(10.0, -3 + 2 * uniform(rng)));
-  const int kind = static_cast<int>(rng() % 4);  // plain, momentum, momentum + dampening, nesterov
-  if (kind >= 1) o.momentum(0.5 + 0.49 * uniform(rng));
-  if (kind == 2) o.dampening(0.5 * uniform(rng));
-  if (kind == 3) o.nesterov(true);
-  if (uniform(rng) < 0.5) o.weight_decay(0.05 * uniform(rng));
-  return o;
-}
-
-torch::optim::AdagradOptions random_adagrad(std::mt19937_64& rng) {
-  torch::optim::AdagradOptions o(std::pow(10.0, -3 + 2 * uniform(rng)));
-  if (uniform(rng) < 0.5) o.lr_decay(0.01 * uniform(rng));
-  if (uniform(rng) < 0.5) o.weight_decay(0.05 * uniform(rng));
-  if (uniform(rng) < 0.5) o.initial_accumulator_value(0.1 * uniform(rng));
-  o.eps(std::pow(10.0, -10 + 4 * uniform(rng)));
-  return o;
-}
-
-torch::optim::RMSpropOptions random_rmsprop(std::mt19937_64& rng) {
-  torch::optim::RMSpropOptions o(std::pow(10.0, -4 + 2 * uniform(rng)));
-  o.alpha(0.9 + 0.099 * uniform(rng));
-  if (uniform(rng) < 0.5) o.momentum(0.5 + 0.45 * uniform(rng));
-  if (uniform(rng) < 0.5) o.centered(true);
-  if (uniform(rng) < 0.5) o.weight_decay(0.05 * uniform(rng));
-  o.eps(std::pow(10.0, -8 + 2 * uniform(rng)));
-  return o;
-}
 
 using Float64Test = ampfuse_test::DeviceIsaTest<F64Case>;
 
