@@ -53,7 +53,7 @@ INSTANTIATE_TEST_SUITE_P(All, ConformanceTest, ::testing::Values("cpu", "cuda"),
 TEST_P(ConformanceTest, FusedAdam) {
   const auto failures = conf::check_contract(
       [](std::vector<torch::Tensor> p) { return std::make_unique<ampfuse::FusedAdam>(std::move(p)); },
-      options({torch::kFloat, torch::kHalf, torch::kBFloat16}));
+      options({torch::kFloat, torch::kHalf, torch::kBFloat16, torch::kDouble}));
   EXPECT_THAT(failures, IsEmpty()) << joined(failures);
 }
 
@@ -73,7 +73,7 @@ TEST_P(ConformanceTest, FusedAdamWAmsgrad) {
         return std::make_unique<ampfuse::FusedAdamW>(std::move(p),
                                                      torch::optim::AdamWOptions(1e-2).weight_decay(0.05).amsgrad(true));
       },
-      options({torch::kFloat, torch::kBFloat16}));
+      options({torch::kFloat, torch::kBFloat16, torch::kDouble}));
   EXPECT_THAT(failures, IsEmpty()) << joined(failures);
 }
 
@@ -83,7 +83,7 @@ TEST_P(ConformanceTest, FusedSGDMomentum) {
         return std::make_unique<ampfuse::FusedSGD>(std::move(p),
                                                    torch::optim::SGDOptions(0.1).momentum(0.9).weight_decay(1e-4));
       },
-      options({torch::kFloat, torch::kHalf, torch::kBFloat16}));
+      options({torch::kFloat, torch::kHalf, torch::kBFloat16, torch::kDouble}));
   EXPECT_THAT(failures, IsEmpty()) << joined(failures);
 }
 

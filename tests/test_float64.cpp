@@ -31,6 +31,18 @@ constexpr double kTol = 1e-12;
 
 using Float64Test = ampfuse_test::DeviceIsaTest<F64Case>;
 
+// One step of both optimizers on the same random grads.
+void step_both(std::vector<torch::Tensor>& ours, torch::optim::Optimizer& opt, std::vector<torch::Tensor>& ref,
+               torch::optim::Optimizer& ref_opt) {
+  for (std::size_t i = 0; i < ours.size(); ++i) {
+    const auto g = torch::randn_like(ours[i]);
+    ours[i].mutable_grad() = g.clone();
+    ref[i].mutable_grad() = g.clone();
+  }
+  opt.step();
+  ref_opt.step();
+}
+
 // Each optimizer against its torch::optim twin on fp64 parameters (the
 // second round with maximize).
 TEST_P(Float64Test, EveryOptimizerMatchesTorchOptimOverHundredSteps) {
@@ -80,13 +92,7 @@ TEST_P(Float64Test, MixedWithFloatInOneGroup) {
   ampfuse::FusedAdam opt(ours, o);
   torch::optim::Adam ref_opt(ref, o);
   for (int step = 0; step < 20; ++step) {
-    for (std::size_t i = 0; i < ours.size(); ++i) {
-      const auto g = torch::randn_like(ours[i]);
-      ours[i].mutable_grad() = g.clone();
-      ref[i].mutable_grad() = g.clone();
-    }
-    opt.step();
-    ref_opt.step();
+    step_both(ours, opt, ref, ref_opt);
   }
   expect_close({ours[0], ours[2]}, {ref[0], ref[2]}, kTol, "fp64 params");
   expect_close({ours[1], ours[3]}, {ref[1], ref[3]}, 1e-5, "fp32 params");
@@ -168,13 +174,7 @@ TEST_P(Float64Test, CheckpointLoadsIntoTorchOptim) {
   torch::load(ref_opt, path);
   std::remove(path.c_str());
   for (int step = 0; step < 5; ++step) {
-    for (std::size_t i = 0; i < ours.size(); ++i) {
-      const auto g = torch::randn_like(ours[i]);
-      ours[i].mutable_grad() = g.clone();
-      ref[i].mutable_grad() = g.clone();
-    }
-    opt.step();
-    ref_opt.step();
+    step_both(ours, opt, ref, ref_opt);
   }
   expect_close(ours, ref, kTol, "after loading into torch::optim::Adam");
 }

@@ -268,7 +268,7 @@ TEST_P(AdagradRmspropTest, ConformToTheScalerContract) {
   if (!GetParam().isa.empty() && GetParam().isa != "avx512" && GetParam().isa != "baseline") GTEST_SKIP();
   ampfuse::testing::ConformanceOptions o;
   o.device = device_;
-  o.dtypes = {torch::kFloat, torch::kHalf, torch::kBFloat16};
+  o.dtypes = {torch::kFloat, torch::kHalf, torch::kBFloat16, torch::kDouble};
   o.seed = seed_;
   auto failures = ampfuse::testing::check_contract(
       [](std::vector<torch::Tensor> p) {

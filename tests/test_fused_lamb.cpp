@@ -210,7 +210,7 @@ TEST_P(FusedLambTest, LowPrecisionWithMasterWeightsTracksTheReference) {
 TEST_P(FusedLambTest, ConformsToTheScalerContract) {
   ampfuse::testing::ConformanceOptions c;
   c.device = device_;
-  c.dtypes = {torch::kFloat, torch::kHalf, torch::kBFloat16};
+  c.dtypes = {torch::kFloat, torch::kHalf, torch::kBFloat16, torch::kDouble};
   c.seed = seed_;
   for (const bool clip : {false, true}) {
     const auto failures = ampfuse::testing::check_contract(

@@ -13,6 +13,7 @@
 
 #include "contract/cpu/kernels.h"
 #include "tests/common.h"
+#include "tests/random_options.h"
 
 namespace {
 
@@ -31,17 +32,6 @@ std::vector<SgdCase> sgd_cases() {
   return {{"cpu", "avx512"}, {"cpu", "avx2"}, {"cpu", "baseline"}, {"cuda", ""}};
 }
 
-torch::optim::SGDOptions random_options(std::mt19937_64& rng) {
-  std::uniform_real_distribution<double> u(0, 1);
-  torch::optim::SGDOptions o(std::pow(10.0, -3 + 2 * u(rng)));
-  const int kind = static_cast<int>(rng() % 4);  // plain, momentum, momentum + dampening, nesterov
-  if (kind >= 1) o.momentum(0.5 + 0.49 * u(rng));
-  if (kind == 2) o.dampening(0.5 * u(rng));
-  if (kind == 3) o.nesterov(true);
-  if (u(rng) < 0.5) o.weight_decay(0.05 * u(rng));
-  return o;
-}
-
 using FusedSgdTest = ampfuse_test::DeviceIsaTest<SgdCase>;
 
 TEST_P(FusedSgdTest, MatchesTorchOptimOverHundredSteps) {
@@ -49,7 +39,8 @@ TEST_P(FusedSgdTest, MatchesTorchOptimOverHundredSteps) {
     SCOPED_TRACE("round " + std::to_string(round));
     const bool maximize = round == 3;
     ampfuse_test::expect_matches_over_hundred_steps<ampfuse::FusedSGD, torch::optim::SGD, torch::optim::SGDOptions>(
-        device_, rng_, random_options, ampfuse::FusedSGDOptions().maximize(maximize), maximize, 1e-5);
+        device_, rng_, ampfuse_test::random_options::random_sgd, ampfuse::FusedSGDOptions().maximize(maximize),
+        maximize, 1e-5);
   }
 }
 

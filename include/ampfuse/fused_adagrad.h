@@ -7,7 +7,8 @@
 //
 // Every option is supported: lr, lr_decay, weight_decay,
 // initial_accumulator_value and eps, with LibTorch's order of operations.
-// fp32, fp16 and bf16 parameters; the sum is kept in the parameter's dtype,
+// fp32, fp16, bf16 and fp64 parameters (fp64 computes in fp64); the sum is
+// kept in the parameter's dtype,
 // as LibTorch keeps it. Like torch::optim::Adagrad, the constructor makes
 // every parameter's state (sum = initial_accumulator_value); a parameter
 // added later gets it at its first step, from its group's options.

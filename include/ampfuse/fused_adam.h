@@ -8,9 +8,10 @@
 // clip and the skip on inf/NaN happen inside that same pass, with no host
 // sync on CUDA.
 //
-// Parameters: fp32, fp16 or bf16 (state in the parameter's dtype, as in
-// LibTorch, unless FusedAdamOptions asks for master weights or bf16
-// moments), dense, with grads of the same dtype, device, shape and layout.
+// Parameters: fp32, fp16, bf16 or fp64 (state in the parameter's dtype, as
+// in LibTorch, unless FusedAdamOptions asks for master weights or bf16
+// moments; fp64 computes in fp64), dense, with grads of the same dtype,
+// device and shape (a grad of another layout is read through a copy).
 // Anything else is refused, naming the group and the parameter, before
 // anything is written.
 //

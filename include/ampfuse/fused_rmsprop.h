@@ -6,7 +6,7 @@
 // contract (ampfuse/contract.h).
 //
 // Every option is supported: lr, alpha, eps, weight_decay, momentum and
-// centered, with LibTorch's order of operations. fp32, fp16 and bf16
+// centered, with LibTorch's order of operations. fp32, fp16, bf16 and fp64
 // parameters; the state is kept in the parameter's dtype, as LibTorch keeps
 // it, and made at a parameter's first step (square_avg, momentum_buffer when
 // momentum > 0, grad_avg when centered), or when an option that needs it is
