@@ -318,6 +318,8 @@ TEST_P(StateModelTest, StateOfAnotherTypeIsRefusedNamingTheParameter) {
     EXPECT_THAT(e.what_without_backtrace(), HasSubstr("FusedAdam: param group 0, param 0: its state is not a"));
   }
   EXPECT_TRUE(bitwise_equal(p.detach(), before));
+  torch::serialize::OutputArchive archive;
+  EXPECT_THROW(opt.save(archive), c10::Error) << "save() read a torch::optim::AdamParamState as a FusedAdam state";
 }
 
 #if defined(AMPFUSE_WITH_CUDA)

@@ -522,6 +522,8 @@ class FusedOptimizer : public Base, public ScalerAware {
     archive.write("pytorch_version", c10::IValue("1.5.0"));
     torch::serialize::OutputArchive state_archive(archive.compilation_unit());
     for (const auto& [key, state] : this->state()) {
+      TORCH_CHECK(typeid(*state) == typeid(State), name(), ": a state is not a ", name(),
+                  " state (was it put into state() by hand?)");
       const State& s = static_cast<const State&>(*state);
       if (!has_saved_state(s)) continue;
       torch::serialize::OutputArchive one(archive.compilation_unit());
@@ -759,10 +761,14 @@ class FusedOptimizer : public Base, public ScalerAware {
         plan_entries_ = validate_params(
             *this, name(), signals,
             [&](const at::Tensor& p, std::size_t g, std::size_t i) -> torch::optim::OptimizerParamState* {
-              State* st = find_state(p);
-              if (st == nullptr) return nullptr;
-              TORCH_CHECK(typeid(*st) == typeid(State), name(), ": param group ", g, ", param ", i,
+              // The type is checked on the base: a static_cast to State of a state of another type
+              // is undefined behaviour even before it is used (UBSan's vptr check reports it).
+              const auto it = this->state().find(p.unsafeGetTensorImpl());
+              if (it == this->state().end()) return nullptr;
+              torch::optim::OptimizerParamState& base = *it->second;
+              TORCH_CHECK(typeid(base) == typeid(State), name(), ": param group ", g, ", param ", i,
                           ": its state is not a ", name(), " state (was it put into state() by hand?)");
+              State* st = static_cast<State*>(&base);
               check_state(p, *st, g, i);
               return st;
             },
