@@ -5,7 +5,9 @@
 # (scripts/gpu-prebuilt.sh) when they load against that machine's PyTorch,
 # else builds them there for sm_90; runs the tests (CUDA ones and the rest,
 # not the CPU instruction-set cases CI covers), the README example and
-# train_amp, the CUDA benchmarks with the device-to-device copy ceiling (1B
+# train_amp, one tensor of 2^31 + 17 fp32 elements, a CUDA test subset under
+# compute-sanitizer memcheck and racecheck (those two steps not yet run on a
+# GPU: up to 3 + 8 min, by their time limits), the CUDA benchmarks with the device-to-device copy ceiling (1B
 # parameters for Adam included), then examples/lion's tests, and prints a
 # short table last. GoogleTest and Google Benchmark
 # come from the machine, or from .gpu-deps/ (made here by scripts/gpu-deps.sh
@@ -90,6 +92,28 @@ grep -E '^\[ launches \]' "$out/tests.log" | tee -a "$out/summary.txt"
 (cd "$logs" && timeout 60 "$bin/readme_example" >"$logs/examples.log" 2>&1 &&
   timeout 90 "$bin/train_amp" --check 0.07 >>"$logs/examples.log" 2>&1)
 log "examples (readme_example, train_amp --check 0.07): rc $? ($(tail -1 "$logs/examples.log"))"
+
+# NOT YET RUN on a GPU (written 2026-12-01 without one): the next two steps.
+# One tensor of 2^31 + 17 fp32 elements (tests/test_large.cpp: the check pass
+# and a FusedAdam step, 32 GiB of device memory; it skips when less is free).
+AMPFUSE_LARGE_TESTS=1 timeout 180 "$bin/ampfuse_tests" --gtest_filter='All/LargeTensor.*/cuda' >"$logs/large.log" 2>&1
+log "2^31 + 17 elements, fp32 ($(elapsed) s): rc $? ($(grep -E '^\[  (PASSED|FAILED|SKIPPED) *\] [0-9]+ tests?|^\[ large' "$logs/large.log" | tr '\n' ' '))"
+# A CUDA subset under compute-sanitizer, memcheck then racecheck: every
+# kernel (the engine ops and each optimizer's contract conformance, all
+# dtypes). PYTORCH_NO_CUDA_MEMORY_CACHING: one cudaMalloc per tensor, so that
+# memcheck sees an access past a tensor's end instead of into the caching
+# allocator's next block. AMPFUSE_GPU_SANITIZE_FILTER picks another subset.
+sanitize_filter=${AMPFUSE_GPU_SANITIZE_FILTER:-'All/EngineOps.RandomListsVisitEveryElementOnce/cuda_*:All/EngineOps.UnscaleMatchesAtenBitwise/cuda_*:All/EngineOps.FiniteListLeavesFoundInfAndMatchesSumOfSquares/cuda_*:All/ConformanceTest.*/cuda'}
+if command -v compute-sanitizer >/dev/null; then
+  for tool in memcheck racecheck; do
+    PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 240 compute-sanitizer --tool "$tool" --error-exitcode 99 \
+      "$bin/ampfuse_tests" --gtest_filter="$sanitize_filter" >"$logs/sanitize_$tool.log" 2>&1
+    rc=$?
+    log "compute-sanitizer $tool ($(elapsed) s): rc $rc (99: reports; 124: time limit) ($(grep -E '^========= (ERROR SUMMARY|RACECHECK SUMMARY)' "$logs/sanitize_$tool.log" | tr '\n' ' ')$(grep -E '^\[  (PASSED|FAILED) *\] [0-9]+ tests?' "$logs/sanitize_$tool.log" | tr '\n' ' '))"
+  done
+else
+  log "compute-sanitizer not found: memcheck and racecheck not run"
+fi
 
 # AMPFUSE_GPU_BENCH_FILTER picks fewer (a rerun of what a timeout cut off).
 # --benchmark_context splits its value at commas: the GPU's fields joined by ';'.

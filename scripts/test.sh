@@ -2,7 +2,10 @@
 # Sets up everything a fresh machine needs, builds ampfuse (CUDA path too when
 # nvcc and a CUDA-enabled LibTorch are present), installs it to a scratch
 # prefix and builds a consumer project against it (find_package(ampfuse)),
-# then runs every test through ctest. Extra arguments go to ctest.
+# then runs every test through ctest (the one over a tensor of 2^31 + 17
+# elements, label "large", alone), then the CPU tests again under
+# AddressSanitizer + UndefinedBehaviorSanitizer in build-asan
+# (scripts/sanitize.sh, docs/testing.md). Extra arguments go to ctest.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 
@@ -35,3 +38,6 @@ lion_cuda=()
 
 cd "$AMPFUSE_BUILD_DIR"
 "$AMPFUSE_CTEST" --output-on-failure --parallel "${AMPFUSE_JOBS:-$(nproc)}" "$@"
+
+cd "$AMPFUSE_ROOT"
+bash "$AMPFUSE_ROOT/scripts/sanitize.sh"
