@@ -5,6 +5,7 @@
 
 #include <ATen/ops/full.h>
 #include <ATen/ops/ones_like.h>
+#include <ATen/ops/stack.h>
 #include <ATen/ops/where.h>
 #include <ATen/ops/zeros.h>
 #include <c10/util/Exception.h>
@@ -125,6 +126,13 @@ GradKey grad_key(const at::Tensor& p) {
     k.data = static_cast<const char*>(storage->data()) +
              k.grad->storage_offset() * static_cast<std::int64_t>(k.grad->itemsize());
   return k;
+}
+
+bool has_sparse_grad(torch::optim::Optimizer& optimizer) {
+  for (const auto& group : optimizer.param_groups())
+    for (const auto& p : group.params())
+      if (p.grad().defined() && p.grad().is_sparse()) return true;
+  return false;
 }
 
 at::TensorOptions f32_on(c10::Device device) { return at::TensorOptions().dtype(at::kFloat).device(device); }
@@ -255,6 +263,40 @@ void GradScaler::check_grads(torch::optim::Optimizer& optimizer, OptimizerState&
   if (unscale_in_place) plan.write_back();
   state.devices = std::move(devices);
   state.checked = true;
+  reduce_across_ranks(state, /*found=*/true, nullptr, unscale_in_place ? "unscale_" : "step");
+}
+
+// With a process group (GradScalerOptions::process_group): this rank's
+// findings summed with the other ranks', in one all-reduce of [found_inf,
+// sum of squares] in fp64 on the scale's device. Every device's found_inf
+// becomes the ranks' total, so every rank and device skips together; a rank
+// without grads joins with zeros and gets a found_inf on the scale's device.
+// `found`: found_inf was just checked here (not by an earlier unscale_).
+void GradScaler::reduce_across_ranks(OptimizerState& state, bool found, at::Tensor* sum_sq, const char* op) {
+  const c10::intrusive_ptr<c10d::ProcessGroup>& group = options_.process_group();
+  if (!group) return;
+  const c10::Device device = scale_.device();
+  const auto f64 = at::TensorOptions().dtype(at::kDouble).device(device);
+  at::Tensor found_total = at::zeros({}, f64);
+  if (found)
+    for (const DeviceState& ds : state.devices) found_total.add_(to_device(ds.found_inf, device));
+  const at::Tensor sq = sum_sq && sum_sq->defined() ? to_device(*sum_sq, device).to(at::kDouble) : at::zeros({}, f64);
+  std::vector<at::Tensor> buffer = {at::stack({found_total, sq})};
+  try {
+    group->allreduce(buffer)->wait();
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, "GradScaler::", op, ": rank ", group->getRank(), " of ", group->getSize(),
+                ": the all-reduce of found_inf and the grads' sum of squares across the process group failed (every "
+                "rank must call step(), unscale_() and clip_grad_norm_() for the same optimizers in the same order, "
+                "also a rank without grads): ",
+                e.what());
+  }
+  if (found) {
+    if (state.devices.empty()) state.devices.push_back({device, at::zeros({}, f32_on(device)), inv_scale_on(device), {}});
+    const at::Tensor total = buffer[0][0].to(at::kFloat);
+    for (DeviceState& ds : state.devices) ds.found_inf = to_device(total, ds.device);
+  }
+  if (sum_sq) *sum_sq = buffer[0][1];
 }
 
 at::Tensor GradScaler::combined_found_inf(const OptimizerState& state, c10::Device device) const {
@@ -293,7 +335,8 @@ at::Tensor GradScaler::clip_grad_norm_(torch::optim::Optimizer& optimizer, doubl
 
   const GradsPlan& plan = grads_plan(optimizer, "GradScaler::clip_grad_norm_", /*in_place=*/false, /*for_norm=*/true);
   const DeviceGrads& grads = plan.grads();
-  if (grads.empty()) return at::zeros({}, f32_on(scale_.device()));
+  const bool across_ranks = static_cast<bool>(options_.process_group());
+  if (grads.empty() && !across_ranks) return at::zeros({}, f32_on(scale_.device()));
 
   // One read-only pass per device: inf/NaN (unless unscale_ found them
   // already) and the sum of squares, in fp64 so scaled grads cannot overflow.
@@ -308,17 +351,18 @@ at::Tensor GradScaler::clip_grad_norm_(torch::optim::Optimizer& optimizer, doubl
     total_sq = total_sq.defined() ? total_sq.add_(to_device(sum_sq, total_sq.device())) : sum_sq;
     devices.push_back(std::move(ds));
   }
-  const c10::Device first = grads.front().first;
-  at::Tensor norm = total_sq.sqrt();
-  if (scaled) norm.mul_(inv_scale_on(first).to(at::kDouble));
-  norm = norm.to(at::kFloat);
-  // torch::nn::utils::clip_grad_norm_'s arithmetic, on the device.
-  const at::Tensor clip_coef = at::clamp(max_norm / (norm + 1e-6), c10::nullopt, 1.0);
-
   if (scaled) {
     state.devices = std::move(devices);
     state.checked = true;
   }
+  // With a process group: the global sum of squares (and found_inf).
+  reduce_across_ranks(state, /*found=*/scaled, &total_sq, "clip_grad_norm_");
+  at::Tensor norm = total_sq.sqrt();
+  if (scaled) norm.mul_(inv_scale_on(norm.device()).to(at::kDouble));
+  norm = norm.to(at::kFloat);
+  // torch::nn::utils::clip_grad_norm_'s arithmetic, on the device.
+  const at::Tensor clip_coef = at::clamp(max_norm / (norm + 1e-6), c10::nullopt, 1.0);
+
   for (DeviceState& ds : state.devices) ds.clip_coef = to_device(clip_coef, ds.device);
   state.clipped = true;
   return norm;
@@ -336,7 +380,9 @@ void GradScaler::step(torch::optim::Optimizer& optimizer) {
   OptimizerState& state = state_of(optimizer);
   TORCH_CHECK(state.stage != Stage::kStepped, "step() has already been called since the last update().");
 
-  if (auto* aware = dynamic_cast<ScalerAware*>(&optimizer)) {
+  auto* aware = dynamic_cast<ScalerAware*>(&optimizer);
+  if (aware && aware->steps_sparse_grads() && has_sparse_grad(optimizer)) aware = nullptr;  // PyTorch's path
+  if (aware) {
     if (!state.checked) check_grads(optimizer, state, /*unscale_in_place=*/false);
     TORCH_CHECK(!state.devices.empty(), "No inf checks were recorded for this optimizer.");
     // The grads will be written after the step: check them for that before it.

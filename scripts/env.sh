@@ -21,6 +21,8 @@ install_system_packages() {
   dpkg -s libgtest-dev >/dev/null 2>&1 || missing+=(libgtest-dev)
   dpkg -s libgmock-dev >/dev/null 2>&1 || missing+=(libgmock-dev)
   dpkg -s libbenchmark-dev >/dev/null 2>&1 || missing+=(libbenchmark-dev)
+  # Gloo's headers only (c10d::ProcessGroupGloo in the distributed tests; the wheel has its code).
+  dpkg -s libgloo-dev >/dev/null 2>&1 || missing+=(libgloo-dev)
   dpkg -s ccache >/dev/null 2>&1 || missing+=(ccache)
   command -v g++ >/dev/null 2>&1 || missing+=(g++)
   command -v python3 >/dev/null 2>&1 || missing+=(python3 python3-venv)

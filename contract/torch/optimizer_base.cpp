@@ -120,13 +120,14 @@ bool grad_needs_staging(const at::Tensor& p, const at::Tensor& grad) {
   return grad.defined() && grad.strides() != p.strides();
 }
 
-enum class GradKind { kNone, kInPlace, kStaged };
+enum class GradKind { kNone, kInPlace, kStaged, kSparse };
 
 // The checks of one parameter (the group-membership check aside). Reads
 // only, so that parameters can be checked on several threads. A grad laid
-// out otherwise than its parameter is kStaged when `stage_grads`, else refused.
+// out otherwise than its parameter is kStaged when `stage_grads`, else
+// refused; a sparse grad is kSparse when `sparse_grads`, else refused.
 GradKind check_param(const at::Tensor& p, std::size_t g, std::size_t i, const char* name,
-                     const StepSignals* signals, bool float64, bool stage_grads) {
+                     const StepSignals* signals, bool float64, bool stage_grads, bool sparse_grads = false) {
   TORCH_CHECK(p.defined(), name, ": param group ", g, ", param ", i, " is undefined");
   TORCH_CHECK(supported_dtype(p.scalar_type(), float64), name, ": param group ", g, ", param ", i, ": dtype ",
               p.scalar_type(), " is not supported (expected Float, Half, BFloat16",
@@ -135,14 +136,21 @@ GradKind check_param(const at::Tensor& p, std::size_t g, std::size_t i, const ch
               i, " is not a dense tensor");
   const at::Tensor& grad = p.grad();
   if (!grad.defined()) return GradKind::kNone;
-  TORCH_CHECK(!grad.is_sparse(), name, ": param group ", g, ", param ", i,
-              ": the grad is sparse; sparse gradients are not supported");
+  TORCH_CHECK(!grad.is_sparse() || sparse_grads, name, ": param group ", g, ", param ", i,
+              ": the grad is sparse; sparse gradients are not supported by this optimizer (as by "
+              "torch::optim::Adam); FusedAdagrad takes them");
   TORCH_CHECK(grad.scalar_type() == p.scalar_type(), name, ": param group ", g, ", param ", i, ": grad dtype ",
               grad.scalar_type(), " differs from the parameter's ", p.scalar_type());
   TORCH_CHECK(grad.device() == p.device(), name, ": param group ", g, ", param ", i, ": grad is on ", grad.device(),
               " but the parameter is on ", p.device());
   TORCH_CHECK(grad.sizes() == p.sizes(), name, ": param group ", g, ", param ", i, ": grad shape ", grad.sizes(),
               " differs from the parameter's ", p.sizes());
+  if (grad.is_sparse()) {
+    TORCH_CHECK(!signals, name, ": param group ", g, ", param ", i,
+                ": the grad is sparse, and a step under the scaler contract reads dense grads only (GradScaler::step "
+                "steps an optimizer with sparse grads on the classic path: unscale in place, then step() or skip)");
+    return GradKind::kSparse;
+  }
   TORCH_CHECK(stage_grads || grad.strides() == p.strides(), name, ": param group ", g, ", param ", i,
               ": grad strides ", grad.strides(), " differ from the parameter's ", p.strides());
   TORCH_CHECK(p.device().is_cpu() || p.device().is_cuda(), name, ": param group ", g, ", param ", i, " is on ",
@@ -213,7 +221,8 @@ void check_signals(const StepSignals& signals, const char* name) {
 }
 
 std::vector<Entry> validate_params(torch::optim::Optimizer& opt, const char* name, const StepSignals* signals,
-                                   const CheckState& check_state, bool float64, std::deque<StagedGrad>* staged) {
+                                   const CheckState& check_state, bool float64, std::deque<StagedGrad>* staged,
+                                   std::vector<Entry>* sparse) {
   if (signals) check_signals(*signals, name);
   auto& groups = opt.param_groups();
   // Kept per thread between steps (no allocation); a plain reference for the
@@ -238,22 +247,24 @@ std::vector<Entry> validate_params(torch::optim::Optimizer& opt, const char* nam
   // contiguous range, and the error reported is the one of the first
   // failing parameter in order, as a sequential pass would report it.
   std::mutex mutex;
-  std::vector<std::pair<std::int64_t, std::vector<Entry>>> parts;
+  std::vector<std::pair<std::int64_t, std::vector<Entry>>> parts, sparse_parts;
   std::atomic<bool> any_staged{false};
   std::int64_t first_error = n;
   std::exception_ptr error;
   at::parallel_for(0, n, kEntriesGrain, [&](std::int64_t begin, std::int64_t end) {
-    std::vector<Entry> local;
+    std::vector<Entry> local, local_sparse;
     local.reserve(static_cast<std::size_t>(end - begin));
     for (std::int64_t k = begin; k < end && k < first_duplicate; ++k) {
       const Place& place = places[k];
       const at::Tensor& p = *place.param;
       try {
-        const GradKind kind = check_param(p, place.group, place.index, name, signals, float64, staged != nullptr);
+        const GradKind kind =
+            check_param(p, place.group, place.index, name, signals, float64, staged != nullptr, sparse != nullptr);
         if (kind == GradKind::kNone) continue;
         if (kind == GradKind::kStaged) any_staged.store(true, std::memory_order_relaxed);
         torch::optim::OptimizerParamState* state = check_state(p, place.group, place.index);
-        local.push_back({place.group, place.index, p, p.grad(), p.device(), p.scalar_type(), state});
+        (kind == GradKind::kSparse ? local_sparse : local)
+            .push_back({place.group, place.index, p, p.grad(), p.device(), p.scalar_type(), state});
       } catch (...) {
         const std::lock_guard<std::mutex> lock(mutex);
         if (k < first_error) {
@@ -265,6 +276,7 @@ std::vector<Entry> validate_params(torch::optim::Optimizer& opt, const char* nam
     }
     const std::lock_guard<std::mutex> lock(mutex);
     parts.emplace_back(begin, std::move(local));
+    if (!local_sparse.empty()) sparse_parts.emplace_back(begin, std::move(local_sparse));
   });
   if (first_duplicate < first_error) {
     const Place& dup = places[first_duplicate];
@@ -276,7 +288,14 @@ std::vector<Entry> validate_params(torch::optim::Optimizer& opt, const char* nam
   }
   if (error) std::rethrow_exception(error);
   check_no_shared_memory(places, name);
-  std::sort(parts.begin(), parts.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
+  const auto by_begin = [](const auto& a, const auto& b) { return a.first < b.first; };
+  if (sparse) {
+    sparse->clear();
+    std::sort(sparse_parts.begin(), sparse_parts.end(), by_begin);
+    for (const auto& part : sparse_parts)
+      for (const Entry& e : part.second) sparse->push_back(e);
+  }
+  std::sort(parts.begin(), parts.end(), by_begin);
   if (parts.size() == 1 && !any_staged.load()) return std::move(parts.front().second);
   std::vector<Entry> entries;
   entries.reserve(places.size());
@@ -497,7 +516,9 @@ void record_plan(torch::optim::Optimizer& opt, const StateStamp& stamp, PlanKeys
   keys.params.resize(params.size());
   parallel_entries(params.size(), [&](std::size_t k) {
     keys.params[k] = plan_param(*params[k], opt, stamp);
-    keys.params[k].grad_staged = grad_needs_staging(*params[k], params[k]->grad());
+    const at::Tensor& grad = params[k]->grad();
+    keys.params[k].grad_sparse = grad.defined() && grad.is_sparse();
+    keys.params[k].grad_staged = !keys.params[k].grad_sparse && grad_needs_staging(*params[k], grad);
   });
 }
 
@@ -542,8 +563,9 @@ PlanMatch match_plan(torch::optim::Optimizer& opt, const StateStamp& stamp, cons
       if (now.param != kept.param || now.param_data != kept.param_data || now.numel != kept.numel ||
           now.dtype != kept.dtype || now.state != kept.state || now.stamp != kept.stamp ||
           (now.state != nullptr && now.stamp == kNoStamp) ||
-          (now.grad == nullptr) != (kept.grad == nullptr)) {
-        changed = true;
+          (now.grad == nullptr) != (kept.grad == nullptr) || kept.grad_sparse ||
+          (now.grad != nullptr && now.grad->is_sparse())) {
+        changed = true;  // (a step with sparse grads validates from scratch: they are new tensors each step)
         break;
       }
       if (now.grad != kept.grad || now.grad_data != kept.grad_data || now.grad_numel != kept.grad_numel ||

@@ -3,8 +3,10 @@
 
 #include "ampfuse/fused_adagrad.h"
 
+#include <ATen/ops/empty.h>
 #include <ATen/ops/full.h>
 #include <ATen/ops/full_like.h>
+#include <ATen/ops/sparse_coo_tensor.h>
 #include <c10/util/Exception.h>
 
 #include <typeinfo>
@@ -19,6 +21,18 @@
 #endif
 
 namespace ampfuse {
+namespace {
+
+// A parameter's state as torch::optim::Adagrad makes it (made at the first
+// step for a parameter added after construction: from its group's options).
+auto made_state(const at::Tensor& p, const torch::optim::AdagradOptions& o) {
+  return [&p, &o](FusedAdagradParamState& made) {
+    made.step(0);
+    made.sum(at::full_like(p, o.initial_accumulator_value(), at::MemoryFormat::Preserve));
+  };
+}
+
+}  // namespace
 
 void FusedAdagradParamState::serialize(torch::serialize::OutputArchive& archive) const {
   sdk::save_counted<torch::optim::AdagradParamState>(*this, archive);
@@ -63,10 +77,7 @@ sdk::Launch FusedAdagrad::prepare_list(const sdk::ParamList& list) {
   for (std::size_t i = 0; i < n; ++i) {  // creates state (a parameter added after construction): on this thread
     const sdk::Entry& e = *entries[i];
     const at::Tensor& p = e.param;
-    FusedAdagradParamState& s = state_for(e, [&](FusedAdagradParamState& made) {
-      made.step(0);
-      made.sum(at::full_like(p, o.initial_accumulator_value(), at::MemoryFormat::Preserve));
-    });
+    FusedAdagradParamState& s = state_for(e, made_state(p, o));
     prepare_device_step(e, s);
     states[i] = &s;
   }
@@ -125,6 +136,43 @@ sdk::Launch FusedAdagrad::prepare_list(const sdk::ParamList& list) {
 #else
   TORCH_CHECK(false, name(), ": ampfuse was built without CUDA");
 #endif
+}
+
+// A parameter whose grad is sparse, stepped as torch::optim::Adagrad steps
+// it: ATen's sparse ops over the coalesced grad's nonzeros, in LibTorch's
+// order, so the numbers are LibTorch's bit for bit and the cost is the
+// nonzeros', not the parameter's. Validated here, before any list launches.
+sdk::Launch FusedAdagrad::prepare_sparse(const sdk::Entry& e) {
+  const auto& o = options_of(e.group);
+  TORCH_CHECK(o.weight_decay() == 0, name(), ": param group ", e.group, ", param ", e.index,
+              ": the grad is sparse and the group's weight_decay is ", o.weight_decay(),
+              "; weight decay is not compatible with sparse gradients (as in torch::optim::Adagrad)");
+  FusedAdagradParamState& s = state_for(e, made_state(e.param, o));
+  prepare_device_step(e, s);
+  // On CUDA the device counter is the count (a skipped contract step did not
+  // advance it); reading it waits for the device, as the classic path
+  // GradScaler takes with sparse grads does anyway.
+  const double step = (s.device_step().defined() ? s.device_step().item<double>() : static_cast<double>(s.step())) + 1;
+  const fused::AdagradHyper hyper =
+      fused::make_adagrad_hyper(o.lr(), o.lr_decay(), o.weight_decay(), o.eps(), fused_.maximize());
+  const double clr = -fused::adagrad_neg_clr(hyper, step);
+  const sdk::Entry* entry = &e;  // the step's entries outlive its launches
+  return [entry, &s, step, clr, eps = o.eps(), maximize = fused_.maximize()] {
+    const at::Tensor grad = (maximize ? entry->grad.neg() : entry->grad).coalesce();
+    const at::Tensor indices = grad._indices(), values = grad._values();
+    auto make_sparse = [&](const at::Tensor& v) {
+      if (indices.dim() == 0 || v.dim() == 0) return at::empty({0}, grad.options()).resize_as_(grad);
+      return at::sparse_coo_tensor(indices, v, grad.sizes(), grad.options());
+    };
+    s.sum().add_(make_sparse(values.pow(2)));
+    const at::Tensor std_values = s.sum().sparse_mask(grad)._values().sqrt_().add_(eps);
+    entry->param.add_(make_sparse(values / std_values), -clr);
+    if (s.device_step().defined()) {
+      s.device_step().add_(1);
+    } else {
+      s.step(static_cast<std::int64_t>(step));
+    }
+  };
 }
 
 }  // namespace ampfuse

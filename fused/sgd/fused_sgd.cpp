@@ -143,4 +143,25 @@ sdk::Launch FusedSGD::prepare_list(const sdk::ParamList& pl) {
 #endif
 }
 
+// A parameter whose grad is sparse, stepped as torch::optim::SGD steps it
+// without momentum: the parameter gains -lr times the grad at its nonzeros
+// (ATen's dense += sparse, LibTorch's numbers bit for bit). Weight decay
+// cannot add a dense term to a sparse grad (ATen refuses it, and so does
+// LibTorch's SGD); momentum would keep a sparse buffer, which the fused
+// state does not hold.
+sdk::Launch FusedSGD::prepare_sparse(const sdk::Entry& e) {
+  const auto& o = options_of(e.group);
+  TORCH_CHECK(o.weight_decay() == 0, name(), ": param group ", e.group, ", param ", e.index,
+              ": the grad is sparse and the group's weight_decay is ", o.weight_decay(),
+              "; weight decay is not compatible with sparse gradients (as in torch::optim::SGD)");
+  TORCH_CHECK(o.momentum() == 0, name(), ": param group ", e.group, ", param ", e.index,
+              ": the grad is sparse and the group's momentum is ", o.momentum(),
+              "; FusedSGD steps sparse grads without momentum only (torch::optim::SGD would keep a sparse "
+              "momentum buffer; use it for that parameter)");
+  const sdk::Entry* entry = &e;  // the step's entries outlive its launches
+  return [entry, lr = o.lr(), maximize = fused_.maximize()] {
+    entry->param.add_(maximize ? entry->grad.neg() : entry->grad, -1 * lr);
+  };
+}
+
 }  // namespace ampfuse

@@ -61,6 +61,13 @@ class ScalerAware {
  public:
   virtual ~ScalerAware() = default;
   virtual void step_with_signals(const StepSignals& signals) = 0;
+  /// True when the optimizer's step() takes sparse grads, as its LibTorch
+  /// counterpart's does (torch::optim::Adagrad's). In a step where any of
+  /// its grads is sparse, GradScaler::step then takes PyTorch's path for it
+  /// (unscale in place, one host read of found_inf, step() or skip): the
+  /// contract path reads dense grads only. Default false: such a step goes
+  /// to step_with_signals, which refuses sparse grads before writing.
+  virtual bool steps_sparse_grads() const { return false; }
 };
 
 }  // namespace ampfuse

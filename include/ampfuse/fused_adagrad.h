@@ -13,6 +13,11 @@
 // every parameter's state (sum = initial_accumulator_value); a parameter
 // added later gets it at its first step, from its group's options.
 //
+// Sparse grads (an Embedding with sparse=true) are stepped as
+// torch::optim::Adagrad steps them: with ATen's sparse ops over the grad's
+// nonzeros (no weight decay, as in LibTorch), the same numbers bit for bit,
+// on the classic path under GradScaler (one host read of found_inf).
+//
 // Step counters: on CPU LibTorch's (step). On CUDA each parameter also has a
 // device counter (fp64), so that a step skipped on the device does not
 // count; it starts from step, and the checkpoint holds its value.
@@ -69,6 +74,8 @@ class FusedAdagrad
   void check_state(const at::Tensor& param, const FusedAdagradParamState& state, std::size_t group,
                    std::size_t index) const override;
   sdk::Launch prepare_list(const sdk::ParamList& list) override;
+  bool takes_sparse_grads() const override { return true; }
+  sdk::Launch prepare_sparse(const sdk::Entry& entry) override;
   std::vector<std::string> saved_state_keys() const override { return {"step", "sum"}; }
   std::size_t state_stamp(const FusedAdagradParamState& state) const override {
     return sdk::stamp_of(sdk::stamp_of(1, state.sum()), state.device_step());

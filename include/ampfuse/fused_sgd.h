@@ -10,6 +10,12 @@
 // with a device flag, momentum_initialized, that the first applied step sets,
 // and save() leaves out a buffer whose flag is still 0 (a sync, as any save
 // from a GPU), so a checkpoint never holds an unfilled buffer.
+//
+// Sparse grads (an Embedding with sparse=true) are stepped as
+// torch::optim::SGD steps them without momentum or weight decay (p += -lr *
+// grad at the grad's nonzeros, bit for bit), on the classic path under
+// GradScaler; with momentum they are refused (a parity gap: LibTorch keeps a
+// sparse momentum buffer).
 
 #include <torch/arg.h>
 #include <torch/optim/sgd.h>
@@ -62,6 +68,8 @@ class FusedSGD : public sdk::FusedOptimizer<torch::optim::SGD, torch::optim::SGD
   void check_state(const at::Tensor& param, const FusedSGDParamState& state, std::size_t group,
                    std::size_t index) const override;
   sdk::Launch prepare_list(const sdk::ParamList& list) override;
+  bool takes_sparse_grads() const override { return true; }
+  sdk::Launch prepare_sparse(const sdk::Entry& entry) override;
   bool has_saved_state(const FusedSGDParamState& state) const override;
   std::vector<std::string> saved_state_keys() const override { return {"momentum_buffer"}; }
   std::size_t state_stamp(const FusedSGDParamState& state) const override {

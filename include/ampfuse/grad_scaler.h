@@ -21,6 +21,7 @@
 // gaps are checked and unscaled through dense copies written back.
 
 #include <torch/arg.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/optim/optimizer.h>
 #include <torch/serialize/archive.h>
 
@@ -56,6 +57,19 @@ struct GradScalerOptions {
   /// optimizers do. It costs one read and one write of the grads after the
   /// update (8 bytes per fp32 parameter), on the device, with no host sync.
   TORCH_ARG(bool, unscaled_grads_after_step) = false;
+  /// The ranks whose grads one step covers together, each holding its own
+  /// part of them (a sharded optimizer, or model parallelism): with a
+  /// process group, found_inf and the grad norm's sum of squares are summed
+  /// across it (ShardedGradScaler's and FSDP clip_grad_norm_'s rule), so
+  /// every rank skips together and clips by the global norm. One all-reduce
+  /// of two fp64 values on the scale's device per check pass (step() or
+  /// unscale_()) and per clip_grad_norm_(): NCCL keeps it on the stream (no
+  /// host sync), Gloo waits. Every rank of the group must make the same
+  /// calls, for each optimizer in the same order, also a rank without grads
+  /// (it joins with zeros). Null (the default): nothing is reduced, which is
+  /// right for data parallelism, whose grads are the same on every rank
+  /// after their all-reduce.
+  TORCH_ARG(c10::intrusive_ptr<c10d::ProcessGroup>, process_group);
 };
 
 class GradScaler {
@@ -133,6 +147,7 @@ class GradScaler {
   void check_grads(torch::optim::Optimizer& optimizer, OptimizerState& state, bool unscale_in_place);
   at::Tensor inv_scale_on(c10::Device device) const;
   at::Tensor combined_found_inf(const OptimizerState& state, c10::Device device) const;
+  void reduce_across_ranks(OptimizerState& state, bool found, at::Tensor* sum_sq, const char* op);
   void apply_deferred_factors(torch::optim::Optimizer& optimizer, const OptimizerState& state, bool unless_found);
   void end_iteration();
 

@@ -148,9 +148,13 @@ struct StagedGrad {
 /// With `staged` (not null), a grad laid out otherwise than its parameter is
 /// accepted, as torch::optim accepts it: a StagedGrad is appended for it and
 /// its Entry's grad is the buffer. Without, such a grad is refused.
+/// With `sparse` (not null), a sparse grad of the parameter's dtype, device
+/// and shape is accepted without signals (the scaler steps such optimizers
+/// on the classic path): its Entry goes into *sparse (replaced, in group
+/// order), not into the returned entries. Without, sparse grads are refused.
 std::vector<Entry> validate_params(torch::optim::Optimizer& opt, const char* name, const StepSignals* signals,
                                    const CheckState& check_state, bool float64 = false,
-                                   std::deque<StagedGrad>* staged = nullptr);
+                                   std::deque<StagedGrad>* staged = nullptr, std::vector<Entry>* sparse = nullptr);
 
 /// Copies every staged grad's current values into its buffer (one copy per
 /// such grad; grads laid out as their parameters cost nothing).
@@ -175,6 +179,7 @@ struct PlanParam {
   const void* state = nullptr;  ///< its state object in state(); null without state
   std::size_t stamp = 0;        ///< StateStamp of that state
   bool grad_staged = false;     ///< the grad is read through a StagedGrad
+  bool grad_sparse = false;     ///< the grad is sparse (a plan with one is never reused)
 };
 
 /// A fingerprint of a state object's tensors (their TensorImpl addresses),
@@ -530,6 +535,8 @@ class FusedOptimizer : public Base, public ScalerAware {
 
   /// The contract step (GradScaler::step calls it).
   void step_with_signals(const StepSignals& signals) override { run_step(&signals); }
+  /// takes_sparse_grads(), for GradScaler (ScalerAware::steps_sparse_grads).
+  bool steps_sparse_grads() const override { return takes_sparse_grads(); }
 
   /// How the last step found its step plan (see "Step plans" above):
   /// kChanged when it validated and prepared from scratch.
@@ -620,6 +627,20 @@ class FusedOptimizer : public Base, public ScalerAware {
   /// True when the kernels take Double parameters (ScalarType::Float64,
   /// computing in fp64); otherwise such parameters are refused.
   virtual bool takes_float64() const { return false; }
+  /// True when the optimizer steps parameters whose grads are sparse, as
+  /// its LibTorch counterpart does (prepare_sparse() prepares each such
+  /// step, after every list was prepared); otherwise sparse grads are
+  /// refused. Sparse grads are refused under signals: GradScaler::step
+  /// steps an optimizer that has any on the classic path.
+  virtual bool takes_sparse_grads() const { return false; }
+  /// Prepares the step of one parameter whose grad is sparse (only when
+  /// takes_sparse_grads()): validates, makes state with state_for(), and
+  /// returns what steps it, as prepare_list() does for a list.
+  virtual Launch prepare_sparse(const Entry& entry) {
+    TORCH_CHECK(false, name(), ": param group ", entry.group, ", param ", entry.index,
+                ": the grad is sparse, and this optimizer has no sparse step");
+    return {};
+  }
   /// Validates a parameter's existing state (use check_state_tensor and
   /// check_required_state_tensor); throw to refuse. load() calls it for every
   /// state a checkpoint holds, so that what a step would refuse is refused
@@ -669,6 +690,7 @@ class FusedOptimizer : public Base, public ScalerAware {
     plan_slots_.clear();
     plan_lists_.clear();
     plan_entries_.clear();  // they may refer to the staged grads' buffers
+    plan_sparse_.clear();
     staged_grads_.clear();
   }
 
@@ -794,7 +816,7 @@ class FusedOptimizer : public Base, public ScalerAware {
               check_state(p, *st, g, i);
               return st;
             },
-            takes_float64(), &staged_grads_);
+            takes_float64(), &staged_grads_, takes_sparse_grads() ? &plan_sparse_ : nullptr);
         check_entries(plan_entries_);
         std::vector<const Entry*> all;
         all.reserve(plan_entries_.size());
@@ -828,6 +850,7 @@ class FusedOptimizer : public Base, public ScalerAware {
                                                   signals ? &signals->at(device) : nullptr, plan_slots_[l],
                                                   match == PlanMatch::kGradsMoved}));
       }
+      for (const Entry& e : plan_sparse_) launches.push_back(prepare_sparse(e));
     } catch (...) {
       for (auto it = undo_.rbegin(); it != undo_.rend(); ++it) (*it)();
       undo_.clear();
@@ -856,6 +879,7 @@ class FusedOptimizer : public Base, public ScalerAware {
   PlanMatch last_match_ = PlanMatch::kChanged;
   PlanKeys plan_keys_;
   std::vector<Entry> plan_entries_;
+  std::vector<Entry> plan_sparse_;  ///< parameters with sparse grads (prepare_sparse), rebuilt every step
   Lists plan_lists_;
   std::vector<ListSlot> plan_slots_;
   std::deque<StagedGrad> staged_grads_;  ///< grads read through copies (see validate_params)
