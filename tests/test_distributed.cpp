@@ -19,13 +19,17 @@
 #include <functional>
 #include <limits>
 #include <mutex>
+#include <map>
+#include <tuple>
 #include <thread>
 
 #include "tests/common.h"
+#include "tests/sharded_model.h"
 
 namespace {
 
 using ampfuse_test::bitwise_equal;
+namespace sharded = ampfuse_test::sharded;
 
 // Runs fn(rank, group) on `world` threads, each with its own Gloo process
 // group over one HashStore (loopback), with a bounded timeout on every
@@ -58,106 +62,23 @@ void on_ranks(int world, const std::function<void(int, const c10::intrusive_ptr<
   for (const auto& e : errors) ADD_FAILURE() << e;
 }
 
-// One model's parameters, and its grads for `steps` steps (the same on
-// every rank: drawn from one seed), parameter k held by rank k % world.
-struct Model {
-  std::vector<torch::Tensor> params;
-  std::vector<std::vector<torch::Tensor>> grads;  // [step][param]
-};
-
-Model make_model(std::uint64_t seed, int steps, int inf_step) {
-  torch::manual_seed(seed);
-  Model m;
-  for (const std::int64_t n : {1000, 7, 65537, 1, 333, 4096}) m.params.push_back(torch::randn({n}));
-  for (int s = 0; s < steps; ++s) {
-    std::vector<torch::Tensor> g;
-    for (const auto& p : m.params) g.push_back(torch::randn_like(p));
-    if (s == inf_step) g[5][17] = std::numeric_limits<float>::infinity();  // held by rank 5 % world
-    m.grads.push_back(std::move(g));
-  }
-  return m;
-}
-
-std::vector<torch::Tensor> leaves(const std::vector<torch::Tensor>& v) {
-  std::vector<torch::Tensor> out;
-  for (const auto& t : v) out.push_back(t.detach().clone().requires_grad_());
-  return out;
-}
-
-// What one optimizer does per step in these tests: scale, clip (on clip
-// steps), step, update. `classic`: torch::optim::SGD with unscale_ first.
-struct Flow {
-  bool classic = false;
-  bool clip = true;
-};
-
-// The single-process run of the whole model, and the ranks' runs of their
-// parts; after every step each rank's parameters, its scale and its
-// returned norm must be the single process's.
-void expect_ranks_step_as_one_process(int world, const Flow& run, std::uint64_t seed) {
-  const int steps = 8, inf_step = 3;
-  const Model model = make_model(seed, steps, inf_step);
-  const auto scaler_options = ampfuse::GradScalerOptions().init_scale(1024.0).growth_interval(2);
-  auto make_opt = [&](const std::vector<torch::Tensor>& p) -> std::unique_ptr<torch::optim::Optimizer> {
-    if (run.classic) return std::make_unique<torch::optim::SGD>(p, torch::optim::SGDOptions(0.01).momentum(0.9));
-    return std::make_unique<ampfuse::FusedAdam>(p, torch::optim::AdamOptions(0.01).weight_decay(0.01));
-  };
-  // The single process: every parameter, one scaler.
-  std::vector<std::vector<torch::Tensor>> whole_after;  // [step][param]
-  std::vector<double> whole_scale, whole_norm;
-  {
-    auto params = leaves(model.params);
-    auto opt = make_opt(params);
-    ampfuse::GradScaler scaler(scaler_options);
-    for (int s = 0; s < steps; ++s) {
-      const float scale = static_cast<float>(scaler.get_scale());
-      for (std::size_t k = 0; k < params.size(); ++k) params[k].mutable_grad() = model.grads[s][k] * scale;
-      scaler.scale(torch::ones({}));
-      if (run.classic) scaler.unscale_(*opt);
-      whole_norm.push_back(run.clip ? scaler.clip_grad_norm_(*opt, 50.0).item<double>() : 0.0);
-      scaler.step(*opt);
-      scaler.update();
-      whole_scale.push_back(scaler.get_scale());
-      std::vector<torch::Tensor> after;
-      for (const auto& p : params) after.push_back(p.detach().clone());
-      whole_after.push_back(std::move(after));
-    }
-  }
+void expect_ranks_step_as_one_process(int world, const sharded::Flow& flow, std::uint64_t seed) {
+  const sharded::Model model = sharded::make_model(seed, /*steps=*/8, /*inf_step=*/3);
+  const sharded::Trace expected = sharded::whole(model, flow);
   on_ranks(world, [&](int rank, const c10::intrusive_ptr<c10d::ProcessGroup>& group) {
-    std::vector<std::size_t> mine;
-    for (std::size_t k = 0; k < model.params.size(); ++k)
-      if (static_cast<int>(k % world) == rank) mine.push_back(k);
-    std::vector<torch::Tensor> params;
-    for (const std::size_t k : mine) params.push_back(model.params[k].detach().clone().requires_grad_());
-    auto opt = make_opt(params);
-    ampfuse::GradScaler scaler(ampfuse::GradScalerOptions(scaler_options).process_group(group));
-    for (int s = 0; s < steps; ++s) {
-      const float scale = static_cast<float>(scaler.get_scale());
-      for (std::size_t j = 0; j < mine.size(); ++j) params[j].mutable_grad() = model.grads[s][mine[j]] * scale;
-      scaler.scale(torch::ones({}));
-      if (run.classic) scaler.unscale_(*opt);
-      const double norm = run.clip ? scaler.clip_grad_norm_(*opt, 50.0).item<double>() : 0.0;
-      scaler.step(*opt);
-      scaler.update();
-      const std::string where = "rank " + std::to_string(rank) + " of " + std::to_string(world) + ", step " +
-                                std::to_string(s);
-      EXPECT_EQ(scaler.last_step_skipped(*opt), s == inf_step) << where;
-      EXPECT_EQ(scaler.get_scale(), whole_scale[s]) << where;
-      // The global norm: the same fp64 sum in another order, then fp32.
-      if (s != inf_step) EXPECT_NEAR(norm, whole_norm[s], 1e-6 * whole_norm[s]) << where;
-      for (std::size_t j = 0; j < mine.size(); ++j) {
-        const auto diff = (params[j].detach() - whole_after[s][mine[j]]).abs().max().item<double>();
-        EXPECT_LE(diff, 1e-6) << where << ", param " << mine[j];
-      }
-    }
+    for (const std::string& e : sharded::check_rank(model, flow, expected, rank, world, group)) ADD_FAILURE() << e;
   });
 }
 
+// Each rank holds every world-th parameter of one model; over 8 steps, with
+// an inf in one rank's grads at step 3, the ranks step as one process
+// stepping the whole model: FusedAdam with clipping (the contract path),
+// torch::optim::SGD with unscale_ (the classic path), with and without clipping.
 TEST(DistributedGradScaler, ShardedRanksStepAsOneProcessFusedAdamClipped) {
   const auto seed = ampfuse_test::seed_for_test();
   for (int world = 1; world <= 4; ++world) {
     SCOPED_TRACE("world " + std::to_string(world));
-    expect_ranks_step_as_one_process(world, Flow{false, true}, seed);
+    expect_ranks_step_as_one_process(world, sharded::Flow{false, true}, seed);
   }
 }
 
@@ -165,8 +86,8 @@ TEST(DistributedGradScaler, ShardedRanksStepAsOneProcessClassicPath) {
   const auto seed = ampfuse_test::seed_for_test();
   for (int world : {2, 3}) {
     SCOPED_TRACE("world " + std::to_string(world));
-    expect_ranks_step_as_one_process(world, Flow{true, true}, seed);
-    expect_ranks_step_as_one_process(world, Flow{true, false}, seed);
+    expect_ranks_step_as_one_process(world, sharded::Flow{true, true}, seed);
+    expect_ranks_step_as_one_process(world, sharded::Flow{true, false}, seed);
   }
 }
 
@@ -222,6 +143,60 @@ TEST(DistributedGradScaler, ARankThatNeverArrivesFailsTheOthersWithinTheTimeout)
   EXPECT_THAT(error, ::testing::HasSubstr("GradScaler::step: rank 0 of 2: the all-reduce of found_inf"));
   EXPECT_THAT(error, ::testing::HasSubstr("every rank must call step()"));
   EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(15));
+}
+
+}  // namespace
+
+namespace {
+
+// Variables as a launcher would set them, read through launch_env's lookup
+// (setenv would race with the getenv of c10d's threads left by other tests).
+class Vars {
+ public:
+  Vars(std::map<std::string, std::string> vars) : vars_(std::move(vars)) {}
+  Vars& set(const char* name, const char* value) {
+    if (value) vars_[name] = value;
+    else vars_.erase(name);
+    return *this;
+  }
+  ampfuse::distributed::LaunchEnv read() const {
+    return ampfuse::distributed::launch_env([this](const char* name) -> const char* {
+      const auto it = vars_.find(name);
+      return it == vars_.end() ? nullptr : it->second.c_str();
+    });
+  }
+
+ private:
+  std::map<std::string, std::string> vars_;
+};
+
+// torchrun's variables are read as torchrun sets them; a missing or
+// malformed one is refused, naming it.
+TEST(DistributedLaunch, LaunchEnvReadsTorchrunsVariablesAndNamesABadOne) {
+  const Vars good({{"RANK", "2"}, {"WORLD_SIZE", "4"}, {"MASTER_ADDR", "10.1.2.3"}, {"MASTER_PORT", "29511"}});
+  const auto e = good.read();
+  EXPECT_EQ(e.rank, 2);
+  EXPECT_EQ(e.world_size, 4);
+  EXPECT_EQ(e.local_rank, 2);  // RANK when LOCAL_RANK is unset
+  EXPECT_EQ(e.master_addr, "10.1.2.3");
+  EXPECT_EQ(e.master_port, 29511);
+  EXPECT_EQ(Vars(good).set("LOCAL_RANK", "0").read().local_rank, 0);
+  const std::vector<std::tuple<const char*, const char*, std::string>> bad = {
+      {"RANK", nullptr, "RANK is not set"},
+      {"WORLD_SIZE", "0", "WORLD_SIZE=0 is not a whole number from 1"},
+      {"RANK", "4", "RANK=4 is not a whole number from 0 to 3"},
+      {"MASTER_PORT", "80x", "MASTER_PORT=80x is not a whole number"},
+      {"MASTER_ADDR", "", "MASTER_ADDR is not set"},
+      {"LOCAL_RANK", "-1", "LOCAL_RANK=-1 is not a whole number"},
+  };
+  for (const auto& [name, value, message] : bad) {
+    try {
+      Vars(good).set(name, value).read();
+      ADD_FAILURE() << "accepted; expected: " << message;
+    } catch (const c10::Error& err) {
+      EXPECT_THAT(err.what_without_backtrace(), ::testing::HasSubstr(message));
+    }
+  }
 }
 
 }  // namespace

@@ -3,6 +3,7 @@
 
 #include "ampfuse/config.h"
 #include "ampfuse/contract.h"
+#include "ampfuse/distributed.h"
 #include "ampfuse/fused_adagrad.h"
 #include "ampfuse/fused_adam.h"
 #include "ampfuse/fused_lamb.h"

@@ -1,0 +1,114 @@
+// torchrun's environment and a process group from it (ampfuse/distributed.h).
+
+#include "ampfuse/distributed.h"
+
+#include <c10/util/Exception.h>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+
+#include <cerrno>
+#include <cstdlib>
+
+// Gloo's and NCCL's c10d backends are declared only with these set, and need
+// Gloo's headers (Debian's libgloo-dev; the wheel has Gloo's code, not its
+// headers) and nccl.h (the wheel's nvidia/nccl package): CMake adds their
+// folders when it finds them.
+#if __has_include(<gloo/config.h>)
+#define AMPFUSE_HAS_GLOO 1
+#ifndef USE_C10D_GLOO
+#define USE_C10D_GLOO
+#endif
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#endif
+#if defined(AMPFUSE_WITH_CUDA) && __has_include(<nccl.h>)
+#define AMPFUSE_HAS_NCCL 1
+#ifndef USE_C10D_NCCL
+#define USE_C10D_NCCL
+#endif
+#include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
+#endif
+
+namespace ampfuse::distributed {
+namespace {
+
+constexpr const char* kWhere = "ampfuse::distributed::launch_env: ";
+
+std::string required(const std::function<const char*(const char*)>& lookup, const char* name) {
+  const char* value = lookup(name);
+  TORCH_CHECK(value != nullptr && *value != '\0', kWhere, name,
+              " is not set (start the processes with torchrun, or set RANK, WORLD_SIZE, MASTER_ADDR and "
+              "MASTER_PORT for each)");
+  return value;
+}
+
+long number(const char* name, const std::string& text, long lowest, long highest) {
+  char* end = nullptr;
+  errno = 0;
+  const long value = std::strtol(text.c_str(), &end, 10);
+  TORCH_CHECK(errno == 0 && end != text.c_str() && *end == '\0' && value >= lowest && value <= highest, kWhere, name,
+              "=", text, " is not a whole number from ", lowest, " to ", highest);
+  return value;
+}
+
+}  // namespace
+
+LaunchEnv launch_env() {
+  return launch_env([](const char* name) -> const char* { return std::getenv(name); });
+}
+
+LaunchEnv launch_env(const std::function<const char*(const char*)>& lookup) {
+  LaunchEnv env;
+  env.world_size = static_cast<int>(number("WORLD_SIZE", required(lookup, "WORLD_SIZE"), 1, 1 << 20));
+  env.rank = static_cast<int>(number("RANK", required(lookup, "RANK"), 0, env.world_size - 1));
+  env.master_addr = required(lookup, "MASTER_ADDR");
+  env.master_port = static_cast<std::uint16_t>(number("MASTER_PORT", required(lookup, "MASTER_PORT"), 1, 65535));
+  const char* local = lookup("LOCAL_RANK");
+  env.local_rank = local != nullptr && *local != '\0' ? static_cast<int>(number("LOCAL_RANK", local, 0, 1 << 20))
+                                                      : env.rank;
+  return env;
+}
+
+c10::intrusive_ptr<c10d::ProcessGroup> init_process_group(const LaunchEnv& env, bool cuda,
+                                                          std::chrono::milliseconds timeout) {
+  TORCH_CHECK(env.world_size >= 1 && env.rank >= 0 && env.rank < env.world_size,
+              "ampfuse::distributed::init_process_group: rank ", env.rank, " is not below the world size ",
+              env.world_size);
+  c10d::TCPStoreOptions store_options;
+  store_options.port = env.master_port;
+  store_options.isServer = env.rank == 0;
+  store_options.numWorkers = static_cast<std::size_t>(env.world_size);
+  store_options.timeout = timeout;
+  auto store = c10::make_intrusive<c10d::TCPStore>(env.master_addr, store_options);
+  auto group = c10::make_intrusive<c10d::ProcessGroup>(store, env.rank, env.world_size);
+#if defined(AMPFUSE_HAS_GLOO)
+  auto gloo_options = c10d::ProcessGroupGloo::Options::create();
+  gloo_options->timeout = timeout;
+  // On one machine, loopback; across machines, the interface this host's name resolves to.
+  const bool loopback = env.master_addr == "127.0.0.1" || env.master_addr == "localhost";
+  gloo_options->devices.push_back(loopback ? c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1")
+                                           : c10d::ProcessGroupGloo::createDefaultDevice());
+  auto gloo = c10::make_intrusive<c10d::ProcessGroupGloo>(c10::make_intrusive<c10d::PrefixStore>("gloo/", store),
+                                                          env.rank, env.world_size, gloo_options);
+  group->setBackend(c10::DeviceType::CPU, c10d::ProcessGroup::BackendType::GLOO, gloo);
+  group->setDefaultBackend(c10d::ProcessGroup::BackendType::GLOO);
+#else
+  TORCH_CHECK(false, "ampfuse::distributed::init_process_group: ampfuse was built without Gloo's headers "
+                     "(install libgloo-dev and rebuild)");
+#endif
+  if (cuda) {
+#if defined(AMPFUSE_HAS_NCCL)
+    auto nccl_options = c10d::ProcessGroupNCCL::Options::create();
+    nccl_options->timeout = timeout;
+    auto nccl = c10::make_intrusive<c10d::ProcessGroupNCCL>(c10::make_intrusive<c10d::PrefixStore>("nccl/", store),
+                                                            env.rank, env.world_size, nccl_options);
+    group->setBackend(c10::DeviceType::CUDA, c10d::ProcessGroup::BackendType::NCCL, nccl);
+    group->setDefaultBackend(c10d::ProcessGroup::BackendType::NCCL);
+#else
+    TORCH_CHECK(false, "ampfuse::distributed::init_process_group: NCCL was asked for, but ampfuse was built without "
+                       "CUDA or without nccl.h (the wheel's nvidia/nccl package)");
+#endif
+  }
+  return group;
+}
+
+}  // namespace ampfuse::distributed
