@@ -3,10 +3,12 @@
 #include "ampfuse/distributed.h"
 
 #include <c10/util/Exception.h>
+#include <signal.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include <cerrno>
+#include <csignal>
 #include <cstdlib>
 
 // Gloo's and NCCL's c10d backends are declared only with these set, and need
@@ -73,6 +75,10 @@ c10::intrusive_ptr<c10d::ProcessGroup> init_process_group(const LaunchEnv& env, 
   TORCH_CHECK(env.world_size >= 1 && env.rank >= 0 && env.rank < env.world_size,
               "ampfuse::distributed::init_process_group: rank ", env.rank, " is not below the world size ",
               env.world_size);
+  // A peer that goes away must be an error on the sockets, not SIGPIPE, which
+  // would end this process without a word (Python ignores it; so does this).
+  struct sigaction current {};
+  if (sigaction(SIGPIPE, nullptr, &current) == 0 && current.sa_handler == SIG_DFL) std::signal(SIGPIPE, SIG_IGN);
   c10d::TCPStoreOptions store_options;
   store_options.port = env.master_port;
   store_options.isServer = env.rank == 0;
