@@ -237,6 +237,19 @@ GradScaler::OptimizerState& GradScaler::state_of(const torch::optim::Optimizer& 
   return per_optimizer_[&optimizer];
 }
 
+// Once per iteration and optimizer, before its grads are first read: a
+// ScalerAware optimizer's prepare_grads (a sharded optimizer reduces its
+// grads here) and the process group to reduce found_inf and norms over.
+void GradScaler::prepare(torch::optim::Optimizer& optimizer, OptimizerState& state) {
+  if (state.prepared) return;
+  state.group = options_.process_group().get();
+  if (auto* aware = dynamic_cast<ScalerAware*>(&optimizer)) {
+    aware->prepare_grads();
+    if (c10d::ProcessGroup* sharded = aware->grads_sharded_over()) state.group = sharded;
+  }
+  state.prepared = true;
+}
+
 at::Tensor GradScaler::inv_scale_on(c10::Device device) const {
   // PyTorch: self._scale.double().reciprocal().float()
   return to_device(scale_.to(at::kDouble).reciprocal().to(at::kFloat), device);
@@ -273,7 +286,7 @@ void GradScaler::check_grads(torch::optim::Optimizer& optimizer, OptimizerState&
 // without grads joins with zeros and gets a found_inf on the scale's device.
 // `found`: found_inf was just checked here (not by an earlier unscale_).
 void GradScaler::reduce_across_ranks(OptimizerState& state, bool found, at::Tensor* sum_sq, const char* op) {
-  const c10::intrusive_ptr<c10d::ProcessGroup>& group = options_.process_group();
+  c10d::ProcessGroup* group = state.group;
   if (!group) return;
   const c10::Device device = scale_.device();
   const auto f64 = at::TensorOptions().dtype(at::kDouble).device(device);
@@ -315,6 +328,7 @@ void GradScaler::unscale_(torch::optim::Optimizer& optimizer) {
   TORCH_CHECK(state.stage != Stage::kStepped, "unscale_() is being called after step().");
   TORCH_CHECK(!state.clipped, "unscale_() is being called after clip_grad_norm_(); call it before, or not at all "
                               "(clip_grad_norm_ does not need it)");
+  prepare(optimizer, state);
   check_grads(optimizer, state, /*unscale_in_place=*/true);
   state.stage = Stage::kUnscaled;
 }
@@ -332,10 +346,11 @@ at::Tensor GradScaler::clip_grad_norm_(torch::optim::Optimizer& optimizer, doubl
   OptimizerState& state = state_of(optimizer);
   TORCH_CHECK(state.stage != Stage::kStepped, "clip_grad_norm_() is being called after step().");
   TORCH_CHECK(!state.clipped, "clip_grad_norm_() has already been called on this optimizer since the last update().");
+  prepare(optimizer, state);
 
   const GradsPlan& plan = grads_plan(optimizer, "GradScaler::clip_grad_norm_", /*in_place=*/false, /*for_norm=*/true);
   const DeviceGrads& grads = plan.grads();
-  const bool across_ranks = static_cast<bool>(options_.process_group());
+  const bool across_ranks = state.group != nullptr;
   if (grads.empty() && !across_ranks) return at::zeros({}, f32_on(scale_.device()));
 
   // One read-only pass per device: inf/NaN (unless unscale_ found them
@@ -379,6 +394,7 @@ void GradScaler::step(torch::optim::Optimizer& optimizer) {
   require_scale("step");
   OptimizerState& state = state_of(optimizer);
   TORCH_CHECK(state.stage != Stage::kStepped, "step() has already been called since the last update().");
+  prepare(optimizer, state);
 
   auto* aware = dynamic_cast<ScalerAware*>(&optimizer);
   if (aware && aware->steps_sparse_grads() && has_sparse_grad(optimizer)) aware = nullptr;  // PyTorch's path

@@ -10,6 +10,10 @@
 #include <utility>
 #include <vector>
 
+namespace c10d {
+class ProcessGroup;
+}
+
 namespace ampfuse {
 
 /// `device` as tensors name it: an index-less device (torch::kCUDA) is the
@@ -68,6 +72,17 @@ class ScalerAware {
   /// contract path reads dense grads only. Default false: such a step goes
   /// to step_with_signals, which refuses sparse grads before writing.
   virtual bool steps_sparse_grads() const { return false; }
+  /// Called by GradScaler once per iteration, before it first reads this
+  /// optimizer's grads (in unscale_, clip_grad_norm_ or step, whichever
+  /// comes first). A sharded optimizer reduces its grads into its shard
+  /// here (distributed::ZeroOptimizer). Default: nothing.
+  virtual void prepare_grads() {}
+  /// The process group across which this optimizer's grads are sharded, or
+  /// null. GradScaler then sums found_inf and the grads' sum of squares
+  /// across it (as with GradScalerOptions::process_group, which it takes
+  /// precedence over for this optimizer), so every rank skips and clips
+  /// together. Default: null.
+  virtual c10d::ProcessGroup* grads_sharded_over() const { return nullptr; }
 };
 
 }  // namespace ampfuse

@@ -139,11 +139,14 @@ class GradScaler {
     Stage stage = Stage::kReady;
     bool checked = false;  // found_inf of every device is known
     bool clipped = false;
+    bool prepared = false;                 // ScalerAware::prepare_grads ran this iteration
+    c10d::ProcessGroup* group = nullptr;  // reduce across it (the optimizer's, else the options')
     std::vector<DeviceState> devices;
   };
 
   OptimizerState& state_of(const torch::optim::Optimizer& optimizer);
   void require_scale(const char* what) const;
+  void prepare(torch::optim::Optimizer& optimizer, OptimizerState& state);
   void check_grads(torch::optim::Optimizer& optimizer, OptimizerState& state, bool unscale_in_place);
   at::Tensor inv_scale_on(c10::Device device) const;
   at::Tensor combined_found_inf(const OptimizerState& state, c10::Device device) const;

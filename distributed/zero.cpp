@@ -1,0 +1,485 @@
+// ZeroOptimizer (ampfuse/zero.h): flat buckets per (dtype, device), grads
+// reduce-scattered into this rank's shard, the wrapped optimizer stepping
+// the rank's pieces, parameters all-gathered.
+
+#include "ampfuse/zero.h"
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+#include <torch/serialize/archive.h>
+
+#include <algorithm>
+#include <map>
+#include <sstream>
+#include <string>
+#include <utility>
+
+namespace ampfuse::distributed {
+
+namespace {
+
+constexpr const char* kWhere = "ampfuse::distributed::ZeroOptimizer: ";
+// Every parameter starts on a 64-byte boundary of its bucket, and shards are
+// whole multiples of it, so that pieces start aligned wherever they can.
+constexpr std::int64_t kAlignBytes = 64;
+
+std::int64_t round_up(std::int64_t n, std::int64_t m) { return (n + m - 1) / m * m; }
+
+std::uint64_t fnv(std::uint64_t h, std::int64_t v) {
+  for (int i = 0; i < 8; ++i) {
+    h ^= static_cast<std::uint64_t>(v >> (8 * i)) & 0xffu;
+    h *= 1099511628211ull;
+  }
+  return h;
+}
+
+std::string describe(const at::Tensor& p) {
+  std::ostringstream out;
+  out << p.scalar_type() << " " << p.sizes() << " on " << p.device();
+  return out.str();
+}
+
+// Runs a collective and waits for it; an error (a timeout, a rank that
+// left) is rethrown naming what was being done and what every rank must do.
+template <class F>
+void collective(const c10d::ProcessGroup& group, const char* what, F&& start) {
+  try {
+    start()->wait();
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, kWhere, what, ": rank ", group.getRank(), " of ", group.getSize(),
+                ": the collective failed (every rank must construct the optimizer with the same parameters and "
+                "call step(), reduce_grads() and load() together): ",
+                e.what());
+  }
+}
+
+}  // namespace
+
+// One (dtype, device): the parameters' values and grads, flat, cut into
+// `world` shards of `shard` elements each.
+struct ZeroOptimizer::Bucket {
+  std::int64_t shard = 0;
+  at::Tensor flat_param;   // world * shard elements; the parameters are views of it
+  at::Tensor flat_grad;    // the grads, gathered here for the reduce-scatter; padding stays zero
+  at::Tensor shard_param;  // flat_param's part of this rank
+  at::Tensor shard_grad;   // the reduced grads of this rank's part
+  std::vector<std::size_t> members;      // indices into params_
+  std::vector<std::int64_t> offsets;     // each member's first element in the flat tensors
+  std::vector<at::Tensor> param_views;   // flat_param's part of each member, in its shape
+  std::vector<at::Tensor> grad_views;    // flat_grad's part of each member, in its shape
+};
+
+// One of this rank's pieces: the wrapped optimizer's param_groups()[group]
+// .params()[index], part of params_[param]; `grad` is its part of the
+// bucket's shard_grad.
+struct ZeroOptimizer::Piece {
+  std::size_t group;
+  std::size_t index;
+  std::size_t param;
+  at::Tensor grad;
+};
+
+struct ZeroOptimizer::Layout {
+  c10::intrusive_ptr<c10d::ProcessGroup> process_group;
+  ZeroOptions options;
+  CopyOptions copy_options;
+  std::unique_ptr<torch::optim::Optimizer> inner;
+  std::vector<at::Tensor> params;
+  std::vector<Bucket> buckets;
+  std::vector<Piece> pieces;
+  std::int64_t layout_hash = 0;
+};
+
+namespace {
+
+// Where each parameter came from, for error messages.
+struct Place {
+  std::size_t group;
+  std::size_t index;
+};
+
+std::string name_of(const Place& place) {
+  return "group " + std::to_string(place.group) + ", parameter " + std::to_string(place.index);
+}
+
+// Every rank must have parameters of the same groups, shapes, dtypes and
+// devices in the same order. Each rank hashes its own per parameter; the
+// ranks all-gather [groups, parameters] and then the hashes, and every rank
+// names the first one that differs.
+std::int64_t check_same_parameters(c10d::ProcessGroup& group, const std::vector<std::vector<at::Tensor>>& groups,
+                                   const std::vector<Place>& places, const std::vector<at::Tensor>& params,
+                                   c10::Device device) {
+  const int world = group.getSize();
+  const auto i64 = at::TensorOptions().dtype(at::kLong).device(device);
+  const std::vector<std::int64_t> my_counts = {static_cast<std::int64_t>(groups.size()),
+                                               static_cast<std::int64_t>(params.size())};
+  at::Tensor counts = at::tensor(my_counts, at::kLong).to(device);
+  at::Tensor all_counts = at::empty({world * 2}, i64);
+  collective(group, "checking that every rank has the same parameters",
+             [&] { return group._allgather_base(all_counts, counts); });
+  const at::Tensor counts_cpu = all_counts.cpu();
+  for (int r = 0; r < world; ++r)
+    TORCH_CHECK(counts_cpu[2 * r].item<std::int64_t>() == static_cast<std::int64_t>(groups.size()) &&
+                    counts_cpu[2 * r + 1].item<std::int64_t>() == static_cast<std::int64_t>(params.size()),
+                kWhere, "rank ", group.getRank(), " has ", groups.size(), " parameter groups and ", params.size(),
+                " parameters, rank ", r, " has ", counts_cpu[2 * r].item<std::int64_t>(), " and ",
+                counts_cpu[2 * r + 1].item<std::int64_t>(),
+                ": every rank must pass parameters of the same shapes, dtypes and devices in the same order");
+  std::vector<std::int64_t> hashes;
+  std::uint64_t whole = 1469598103934665603ull;
+  std::size_t k = 0;
+  for (std::size_t g = 0; g < groups.size(); ++g) {
+    whole = fnv(whole, static_cast<std::int64_t>(groups[g].size()));
+    for (std::size_t j = 0; j < groups[g].size(); ++j, ++k) {
+      const at::Tensor& p = params[k];
+      std::uint64_t h = fnv(1469598103934665603ull, static_cast<std::int64_t>(p.scalar_type()));
+      h = fnv(h, static_cast<std::int64_t>(p.device().type()));
+      h = fnv(h, p.dim());
+      for (const auto s : p.sizes()) h = fnv(h, s);
+      hashes.push_back(static_cast<std::int64_t>(h));
+      whole = fnv(whole, static_cast<std::int64_t>(h));
+    }
+  }
+  if (hashes.empty()) return static_cast<std::int64_t>(whole);
+  at::Tensor mine = at::tensor(hashes, at::kLong).to(device);
+  at::Tensor all = at::empty({world * static_cast<std::int64_t>(hashes.size())}, i64);
+  collective(group, "checking that every rank has the same parameters",
+             [&] { return group._allgather_base(all, mine); });
+  const at::Tensor all_cpu = all.cpu().view({world, static_cast<std::int64_t>(hashes.size())});
+  const auto* a = all_cpu.data_ptr<std::int64_t>();
+  for (std::size_t i = 0; i < hashes.size(); ++i)
+    for (int r = 0; r < world; ++r)
+      TORCH_CHECK(a[r * static_cast<std::int64_t>(hashes.size()) + static_cast<std::int64_t>(i)] == hashes[i], kWhere,
+                  name_of(places[i]), " differs between rank ", group.getRank(), " (here: ", describe(params[i]),
+                  ") and rank ", r,
+                  ": every rank must pass parameters of the same shapes, dtypes and devices in the same order");
+  return static_cast<std::int64_t>(whole);
+}
+
+}  // namespace
+
+std::shared_ptr<ZeroOptimizer::Layout> ZeroOptimizer::build(std::vector<torch::optim::OptimizerParamGroup> param_groups,
+                                                            c10::intrusive_ptr<c10d::ProcessGroup> process_group,
+                                                            const Factory& make_inner, CopyOptions copy_options,
+                                                            ZeroOptions options) {
+  TORCH_CHECK(process_group, kWhere, "the process group is null");
+  TORCH_CHECK(make_inner, kWhere, "no factory for the wrapped optimizer");
+  auto layout = std::make_shared<Layout>();
+  layout->process_group = process_group;
+  layout->options = options;
+  layout->copy_options = std::move(copy_options);
+  const int world = process_group->getSize();
+  const int rank = process_group->getRank();
+
+  // Validate every parameter before anything moves.
+  std::vector<std::vector<at::Tensor>> groups;
+  std::vector<Place> places;
+  std::vector<at::Tensor>& params = layout->params;
+  for (std::size_t g = 0; g < param_groups.size(); ++g) {
+    groups.push_back(param_groups[g].params());
+    for (std::size_t j = 0; j < groups.back().size(); ++j) {
+      const at::Tensor& p = groups.back()[j];
+      const Place place{g, j};
+      TORCH_CHECK(p.defined(), kWhere, name_of(place), " is undefined");
+      TORCH_CHECK(p.layout() == at::kStrided, kWhere, name_of(place), " is ", p.layout(),
+                  ": only dense (strided) parameters can be moved into a bucket");
+      TORCH_CHECK(p.is_leaf(), kWhere, name_of(place), " is not a leaf tensor (can't optimize a non-leaf Tensor)");
+      TORCH_CHECK(at::isFloatingType(p.scalar_type()), kWhere, name_of(place), " is ", p.scalar_type(),
+                  ": parameters must be floating point");
+      for (std::size_t k = 0; k < params.size(); ++k) {
+        const at::Tensor& q = params[k];
+        TORCH_CHECK(!p.is_same(q), kWhere, name_of(place), " is the same tensor as ", name_of(places[k]));
+        if (p.numel() == 0 || q.numel() == 0 || !p.has_storage() || !q.has_storage() ||
+            !p.storage().is_alias_of(q.storage()))
+          continue;
+        const auto* pb = static_cast<const char*>(p.data_ptr());
+        const auto* qb = static_cast<const char*>(q.data_ptr());
+        // The byte ranges the two could touch (first to last element).
+        const auto extent = [](const at::Tensor& t) {
+          std::int64_t last = 0;
+          for (std::int64_t d = 0; d < t.dim(); ++d) last += (t.size(d) - 1) * t.stride(d);
+          return (last + 1) * static_cast<std::int64_t>(t.element_size());
+        };
+        TORCH_CHECK(pb + extent(p) <= qb || qb + extent(q) <= pb, kWhere, name_of(place), " shares memory with ",
+                    name_of(places[k]),
+                    " (tied or overlapping views): moving each into its bucket would untie them; pass the tied "
+                    "tensor once");
+      }
+      params.push_back(p);
+      places.push_back(place);
+    }
+  }
+  const c10::Device check_device = params.empty() ? c10::Device(c10::kCPU) : params.front().device();
+  layout->layout_hash = check_same_parameters(*process_group, groups, places, params, check_device);
+
+  // Buckets per (dtype, device), in the order of first appearance.
+  std::map<std::pair<int, std::string>, std::size_t> bucket_of;
+  std::vector<std::size_t> param_bucket(params.size());
+  for (std::size_t i = 0; i < params.size(); ++i) {
+    const auto key = std::make_pair(static_cast<int>(params[i].scalar_type()), params[i].device().str());
+    auto it = bucket_of.find(key);
+    if (it == bucket_of.end()) {
+      it = bucket_of.emplace(key, layout->buckets.size()).first;
+      layout->buckets.emplace_back();
+    }
+    Bucket& b = layout->buckets[it->second];
+    const std::int64_t align = kAlignBytes / static_cast<std::int64_t>(params[i].element_size());
+    const std::int64_t end = b.members.empty() ? 0 : b.offsets.back() + params[b.members.back()].numel();
+    b.offsets.push_back(round_up(end, align));
+    b.members.push_back(i);
+    param_bucket[i] = it->second;
+  }
+
+  // Move each parameter into its bucket (values copied, then the parameter
+  // becomes a view of it: same TensorImpl, same autograd identity).
+  const at::NoGradGuard no_grad;
+  for (Bucket& b : layout->buckets) {
+    const at::Tensor& first = params[b.members.front()];
+    const std::int64_t align = kAlignBytes / static_cast<std::int64_t>(first.element_size());
+    const std::int64_t total = b.offsets.back() + params[b.members.back()].numel();
+    b.shard = round_up((total + world - 1) / world, align);
+    const auto opts = first.options();
+    b.flat_param = at::zeros({b.shard * world}, opts);
+    b.flat_grad = at::zeros({b.shard * world}, opts);
+    b.shard_grad = at::zeros({b.shard}, opts);
+    b.shard_param = b.flat_param.narrow(0, rank * b.shard, b.shard);
+    for (std::size_t m = 0; m < b.members.size(); ++m) {
+      at::Tensor& p = params[b.members[m]];
+      at::Tensor dst = b.flat_param.narrow(0, b.offsets[m], p.numel()).view(p.sizes());
+      dst.copy_(p);
+      b.param_views.push_back(dst);
+      b.grad_views.push_back(b.flat_grad.narrow(0, b.offsets[m], p.numel()).view(p.sizes()));
+      p.set_data(dst);
+    }
+  }
+
+  // This rank's pieces, grouped as the parameters were.
+  std::vector<torch::optim::OptimizerParamGroup> piece_groups;
+  std::size_t k = 0;
+  for (std::size_t g = 0; g < groups.size(); ++g) {
+    std::vector<at::Tensor> pieces;
+    for (std::size_t j = 0; j < groups[g].size(); ++j, ++k) {
+      const Bucket& b = layout->buckets[param_bucket[k]];
+      const auto m = static_cast<std::size_t>(
+          std::find(b.members.begin(), b.members.end(), k) - b.members.begin());
+      const std::int64_t lo = std::max(b.offsets[m], rank * b.shard);
+      const std::int64_t hi = std::min(b.offsets[m] + params[k].numel(), (rank + 1) * b.shard);
+      if (hi <= lo) continue;
+      layout->pieces.push_back({g, pieces.size(), k, b.shard_grad.narrow(0, lo - rank * b.shard, hi - lo)});
+      pieces.push_back(b.flat_param.narrow(0, lo, hi - lo));
+    }
+    // A group none of whose elements is on this rank keeps its place (and
+    // its options) with one empty tensor, which every optimizer skips.
+    if (pieces.empty() && !groups[g].empty()) pieces.push_back(at::empty({0}, groups[g].front().options()));
+    if (param_groups[g].has_options())
+      piece_groups.emplace_back(std::move(pieces), param_groups[g].options().clone());
+    else
+      piece_groups.emplace_back(std::move(pieces));
+  }
+  layout->inner = make_inner(std::move(piece_groups));
+  TORCH_CHECK(layout->inner, kWhere, "the factory returned no optimizer");
+  TORCH_CHECK(layout->inner->param_groups().size() == groups.size(), kWhere, "the wrapped optimizer has ",
+              layout->inner->param_groups().size(), " parameter groups, expected ", groups.size());
+  return layout;
+}
+
+namespace {
+std::vector<torch::optim::OptimizerParamGroup> groups_like(const torch::optim::Optimizer& inner) {
+  std::vector<torch::optim::OptimizerParamGroup> out;
+  for (const auto& g : inner.param_groups()) out.emplace_back(g.params(), g.options().clone());
+  return out;
+}
+}  // namespace
+
+ZeroOptimizer::ZeroOptimizer(std::vector<torch::optim::OptimizerParamGroup> param_groups,
+                             c10::intrusive_ptr<c10d::ProcessGroup> process_group, const Factory& make_inner,
+                             CopyOptions copy_options, ZeroOptions options)
+    : ZeroOptimizer(build(std::move(param_groups), std::move(process_group), make_inner, std::move(copy_options),
+                          options)) {}
+
+ZeroOptimizer::ZeroOptimizer(std::shared_ptr<Layout> layout)
+    : torch::optim::Optimizer(groups_like(*layout->inner), layout->inner->defaults().clone()),
+      process_group_(std::move(layout->process_group)),
+      options_(layout->options),
+      copy_options_(std::move(layout->copy_options)),
+      inner_(std::move(layout->inner)),
+      params_(std::move(layout->params)),
+      buckets_(std::move(layout->buckets)),
+      pieces_(std::move(layout->pieces)),
+      layout_hash_(layout->layout_hash) {}
+
+ZeroOptimizer::~ZeroOptimizer() = default;
+
+std::int64_t ZeroOptimizer::shard_numel() const {
+  std::int64_t n = 0;
+  for (const Bucket& b : buckets_) n += b.shard;
+  return n;
+}
+
+std::int64_t ZeroOptimizer::bytes_communicated_per_step() const {
+  std::int64_t n = 0;
+  for (const Bucket& b : buckets_)
+    n += 2 * b.flat_grad.numel() * static_cast<std::int64_t>(b.flat_grad.element_size());
+  return n;
+}
+
+void ZeroOptimizer::zero_grad(bool set_to_none) {
+  const at::NoGradGuard no_grad;
+  for (const Bucket& b : buckets_)
+    for (std::size_t m = 0; m < b.members.size(); ++m) {
+      at::Tensor& grad = params_[b.members[m]].mutable_grad();
+      if (!grad.defined()) continue;
+      if (set_to_none) {
+        grad.reset();
+      } else if (grad.data_ptr() == b.grad_views[m].data_ptr()) {
+        grad.zero_();
+      } else {
+        b.grad_views[m].zero_();
+        grad = b.grad_views[m];  // backward accumulates into the bucket from now on
+      }
+    }
+}
+
+void ZeroOptimizer::reduce_grads() {
+  const at::NoGradGuard no_grad;
+  // Validate every grad before the first write.
+  std::vector<std::int32_t> has_grad(params_.size(), 0);
+  for (const Bucket& b : buckets_)
+    for (std::size_t m = 0; m < b.members.size(); ++m) {
+      const std::size_t i = b.members[m];
+      const at::Tensor& p = params_[i];
+      TORCH_CHECK(p.numel() == 0 || p.data_ptr() == b.param_views[m].data_ptr(), kWhere, "parameter ", i, " (",
+                  describe(p), ") no longer lives in its bucket (set_data after the optimizer was made?)");
+      const at::Tensor& g = p.grad();
+      if (!g.defined()) continue;
+      TORCH_CHECK(g.layout() == at::kStrided, kWhere, "parameter ", i, ": its grad is ", g.layout(),
+                  "; a sharded optimizer reduces dense grads only");
+      TORCH_CHECK(g.sizes() == p.sizes() && g.scalar_type() == p.scalar_type() && g.device() == p.device(), kWhere,
+                  "parameter ", i, " is ", describe(p), " but its grad is ", describe(g));
+      has_grad[i] = 1;
+    }
+  for (const Bucket& b : buckets_)
+    for (std::size_t m = 0; m < b.members.size(); ++m) {
+      const at::Tensor& g = params_[b.members[m]].grad();
+      if (!g.defined()) b.grad_views[m].zero_();
+      else if (g.data_ptr() != b.grad_views[m].data_ptr() || !g.is_contiguous()) b.grad_views[m].copy_(g);
+    }
+  // Which parameters have a grad on any rank: the others are skipped.
+  if (!has_grad.empty()) {
+    const c10::Device device = buckets_.front().flat_grad.device();
+    at::Tensor flags = at::tensor(has_grad, at::kInt).to(device);
+    std::vector<at::Tensor> buffer{flags};
+    collective(*process_group_, "reduce_grads", [&] { return process_group_->allreduce(buffer); });
+    const at::Tensor any = buffer[0].cpu();
+    for (std::size_t i = 0; i < has_grad.size(); ++i) has_grad[i] = any[static_cast<std::int64_t>(i)].item<std::int32_t>();
+  }
+  for (Bucket& b : buckets_) {
+    collective(*process_group_, "reduce_grads", [&] {
+      c10d::ReduceScatterOptions opts;
+      opts.reduceOp = c10d::ReduceOp::SUM;
+      return process_group_->_reduce_scatter_base(b.shard_grad, b.flat_grad, opts);
+    });
+    if (options_.average_grads() && process_group_->getSize() > 1) b.shard_grad.div_(process_group_->getSize());
+  }
+  set_piece_grads(has_grad);
+  grads_reduced_ = true;
+}
+
+// Each piece's grad is its part of the shard's reduced grads, or none when
+// its parameter has no grad on any rank.
+void ZeroOptimizer::set_piece_grads(const std::vector<std::int32_t>& has_grad) {
+  auto& groups = inner_->param_groups();
+  for (const Piece& piece : pieces_) {
+    at::Tensor& grad = groups.at(piece.group).params().at(piece.index).mutable_grad();
+    if (!has_grad[piece.param]) grad.reset();
+    else if (!grad.is_same(piece.grad)) grad = piece.grad;
+  }
+}
+
+void ZeroOptimizer::copy_options_to_inner() {
+  auto& mine = param_groups();
+  auto& theirs = inner_->param_groups();
+  for (std::size_t g = 0; g < mine.size(); ++g) {
+    if (copy_options_) copy_options_(mine[g].options(), theirs[g].options());
+    else theirs[g].options().set_lr(mine[g].options().get_lr());
+  }
+}
+
+void ZeroOptimizer::gather_params() {
+  const at::NoGradGuard no_grad;
+  for (Bucket& b : buckets_)
+    collective(*process_group_, "all-gathering the parameters",
+               [&] { return process_group_->_allgather_base(b.flat_param, b.shard_param); });
+  grads_reduced_ = false;
+}
+
+at::Tensor ZeroOptimizer::step(LossClosure closure) {
+  TORCH_CHECK(!closure, kWhere, "step() takes no closure");
+  if (!grads_reduced_) reduce_grads();
+  copy_options_to_inner();
+  inner_->step();
+  gather_params();
+  return {};
+}
+
+void ZeroOptimizer::step_with_signals(const StepSignals& signals) {
+  TORCH_CHECK(grads_reduced_, kWhere,
+              "step_with_signals before reduce_grads(): GradScaler calls prepare_grads() first; "
+              "anything else must call reduce_grads()");
+  copy_options_to_inner();
+  if (auto* aware = dynamic_cast<ScalerAware*>(inner_.get())) {
+    aware->step_with_signals(signals);
+  } else {
+    // PyTorch's classic path on the shard: one host read, unscale in place, step.
+    double found = 0.0;
+    for (const auto& [device, signal] : signals.all()) found += signal.found_inf.item<float>();
+    if (found == 0.0) {
+      const at::NoGradGuard no_grad;
+      for (Bucket& b : buckets_) {
+        if (!signals.contains(b.shard_grad.device())) continue;
+        const ScaleSignal& s = signals.at(b.shard_grad.device());
+        at::Tensor factor = s.inv_scale.defined() ? s.inv_scale : at::ones({}, s.found_inf.options());
+        if (s.clip_coef.defined()) factor = factor * s.clip_coef;
+        b.shard_grad.mul_(factor);
+      }
+      inner_->step();
+    }
+  }
+  gather_params();
+}
+
+void ZeroOptimizer::save(torch::serialize::OutputArchive& archive) const {
+  archive.write("ampfuse_zero/world_size", c10::IValue(static_cast<std::int64_t>(process_group_->getSize())));
+  archive.write("ampfuse_zero/rank", c10::IValue(static_cast<std::int64_t>(process_group_->getRank())));
+  archive.write("ampfuse_zero/layout", c10::IValue(layout_hash_));
+  torch::serialize::OutputArchive inner;
+  inner_->save(inner);
+  archive.write("ampfuse_zero/inner", inner);
+}
+
+void ZeroOptimizer::load(torch::serialize::InputArchive& archive) {
+  const auto read_int = [&](const char* key) {
+    c10::IValue v;
+    TORCH_CHECK(archive.try_read(key, v) && v.isInt(), kWhere, "load: the archive has no ", key,
+                " (it is not a ZeroOptimizer checkpoint)");
+    return v.toInt();
+  };
+  const std::int64_t world = read_int("ampfuse_zero/world_size");
+  const std::int64_t rank = read_int("ampfuse_zero/rank");
+  const std::int64_t hash = read_int("ampfuse_zero/layout");
+  TORCH_CHECK(world == process_group_->getSize() && rank == process_group_->getRank(), kWhere,
+              "load: the checkpoint is rank ", rank, " of ", world, ", this optimizer is rank ",
+              process_group_->getRank(), " of ", process_group_->getSize(),
+              " (a sharded checkpoint loads at the same world size and rank)");
+  TORCH_CHECK(hash == layout_hash_, kWhere,
+              "load: the checkpoint was saved for other parameters (groups, shapes, dtypes or devices differ)");
+  torch::serialize::InputArchive inner;
+  TORCH_CHECK(archive.try_read("ampfuse_zero/inner", inner), kWhere, "load: the archive has no ampfuse_zero/inner");
+  inner_->load(inner);
+  // The options loaded into the wrapped optimizer are this optimizer's now.
+  auto& mine = param_groups();
+  const auto& theirs = inner_->param_groups();
+  for (std::size_t g = 0; g < mine.size(); ++g) mine[g].set_options(theirs[g].options().clone());
+}
+
+}  // namespace ampfuse::distributed

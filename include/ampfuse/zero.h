@@ -1,0 +1,165 @@
+#pragma once
+// A ZeRO stage 2 optimizer: any optimizer, stepping only this rank's shard.
+//
+//   auto opt = ampfuse::distributed::ZeroOptimizer::make<ampfuse::FusedAdam>(
+//       model->parameters(), torch::optim::AdamOptions(1e-3), group);
+//   ampfuse::GradScaler scaler;                 // no process group needed: the optimizer names its own
+//   ...
+//   scaler.scale(loss).backward();
+//   scaler.step(*opt);                          // reduce-scatter, check, update the shard, all-gather
+//   scaler.update();
+//   opt->zero_grad();
+//
+// The parameters are moved into flat buckets, one per (dtype, device), that
+// the optimizer owns (each parameter becomes a view of its bucket: the
+// model's parameters keep their identity, values and autograd, and are
+// contiguous from then on). A bucket is cut into `world` equal shards; rank r
+// owns shard r. At a step, each bucket's grads are reduce-scattered (summed,
+// then divided by the world size unless told otherwise) into the rank's
+// shard; the wrapped optimizer, built over this rank's pieces of the
+// parameters (1-D views of its shard, in the same groups), updates them with
+// the rank's ScaleSignal in its own fused pass; then each bucket is
+// all-gathered, so that every rank holds every parameter again. Optimizer
+// state exists for the rank's pieces only: about 1/world of the whole.
+//
+// Elementwise optimizers (FusedAdam, FusedAdamW, FusedSGD, FusedAdagrad,
+// FusedRMSprop, third-party ones like Lion, and torch::optim's Adam, AdamW,
+// SGD, Adagrad, RMSprop) step a piece exactly as they would step the whole
+// parameter. docs/distributed.md has the rules: which ranks call what, what
+// is refused, and what is not built yet (LAMB's per-tensor norms across
+// shards, checkpoints across world sizes).
+
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <torch/optim/optimizer.h>
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <vector>
+
+#include "ampfuse/contract.h"
+
+namespace ampfuse::distributed {
+
+struct ZeroOptions {
+  ZeroOptions() = default;
+  /// Divide the grads summed across ranks by the world size (the mean, as
+  /// data parallelism averages); false keeps the sum.
+  TORCH_ARG(bool, average_grads) = true;
+};
+
+class ZeroOptimizer : public torch::optim::Optimizer, public ScalerAware {
+ public:
+  /// Builds the wrapped optimizer over this rank's pieces, grouped as the
+  /// parameters were (a group's options are cloned onto its pieces; a group
+  /// without options gets the wrapped optimizer's defaults).
+  using Factory =
+      std::function<std::unique_ptr<torch::optim::Optimizer>(std::vector<torch::optim::OptimizerParamGroup>)>;
+  /// Copies one group's options from this optimizer's param_groups() (where
+  /// an LR scheduler or the user changes them) onto the wrapped optimizer's,
+  /// before every step. Null: the learning rate only (get_lr/set_lr).
+  using CopyOptions =
+      std::function<void(const torch::optim::OptimizerOptions& from, torch::optim::OptimizerOptions& to)>;
+
+  /// Every rank of `process_group` constructs it, with parameters of the
+  /// same shapes, dtypes and devices in the same order (checked: a
+  /// difference is an error on every rank naming the first one that
+  /// differs). Parameters are refused before anything is moved when one
+  /// appears twice or shares storage with another (tied weights would come
+  /// apart), is sparse, or is not a leaf.
+  ZeroOptimizer(std::vector<torch::optim::OptimizerParamGroup> param_groups,
+                c10::intrusive_ptr<c10d::ProcessGroup> process_group, const Factory& make_inner,
+                CopyOptions copy_options = nullptr, ZeroOptions options = {});
+
+  /// ZeroOptimizer over `Inner(pieces, defaults)`, copying every option of
+  /// `Options` from param_groups() to the wrapped optimizer at each step.
+  template <class Inner, class Options>
+  static std::unique_ptr<ZeroOptimizer> make(std::vector<torch::optim::OptimizerParamGroup> param_groups,
+                                             const Options& defaults,
+                                             c10::intrusive_ptr<c10d::ProcessGroup> process_group,
+                                             ZeroOptions options = {}) {
+    return std::make_unique<ZeroOptimizer>(
+        std::move(param_groups), std::move(process_group),
+        [defaults](std::vector<torch::optim::OptimizerParamGroup> groups) {
+          return std::unique_ptr<torch::optim::Optimizer>(std::make_unique<Inner>(std::move(groups), defaults));
+        },
+        [](const torch::optim::OptimizerOptions& from, torch::optim::OptimizerOptions& to) {
+          static_cast<Options&>(to) = static_cast<const Options&>(from);
+        },
+        options);
+  }
+  template <class Inner, class Options>
+  static std::unique_ptr<ZeroOptimizer> make(std::vector<at::Tensor> params, const Options& defaults,
+                                             c10::intrusive_ptr<c10d::ProcessGroup> process_group,
+                                             ZeroOptions options = {}) {
+    return make<Inner>(std::vector<torch::optim::OptimizerParamGroup>{torch::optim::OptimizerParamGroup(std::move(params))},
+                       defaults, std::move(process_group), options);
+  }
+
+  ~ZeroOptimizer() override;
+
+  /// Reduces the grads (if not done since the last step), steps the wrapped
+  /// optimizer on this rank's shard, all-gathers the parameters. No closure.
+  at::Tensor step(LossClosure closure = nullptr) override;
+  /// GradScaler's path: the wrapped optimizer's step_with_signals (or, for
+  /// one that is not ScalerAware, PyTorch's classic path on the shard: one
+  /// host read of found_inf, unscale in place, step), then the all-gather.
+  void step_with_signals(const StepSignals& signals) override;
+  /// Reduce-scatters every bucket's grads into this rank's shard: a
+  /// parameter without a grad counts as zeros; one that has no grad on any
+  /// rank is skipped by the update, as torch::optim skips it. GradScaler
+  /// calls it (prepare_grads) before it reads the grads; step() calls it
+  /// when nobody has since the last step. Every rank must call it.
+  void reduce_grads();
+  void prepare_grads() override { if (!grads_reduced_) reduce_grads(); }
+  c10d::ProcessGroup* grads_sharded_over() const override { return process_group_.get(); }
+
+  /// The parameters' grads (not the pieces'), as torch::optim's zero_grad.
+  /// With set_to_none false, a grad becomes a zeroed view of this
+  /// optimizer's grad bucket, and backward then accumulates into the bucket
+  /// with no copy at the next reduce_grads.
+  void zero_grad(bool set_to_none = true);
+
+  /// A sharded checkpoint: this rank's part (the wrapped optimizer's state
+  /// of its pieces) and the layout it belongs to. It loads into a
+  /// ZeroOptimizer with the same world size, rank and parameters; anything
+  /// else is refused, naming what differs, before anything changes.
+  void save(torch::serialize::OutputArchive& archive) const override;
+  void load(torch::serialize::InputArchive& archive) override;
+
+  /// The wrapped optimizer, over this rank's pieces.
+  torch::optim::Optimizer& inner() { return *inner_; }
+  const torch::optim::Optimizer& inner() const { return *inner_; }
+  /// The model's parameters, as given (each now a view of its bucket).
+  const std::vector<at::Tensor>& parameters() const { return params_; }
+  /// Elements of this rank's shards (all buckets); the optimizer's state is for these only.
+  std::int64_t shard_numel() const;
+  /// Bytes each step moves per rank through the collectives (reduce-scatter
+  /// input plus all-gather output, over all buckets).
+  std::int64_t bytes_communicated_per_step() const;
+
+  struct Bucket;
+  struct Piece;
+
+ private:
+  struct Layout;
+  static std::shared_ptr<Layout> build(std::vector<torch::optim::OptimizerParamGroup> param_groups,
+                                       c10::intrusive_ptr<c10d::ProcessGroup> process_group, const Factory& make_inner,
+                                       CopyOptions copy_options, ZeroOptions options);
+  explicit ZeroOptimizer(std::shared_ptr<Layout> layout);
+  void copy_options_to_inner();
+  void gather_params();
+  void set_piece_grads(const std::vector<std::int32_t>& has_grad);
+
+  c10::intrusive_ptr<c10d::ProcessGroup> process_group_;
+  ZeroOptions options_;
+  CopyOptions copy_options_;
+  std::unique_ptr<torch::optim::Optimizer> inner_;
+  std::vector<at::Tensor> params_;
+  std::vector<Bucket> buckets_;
+  std::vector<Piece> pieces_;
+  std::int64_t layout_hash_ = 0;  // the parameters' groups, shapes, dtypes and devices
+  bool grads_reduced_ = false;
+};
+
+}  // namespace ampfuse::distributed

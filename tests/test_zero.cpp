@@ -1,0 +1,429 @@
+// ZeroOptimizer (ampfuse/zero.h) on CPU with Gloo, ranks as threads, world
+// sizes 1 to 4: every rank's parameters must end up where one process
+// stepping the same optimizer on the averaged grads puts them, bit for bit
+// (the grads are chosen so that their sum is exact in any order; only a
+// clipped step, whose norm is summed in another order, gets a tolerance of
+// 1e-6). An inf on one rank skips every rank; parameters without grads are
+// skipped; each rank holds optimizer state for its shard only; bad input is
+// refused on every rank; a sharded checkpoint resumes bit for bit.
+
+#include <ampfuse/ampfuse.h>
+#include <ampfuse/zero.h>
+
+#include <functional>
+#include <limits>
+#include <memory>
+#include <mutex>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "tests/common.h"
+#include "tests/ranks.h"
+
+namespace {
+
+using ampfuse::distributed::ZeroOptimizer;
+using ampfuse_test::bitwise_equal;
+using ampfuse_test::on_ranks;
+using Group = c10::intrusive_ptr<c10d::ProcessGroup>;
+using Groups = std::vector<torch::optim::OptimizerParamGroup>;
+
+// How to build the optimizer under test, over the whole model (the
+// reference) or wrapped in a ZeroOptimizer. `lr2` is group 1's learning rate.
+struct Kind {
+  std::string name;
+  std::function<std::unique_ptr<torch::optim::Optimizer>(Groups)> whole;
+  std::function<std::unique_ptr<ZeroOptimizer>(Groups, const Group&)> zero;
+  std::function<std::unique_ptr<torch::optim::OptimizerOptions>()> group1_options;
+};
+
+template <class Opt, class Options>
+Kind kind(std::string name, Options defaults, Options group1) {
+  return {std::move(name),
+          [defaults](Groups g) { return std::unique_ptr<torch::optim::Optimizer>(std::make_unique<Opt>(std::move(g), defaults)); },
+          [defaults](Groups g, const Group& pg) { return ZeroOptimizer::make<Opt>(std::move(g), defaults, pg); },
+          [group1] { return std::unique_ptr<torch::optim::OptimizerOptions>(std::make_unique<Options>(group1)); }};
+}
+
+std::vector<Kind> kinds() {
+  using namespace torch::optim;
+  return {
+      kind<ampfuse::FusedAdam>("FusedAdam", AdamOptions(0.01).weight_decay(0.01), AdamOptions(0.003).amsgrad(true)),
+      kind<ampfuse::FusedAdamW>("FusedAdamW", AdamWOptions(0.01), AdamWOptions(0.02).weight_decay(0.1)),
+      kind<ampfuse::FusedSGD>("FusedSGD", SGDOptions(0.05).momentum(0.9).nesterov(true),
+                              SGDOptions(0.01).momentum(0.5).weight_decay(0.01)),
+      kind<ampfuse::FusedAdagrad>("FusedAdagrad", AdagradOptions(0.05).lr_decay(0.01), AdagradOptions(0.1)),
+      kind<ampfuse::FusedRMSprop>("FusedRMSprop", RMSpropOptions(0.01).centered(true).momentum(0.9),
+                                  RMSpropOptions(0.001).weight_decay(0.01)),
+      // Not ScalerAware: ZeroOptimizer takes PyTorch's classic path on the shard.
+      kind<torch::optim::Adam>("torch::optim::Adam", AdamOptions(0.01), AdamOptions(0.02).weight_decay(0.1)),
+  };
+}
+
+// The model: uneven sizes (a zero-element one too), two groups, an fp32 and
+// an fp64 bucket. Grads are whole multiples of 1/64 below 2 in magnitude,
+// times the scale, so that the ranks' sum is exact in any order.
+const std::vector<std::vector<std::int64_t>> kShapes = {{7, 3}, {130}, {1}, {0}, {33, 5}, {2, 2, 2}, {19}};
+constexpr std::size_t kGroup1From = 4;  // parameters 4.. are group 1
+constexpr double kScale = 1024.0;
+
+struct Scenario {
+  int world = 1;
+  int steps = 6;
+  int inf_step = 3;      // an inf in the last rank's grad of parameter 1
+  int none_step = 1;     // parameter 2 has no grad on any rank
+  int rank0_step = 2;    // parameter 5 has a grad on rank 0 only
+  std::vector<int> clip_steps;  // clip_grad_norm_(0.5) at these steps
+  std::vector<torch::Tensor> init;
+  std::vector<std::vector<std::vector<torch::Tensor>>> grads;  // [step][rank][param], undefined: none
+};
+
+torch::Dtype dtype_of(std::size_t i) { return i == 6 ? torch::kDouble : torch::kFloat; }
+
+Scenario make_scenario(std::uint64_t seed, int world, int inf_step = 3) {
+  Scenario s;
+  s.world = world;
+  s.inf_step = inf_step;
+  torch::manual_seed(seed);
+  for (std::size_t i = 0; i < kShapes.size(); ++i) s.init.push_back(torch::randn(kShapes[i], dtype_of(i)));
+  for (int step = 0; step < s.steps; ++step) {
+    std::vector<std::vector<torch::Tensor>> per_rank;
+    for (int r = 0; r < world; ++r) {
+      std::vector<torch::Tensor> g;
+      for (std::size_t i = 0; i < kShapes.size(); ++i) {
+        torch::Tensor t = torch::randint(-127, 128, kShapes[i], torch::TensorOptions().dtype(dtype_of(i))) *
+                          (kScale / 64.0);
+        if (i == 2 && step == s.none_step) t = torch::Tensor();
+        if (i == 5 && step == s.rank0_step && r != 0) t = torch::Tensor();
+        if (i == 1 && step == s.inf_step && r == world - 1) t[3] = std::numeric_limits<float>::infinity();
+        g.push_back(t);
+      }
+      per_rank.push_back(std::move(g));
+    }
+    s.grads.push_back(std::move(per_rank));
+  }
+  return s;
+}
+
+Groups groups_of(const std::vector<torch::Tensor>& params, const Kind& k) {
+  Groups g;
+  g.emplace_back(std::vector<torch::Tensor>(params.begin(), params.begin() + kGroup1From));
+  g.emplace_back(std::vector<torch::Tensor>(params.begin() + kGroup1From, params.end()), k.group1_options());
+  return g;
+}
+
+std::vector<torch::Tensor> fresh_params(const Scenario& s) {
+  std::vector<torch::Tensor> p;
+  for (const auto& t : s.init) p.push_back(t.clone().requires_grad_());
+  return p;
+}
+
+bool contains(const std::vector<int>& v, int x) { return std::find(v.begin(), v.end(), x) != v.end(); }
+
+// One process, the whole model, the averaged grads: the parameters after each step.
+std::vector<std::vector<torch::Tensor>> reference(const Scenario& s, const Kind& k) {
+  auto params = fresh_params(s);
+  auto opt = k.whole(groups_of(params, k));
+  ampfuse::GradScaler scaler(ampfuse::GradScalerOptions().init_scale(kScale).growth_interval(2));
+  std::vector<std::vector<torch::Tensor>> trace;
+  for (int step = 0; step < s.steps; ++step) {
+    for (std::size_t i = 0; i < params.size(); ++i) {
+      torch::Tensor sum;
+      for (int r = 0; r < s.world; ++r) {
+        const auto& g = s.grads[step][r][i];
+        if (g.defined()) sum = sum.defined() ? sum + g : g.clone();
+      }
+      if (sum.defined() && s.world > 1) sum.div_(s.world);
+      params[i].mutable_grad() = sum;
+    }
+    scaler.scale(torch::ones({}));
+    if (contains(s.clip_steps, step)) scaler.clip_grad_norm_(*opt, 0.5);
+    scaler.step(*opt);
+    scaler.update();
+    std::vector<torch::Tensor> now;
+    for (const auto& p : params) now.push_back(p.detach().clone());
+    trace.push_back(std::move(now));
+  }
+  return trace;
+}
+
+::testing::AssertionResult close_or_equal(const torch::Tensor& got, const torch::Tensor& want, bool exact) {
+  if (exact) return bitwise_equal(got, want);
+  if (torch::allclose(got, want, 1e-6, 1e-7)) return ::testing::AssertionSuccess();
+  return ::testing::AssertionFailure() << "max difference " << (got - want).abs().max().item<double>();
+}
+
+void expect_zero_matches_one_process(const Kind& k, int world, std::uint64_t seed, std::vector<int> clip_steps) {
+  Scenario s = make_scenario(seed, world);
+  s.clip_steps = std::move(clip_steps);
+  const auto expected = reference(s, k);
+  std::mutex mutex;
+  on_ranks(world, [&](int rank, const Group& pg) {
+    auto params = fresh_params(s);
+    auto opt = k.zero(groups_of(params, k), pg);
+    ampfuse::GradScaler scaler(ampfuse::GradScalerOptions().init_scale(kScale).growth_interval(2));
+    for (int step = 0; step < s.steps; ++step) {
+      opt->zero_grad();
+      for (std::size_t i = 0; i < params.size(); ++i) params[i].mutable_grad() = s.grads[step][rank][i];
+      const std::vector<torch::Tensor> before = [&] {
+        std::vector<torch::Tensor> b;
+        for (const auto& p : params) b.push_back(p.detach().clone());
+        return b;
+      }();
+      scaler.scale(torch::ones({}));
+      if (contains(s.clip_steps, step)) scaler.clip_grad_norm_(*opt, 0.5);
+      scaler.step(*opt);
+      const bool skipped = scaler.last_step_skipped(*opt);
+      scaler.update();
+      const std::lock_guard<std::mutex> lock(mutex);
+      EXPECT_EQ(skipped, step == s.inf_step) << k.name << ", rank " << rank << ", step " << step;
+      // Once a clipped step's norm (summed in another order) may have moved a
+      // last bit, later steps carry it: a tolerance from the first clip on.
+      const bool exact = s.clip_steps.empty() || step < *std::min_element(s.clip_steps.begin(), s.clip_steps.end());
+      for (std::size_t i = 0; i < params.size(); ++i) {
+        EXPECT_TRUE(close_or_equal(params[i].detach(), expected[step][i], exact))
+            << k.name << ", world " << world << ", rank " << rank << ", step " << step << ", parameter " << i;
+        if (step == s.inf_step) EXPECT_TRUE(bitwise_equal(params[i].detach(), before[i])) << "skipped step wrote";
+      }
+    }
+  });
+}
+
+// Every optimizer, world sizes 1 to 4, without clipping: bit for bit.
+TEST(ZeroOptimizer, StepsAsOneProcessOnTheAveragedGrads) {
+  const auto seed = ampfuse_test::seed_for_test();
+  for (const Kind& k : kinds())
+    for (int world = 1; world <= 4; ++world) {
+      SCOPED_TRACE(k.name + ", world " + std::to_string(world));
+      expect_zero_matches_one_process(k, world, seed, {});
+    }
+}
+
+// Clipping by the global norm (GradScaler sums the shards' squares across
+// the optimizer's group): within 1e-6 of one process.
+TEST(ZeroOptimizer, ClipsByTheGlobalNorm) {
+  const auto seed = ampfuse_test::seed_for_test();
+  const auto all = kinds();
+  for (const Kind* k : {&all[0], &all[5]})
+    for (int world : {2, 3}) {
+      SCOPED_TRACE(k->name + ", world " + std::to_string(world));
+      expect_zero_matches_one_process(*k, world, seed, {0, 4});
+    }
+}
+
+// Optimizer state exists for this rank's shard only: each parameter
+// element has its moments on exactly one rank.
+TEST(ZeroOptimizer, HoldsStateForItsShardOnly) {
+  const auto seed = ampfuse_test::seed_for_test();
+  const int world = 3;
+  Scenario s = make_scenario(seed, world);
+  std::int64_t total_state = 0, total_params = 0;
+  for (const auto& t : s.init) total_params += t.numel();
+  std::mutex mutex;
+  on_ranks(world, [&](int rank, const Group& pg) {
+    auto params = fresh_params(s);
+    auto opt = ZeroOptimizer::make<ampfuse::FusedAdam>(params, torch::optim::AdamOptions(0.01), pg);
+    for (std::size_t i = 0; i < params.size(); ++i) params[i].mutable_grad() = torch::ones_like(params[i]);
+    opt->step();
+    std::int64_t mine = 0;
+    for (const auto& [key, state] : opt->inner().state())
+      mine += static_cast<const torch::optim::AdamParamState&>(*state).exp_avg().numel();
+    const std::lock_guard<std::mutex> lock(mutex);
+    EXPECT_LE(mine, opt->shard_numel()) << "rank " << rank;
+    total_state += mine;
+    (void)rank;
+  });
+  EXPECT_EQ(total_state, total_params);
+}
+
+// Without a scaler: step() reduces, steps the shard and gathers. A rank
+// whose shard is empty (a model smaller than one aligned shard) joins.
+TEST(ZeroOptimizer, StepsWithoutAScalerAndWithEmptyShards) {
+  const auto seed = ampfuse_test::seed_for_test();
+  for (int world : {2, 4}) {
+    torch::manual_seed(seed);
+    const auto init = torch::randn({5});
+    std::vector<torch::Tensor> grads;
+    for (int r = 0; r < world; ++r) grads.push_back(torch::randint(-8, 8, {5}).to(torch::kFloat) / 8.0);
+    auto whole = init.clone().requires_grad_();
+    ampfuse::FusedSGD ref({whole}, torch::optim::SGDOptions(0.1).momentum(0.9));
+    for (int step = 0; step < 3; ++step) {
+      torch::Tensor sum = grads[0].clone();
+      for (int r = 1; r < world; ++r) sum += grads[r];
+      whole.mutable_grad() = sum.div_(world);
+      ref.step();
+    }
+    on_ranks(world, [&](int rank, const Group& pg) {
+      auto p = init.clone().requires_grad_();
+      auto opt = ZeroOptimizer::make<ampfuse::FusedSGD>({p}, torch::optim::SGDOptions(0.1).momentum(0.9), pg);
+      EXPECT_EQ(opt->shard_numel(), 16);  // 5 elements, 64-byte shards: rank 0 holds all
+      for (int step = 0; step < 3; ++step) {
+        opt->zero_grad(/*set_to_none=*/false);
+        // backward() would accumulate into the grad: do the same (into the
+        // optimizer's grad bucket from the second step on).
+        if (!p.grad().defined()) p.mutable_grad() = torch::zeros_like(p);
+        p.mutable_grad().add_(grads[rank]);
+        opt->step();
+      }
+      EXPECT_TRUE(bitwise_equal(p.detach(), whole.detach())) << "world " << world << ", rank " << rank;
+    });
+  }
+}
+
+// The learning rate set on the ZeroOptimizer's groups (as an LR scheduler
+// does) reaches the wrapped optimizer.
+TEST(ZeroOptimizer, OptionsSetOnItsGroupsReachTheWrappedOptimizer) {
+  on_ranks(2, [&](int, const Group& pg) {
+    auto p = torch::zeros({40}).requires_grad_();
+    auto opt = ZeroOptimizer::make<ampfuse::FusedSGD>({p}, torch::optim::SGDOptions(0.1), pg);
+    opt->param_groups()[0].options().set_lr(0.5);
+    static_cast<torch::optim::SGDOptions&>(opt->param_groups()[0].options()).weight_decay(0.0);
+    p.mutable_grad() = torch::ones({40});
+    opt->step();
+    EXPECT_TRUE(bitwise_equal(p.detach(), torch::full({40}, -0.5f)));
+    EXPECT_EQ(opt->inner().param_groups()[0].options().get_lr(), 0.5);
+  });
+}
+
+std::string error_of(const std::function<void()>& fn) {
+  try {
+    fn();
+  } catch (const c10::Error& e) {
+    return e.what_without_backtrace();
+  }
+  return "(no error)";
+}
+
+// Parameters that differ across ranks are refused on every rank, naming
+// the first one that differs; tied or repeated tensors are refused before
+// anything moves; a sparse grad is refused before anything is reduced.
+TEST(ZeroOptimizer, RefusesBadInputOnEveryRank) {
+  std::mutex mutex;
+  std::vector<std::string> errors(2);
+  on_ranks(2, [&](int rank, const Group& pg) {
+    std::vector<torch::Tensor> p = {torch::zeros({3}).requires_grad_(),
+                                    torch::zeros(rank == 0 ? std::vector<std::int64_t>{3, 4}
+                                                           : std::vector<std::int64_t>{4, 3})
+                                        .requires_grad_()};
+    const std::string e =
+        error_of([&] { ZeroOptimizer::make<ampfuse::FusedAdam>(p, torch::optim::AdamOptions(0.1), pg); });
+    const std::lock_guard<std::mutex> lock(mutex);
+    errors[rank] = e;
+  });
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_THAT(errors[r], ::testing::HasSubstr("group 0, parameter 1 differs between rank " + std::to_string(r)));
+    EXPECT_THAT(errors[r], ::testing::HasSubstr("same shapes, dtypes and devices in the same order"));
+  }
+  on_ranks(2, [&](int rank, const Group& pg) {
+    std::vector<torch::Tensor> p = {torch::zeros({3}).requires_grad_()};
+    if (rank == 1) p.push_back(torch::zeros({2}).requires_grad_());
+    const std::string e =
+        error_of([&] { ZeroOptimizer::make<ampfuse::FusedAdam>(p, torch::optim::AdamOptions(0.1), pg); });
+    EXPECT_THAT(e, ::testing::HasSubstr(rank == 0 ? "rank 0 has 1 parameter groups and 1 parameters, rank 1 has 1 and 2"
+                                                  : "rank 1 has 1 parameter groups and 2 parameters, rank 0 has 1 and 1"));
+  });
+  on_ranks(1, [&](int, const Group& pg) {
+    auto a = torch::zeros({8}).requires_grad_();
+    const auto before = a.data_ptr();
+    EXPECT_THAT(error_of([&] { ZeroOptimizer::make<ampfuse::FusedAdam>({a, a}, torch::optim::AdamOptions(0.1), pg); }),
+                ::testing::HasSubstr("group 0, parameter 1 is the same tensor as group 0, parameter 0"));
+    auto base = torch::zeros({10});
+    auto v1 = base.narrow(0, 0, 6).detach().requires_grad_(), v2 = base.narrow(0, 4, 6).detach().requires_grad_();
+    EXPECT_THAT(error_of([&] { ZeroOptimizer::make<ampfuse::FusedAdam>({v1, v2}, torch::optim::AdamOptions(0.1), pg); }),
+                ::testing::HasSubstr("group 0, parameter 1 shares memory with group 0, parameter 0"));
+    EXPECT_EQ(a.data_ptr(), before);  // nothing moved
+    auto opt = ZeroOptimizer::make<ampfuse::FusedAdam>({a}, torch::optim::AdamOptions(0.1), pg);
+    a.mutable_grad() = torch::ones({8}).to_sparse();
+    EXPECT_THAT(error_of([&] { opt->step(); }), ::testing::HasSubstr("parameter 0: its grad is Sparse"));
+    EXPECT_TRUE(bitwise_equal(a.detach(), torch::zeros({8})));
+  });
+}
+
+// A rank that never constructs its optimizer: the others fail within the
+// group's timeout with an error saying what every rank must do.
+TEST(ZeroOptimizer, ARankThatNeverArrivesFailsTheOthersWithinTheTimeout) {
+  const auto start = std::chrono::steady_clock::now();
+  std::string error;
+  std::atomic<bool> gave_up{false};
+  on_ranks(
+      2,
+      [&](int rank, const Group& pg) {
+        if (rank == 1) {
+          for (int i = 0; i < 1000 && !gave_up.load(); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+          return;
+        }
+        error = error_of([&] {
+          ZeroOptimizer::make<ampfuse::FusedAdam>({torch::zeros({4}).requires_grad_()}, torch::optim::AdamOptions(0.1), pg);
+        });
+        gave_up = true;
+      },
+      std::chrono::milliseconds(1500));
+  EXPECT_THAT(error, ::testing::HasSubstr("rank 0 of 2: the collective failed (every rank must construct"));
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(15));
+}
+
+// A sharded checkpoint (each rank saves its part) resumes bit for bit at
+// the same world size; another rank's is refused, naming both.
+TEST(ZeroOptimizer, ShardedCheckpointResumesBitForBit) {
+  const auto seed = ampfuse_test::seed_for_test();
+  const int world = 3;
+  const Kind k = kinds()[0];
+  const Scenario s = make_scenario(seed, world, /*inf_step=*/-1);
+  std::vector<std::string> saved(world);
+  std::vector<std::vector<torch::Tensor>> at_save(world), uninterrupted(world);
+  std::mutex mutex;
+  const auto run = [&](int rank, std::vector<torch::Tensor>& params, ZeroOptimizer& opt, int from, int to) {
+    for (int step = from; step < to; ++step) {
+      opt.zero_grad();
+      for (std::size_t i = 0; i < params.size(); ++i) params[i].mutable_grad() = s.grads[step][rank][i];
+      opt.step();
+    }
+  };
+  const auto values = [](const std::vector<torch::Tensor>& params) {
+    std::vector<torch::Tensor> v;
+    for (const auto& p : params) v.push_back(p.detach().clone());
+    return v;
+  };
+  on_ranks(world, [&](int rank, const Group& pg) {
+    auto params = fresh_params(s);
+    auto opt = k.zero(groups_of(params, k), pg);
+    run(rank, params, *opt, 0, 3);
+    torch::serialize::OutputArchive archive;
+    opt->save(archive);
+    std::ostringstream out;
+    archive.save_to(out);
+    auto now = values(params);
+    run(rank, params, *opt, 3, s.steps);
+    const std::lock_guard<std::mutex> lock(mutex);
+    saved[rank] = out.str();
+    at_save[rank] = std::move(now);
+    uninterrupted[rank] = values(params);
+  });
+  on_ranks(world, [&](int rank, const Group& pg) {
+    auto params = fresh_params(s);
+    {
+      const at::NoGradGuard no_grad;
+      for (std::size_t i = 0; i < params.size(); ++i) params[i].copy_(at_save[rank][i]);
+    }
+    auto opt = k.zero(groups_of(params, k), pg);
+    const int other_rank = (rank + 1) % world;
+    torch::serialize::InputArchive other;
+    std::istringstream other_in(saved[other_rank]);
+    other.load_from(other_in);
+    EXPECT_THAT(error_of([&] { opt->load(other); }),
+                ::testing::HasSubstr("the checkpoint is rank " + std::to_string(other_rank) + " of 3, this optimizer is rank " +
+                                     std::to_string(rank) + " of 3"));
+    torch::serialize::InputArchive archive;
+    std::istringstream in(saved[rank]);
+    archive.load_from(in);
+    opt->load(archive);
+    run(rank, params, *opt, 3, s.steps);
+    const std::lock_guard<std::mutex> lock(mutex);
+    for (std::size_t i = 0; i < params.size(); ++i)
+      EXPECT_TRUE(bitwise_equal(params[i].detach(), uninterrupted[rank][i])) << "rank " << rank << ", parameter " << i;
+  });
+}
+
+}  // namespace
