@@ -266,7 +266,13 @@ std::shared_ptr<ZeroOptimizer::Layout> ZeroOptimizer::build(std::vector<torch::o
       const std::int64_t hi = std::min(b.offsets[m] + params[k].numel(), (rank + 1) * b.shard);
       if (hi <= lo) continue;
       layout->pieces.push_back({g, pieces.size(), k, b.shard_grad.narrow(0, lo - rank * b.shard, hi - lo)});
-      pieces.push_back(b.flat_param.narrow(0, lo, hi - lo));
+      // The bucket's memory, but a version counter of its own (a view would
+      // share the bucket's): the all-gather writes the bucket, and an
+      // optimizer that keeps a master copy must not take that for a write
+      // from outside. Real writes from outside are passed on at each step
+      // (note_writes_from_outside).
+      pieces.push_back(at::empty({0}, b.flat_param.options())
+                           .set_(b.flat_param.storage(), b.flat_param.storage_offset() + lo, {hi - lo}, {1}));
     }
     // A group none of whose elements is on this rank keeps its place (and
     // its options) with one empty tensor, which every optimizer skips.
@@ -306,7 +312,9 @@ ZeroOptimizer::ZeroOptimizer(std::shared_ptr<Layout> layout)
       params_(std::move(layout->params)),
       buckets_(std::move(layout->buckets)),
       pieces_(std::move(layout->pieces)),
-      layout_hash_(layout->layout_hash) {}
+      layout_hash_(layout->layout_hash) {
+  record_versions();
+}
 
 ZeroOptimizer::~ZeroOptimizer() = default;
 
@@ -365,7 +373,9 @@ void ZeroOptimizer::reduce_grads() {
       else if (g.data_ptr() != b.grad_views[m].data_ptr() || !g.is_contiguous()) b.grad_views[m].copy_(g);
     }
   // Which parameters have a grad on any rank: the others are skipped.
-  if (!has_grad.empty()) {
+  if (!options_.skip_params_without_grads()) {
+    std::fill(has_grad.begin(), has_grad.end(), 1);
+  } else if (!has_grad.empty()) {
     const c10::Device device = buckets_.front().flat_grad.device();
     at::Tensor flags = at::tensor(has_grad, at::kInt).to(device);
     std::vector<at::Tensor> buffer{flags};
@@ -396,6 +406,23 @@ void ZeroOptimizer::set_piece_grads(const std::vector<std::int32_t>& has_grad) {
   }
 }
 
+// A parameter written since the last step (weights loaded, a layer
+// re-initialized: its version counter moved) has its pieces' versions
+// bumped, so that an optimizer keeping a master copy refreshes it from them,
+// as it would on one process.
+void ZeroOptimizer::note_writes_from_outside() {
+  auto& groups = inner_->param_groups();
+  for (const Piece& piece : pieces_)
+    if (static_cast<std::int64_t>(params_[piece.param]._version()) != versions_[piece.param])
+      groups.at(piece.group).params().at(piece.index).unsafeGetTensorImpl()->bump_version();
+  record_versions();
+}
+
+void ZeroOptimizer::record_versions() {
+  versions_.resize(params_.size());
+  for (std::size_t i = 0; i < params_.size(); ++i) versions_[i] = static_cast<std::int64_t>(params_[i]._version());
+}
+
 void ZeroOptimizer::copy_options_to_inner() {
   auto& mine = param_groups();
   auto& theirs = inner_->param_groups();
@@ -410,6 +437,7 @@ void ZeroOptimizer::gather_params() {
   for (Bucket& b : buckets_)
     collective(*process_group_, "all-gathering the parameters",
                [&] { return process_group_->_allgather_base(b.flat_param, b.shard_param); });
+  record_versions();
   grads_reduced_ = false;
 }
 
@@ -417,6 +445,7 @@ at::Tensor ZeroOptimizer::step(LossClosure closure) {
   TORCH_CHECK(!closure, kWhere, "step() takes no closure");
   if (!grads_reduced_) reduce_grads();
   copy_options_to_inner();
+  note_writes_from_outside();
   inner_->step();
   gather_params();
   return {};
@@ -427,6 +456,7 @@ void ZeroOptimizer::step_with_signals(const StepSignals& signals) {
               "step_with_signals before reduce_grads(): GradScaler calls prepare_grads() first; "
               "anything else must call reduce_grads()");
   copy_options_to_inner();
+  note_writes_from_outside();
   if (auto* aware = dynamic_cast<ScalerAware*>(inner_.get())) {
     aware->step_with_signals(signals);
   } else {

@@ -74,11 +74,11 @@ inline ::testing::AssertionResult bitwise_equal(const torch::Tensor& a, const to
   if (!torch::equal(nan_a, nan_b)) return ::testing::AssertionFailure() << "NaN positions differ";
   const auto int_type = a.element_size() == 8 ? torch::kInt64 : a.element_size() == 4 ? torch::kInt32 : torch::kInt16;
   auto ia = ac.view(int_type).masked_fill(nan_a, 0), ib = bc.view(int_type).masked_fill(nan_b, 0);
-  const auto diff = (ia != ib);
+  const auto diff = (ia != ib).flatten();  // indices into the flattened tensors
   if (diff.any().item<bool>()) {
     const auto idx = diff.nonzero()[0][0].item<std::int64_t>();
     return ::testing::AssertionFailure() << diff.sum().item<std::int64_t>() << " elements differ, first at " << idx
-                                         << ": " << ac[idx].item<float>() << " vs " << bc[idx].item<float>();
+                                         << ": " << ac.flatten()[idx].item<float>() << " vs " << bc.flatten()[idx].item<float>();
   }
   return ::testing::AssertionSuccess();
 }

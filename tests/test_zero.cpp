@@ -213,6 +213,51 @@ TEST(ZeroOptimizer, ClipsByTheGlobalNorm) {
     }
 }
 
+// bf16 parameters with FusedAdam's fp32 master weights: the master of each
+// piece survives the all-gathers (which write the buckets, not the pieces'
+// version), and a parameter written from outside (weights loaded) refreshes
+// its pieces' masters, as on one process.
+TEST(ZeroOptimizer, MasterWeightsSurviveTheGatherAndFollowWritesFromOutside) {
+  const auto seed = ampfuse_test::seed_for_test();
+  torch::manual_seed(seed);
+  const std::vector<std::vector<std::int64_t>> shapes = {{50}, {7, 9}, {3}};
+  std::vector<torch::Tensor> init;
+  for (const auto& s : shapes) init.push_back(torch::randn(s).to(torch::kBFloat16));
+  const int steps = 6, write_step = 3;
+  std::vector<torch::Tensor> grads;  // [step * params + i]: the same on every rank
+  for (int step = 0; step < steps; ++step)
+    for (const auto& s : shapes) grads.push_back((torch::randint(-64, 64, s) / 64.0).to(torch::kBFloat16));
+  const auto opts = torch::optim::AdamOptions(1e-3);
+  const auto fused = ampfuse::FusedAdamOptions().master_weights(true);
+  const auto train = [&](std::vector<torch::Tensor>& params, torch::optim::Optimizer& opt) {
+    for (int step = 0; step < steps; ++step) {
+      if (step == write_step) {
+        const at::NoGradGuard no_grad;
+        params[1].mul_(0.5);
+      }
+      for (std::size_t i = 0; i < params.size(); ++i) params[i].mutable_grad() = grads[step * params.size() + i];
+      opt.step();
+    }
+  };
+  std::vector<torch::Tensor> whole;
+  for (const auto& t : init) whole.push_back(t.clone().requires_grad_());
+  ampfuse::FusedAdam ref(whole, opts, fused);
+  train(whole, ref);
+  for (int world : {2, 3}) {
+    std::mutex mutex;
+    on_ranks(world, [&](int rank, const Group& pg) {
+      std::vector<torch::Tensor> params;
+      for (const auto& t : init) params.push_back(t.clone().requires_grad_());
+      auto opt = ZeroOptimizer::make<ampfuse::FusedAdam>(params, opts, pg, {}, fused);
+      train(params, *opt);
+      const std::lock_guard<std::mutex> lock(mutex);
+      for (std::size_t i = 0; i < params.size(); ++i)
+        EXPECT_TRUE(bitwise_equal(params[i].detach(), whole[i].detach()))
+            << "world " << world << ", rank " << rank << ", parameter " << i;
+    });
+  }
+}
+
 // Optimizer state exists for this rank's shard only: each parameter
 // element has its moments on exactly one rank.
 TEST(ZeroOptimizer, HoldsStateForItsShardOnly) {
@@ -272,6 +317,33 @@ TEST(ZeroOptimizer, StepsWithoutAScalerAndWithEmptyShards) {
   }
 }
 
+std::string error_of(const std::function<void()>& fn) {
+  try {
+    fn();
+  } catch (const c10::Error& e) {
+    return e.what_without_backtrace();
+  }
+  return "(no error)";
+}
+
+// A parameter with no grad on any rank is left alone (torch::optim's rule);
+// with skip_params_without_grads(false) it is stepped with zero grads, and
+// the step needs no flag all-reduce (no host sync on CUDA).
+TEST(ZeroOptimizer, ParametersWithoutGradsOnEveryRank) {
+  for (const bool skip : {true, false}) {
+    on_ranks(2, [&](int, const Group& pg) {
+      auto a = torch::ones({20}).requires_grad_(), b = torch::ones({20}).requires_grad_();
+      auto opt = ZeroOptimizer::make<ampfuse::FusedSGD>(
+          {a, b}, torch::optim::SGDOptions(0.5).weight_decay(0.5), pg,
+          ampfuse::distributed::ZeroOptions().skip_params_without_grads(skip));
+      a.mutable_grad() = torch::ones({20});
+      opt->step();
+      EXPECT_TRUE(bitwise_equal(a.detach(), torch::full({20}, 0.25f)));                   // 1 - 0.5 * (1 + 0.5)
+      EXPECT_TRUE(bitwise_equal(b.detach(), torch::full({20}, skip ? 1.0f : 0.75f)));  // 1 - 0.5 * 0.5
+    });
+  }
+}
+
 // The learning rate set on the ZeroOptimizer's groups (as an LR scheduler
 // does) reaches the wrapped optimizer.
 TEST(ZeroOptimizer, OptionsSetOnItsGroupsReachTheWrappedOptimizer) {
@@ -285,15 +357,6 @@ TEST(ZeroOptimizer, OptionsSetOnItsGroupsReachTheWrappedOptimizer) {
     EXPECT_TRUE(bitwise_equal(p.detach(), torch::full({40}, -0.5f)));
     EXPECT_EQ(opt->inner().param_groups()[0].options().get_lr(), 0.5);
   });
-}
-
-std::string error_of(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const c10::Error& e) {
-    return e.what_without_backtrace();
-  }
-  return "(no error)";
 }
 
 // Parameters that differ across ranks are refused on every rank, naming

@@ -46,6 +46,13 @@ struct ZeroOptions {
   /// Divide the grads summed across ranks by the world size (the mean, as
   /// data parallelism averages); false keeps the sum.
   TORCH_ARG(bool, average_grads) = true;
+  /// A parameter that has no grad on any rank is left out of the update, as
+  /// torch::optim leaves it out. Deciding it takes one all-reduce of a flag
+  /// per parameter each step and, on CUDA, one small device-to-host copy (a
+  /// host sync). False: no such all-reduce and no sync; a missing grad is
+  /// zeros everywhere, and the optimizer steps the parameter with them (as
+  /// DeepSpeed does).
+  TORCH_ARG(bool, skip_params_without_grads) = true;
 };
 
 class ZeroOptimizer : public torch::optim::Optimizer, public ScalerAware {
@@ -71,29 +78,30 @@ class ZeroOptimizer : public torch::optim::Optimizer, public ScalerAware {
                 c10::intrusive_ptr<c10d::ProcessGroup> process_group, const Factory& make_inner,
                 CopyOptions copy_options = nullptr, ZeroOptions options = {});
 
-  /// ZeroOptimizer over `Inner(pieces, defaults)`, copying every option of
-  /// `Options` from param_groups() to the wrapped optimizer at each step.
-  template <class Inner, class Options>
+  /// ZeroOptimizer over `Inner(pieces, defaults, extra...)` (extra: for
+  /// instance FusedAdamOptions), copying every option of `Options` from
+  /// param_groups() to the wrapped optimizer at each step.
+  template <class Inner, class Options, class... Extra>
   static std::unique_ptr<ZeroOptimizer> make(std::vector<torch::optim::OptimizerParamGroup> param_groups,
                                              const Options& defaults,
                                              c10::intrusive_ptr<c10d::ProcessGroup> process_group,
-                                             ZeroOptions options = {}) {
+                                             ZeroOptions options = {}, const Extra&... extra) {
     return std::make_unique<ZeroOptimizer>(
         std::move(param_groups), std::move(process_group),
-        [defaults](std::vector<torch::optim::OptimizerParamGroup> groups) {
-          return std::unique_ptr<torch::optim::Optimizer>(std::make_unique<Inner>(std::move(groups), defaults));
+        [defaults, extra...](std::vector<torch::optim::OptimizerParamGroup> groups) {
+          return std::unique_ptr<torch::optim::Optimizer>(std::make_unique<Inner>(std::move(groups), defaults, extra...));
         },
         [](const torch::optim::OptimizerOptions& from, torch::optim::OptimizerOptions& to) {
           static_cast<Options&>(to) = static_cast<const Options&>(from);
         },
         options);
   }
-  template <class Inner, class Options>
+  template <class Inner, class Options, class... Extra>
   static std::unique_ptr<ZeroOptimizer> make(std::vector<at::Tensor> params, const Options& defaults,
                                              c10::intrusive_ptr<c10d::ProcessGroup> process_group,
-                                             ZeroOptions options = {}) {
+                                             ZeroOptions options = {}, const Extra&... extra) {
     return make<Inner>(std::vector<torch::optim::OptimizerParamGroup>{torch::optim::OptimizerParamGroup(std::move(params))},
-                       defaults, std::move(process_group), options);
+                       defaults, std::move(process_group), options, extra...);
   }
 
   ~ZeroOptimizer() override;
@@ -150,6 +158,8 @@ class ZeroOptimizer : public torch::optim::Optimizer, public ScalerAware {
   void copy_options_to_inner();
   void gather_params();
   void set_piece_grads(const std::vector<std::int32_t>& has_grad);
+  void note_writes_from_outside();
+  void record_versions();
 
   c10::intrusive_ptr<c10d::ProcessGroup> process_group_;
   ZeroOptions options_;
@@ -158,6 +168,7 @@ class ZeroOptimizer : public torch::optim::Optimizer, public ScalerAware {
   std::vector<at::Tensor> params_;
   std::vector<Bucket> buckets_;
   std::vector<Piece> pieces_;
+  std::vector<std::int64_t> versions_;  // each parameter's version counter after the last step
   std::int64_t layout_hash_ = 0;  // the parameters' groups, shapes, dtypes and devices
   bool grads_reduced_ = false;
 };
