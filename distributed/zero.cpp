@@ -348,16 +348,39 @@ void ZeroOptimizer::zero_grad(bool set_to_none) {
     }
 }
 
+// A parameter given new memory since (torch::nn::Module::load does
+// set_(loaded) on each parameter; set_data does the same) is moved back into
+// its bucket with its new values, as a write from outside.
+void ZeroOptimizer::adopt_moved_params() {
+  for (const Bucket& b : buckets_)
+    for (std::size_t m = 0; m < b.members.size(); ++m) {
+      const at::Tensor& p = params_[b.members[m]];
+      if (p.numel() == 0 || p.data_ptr() == b.param_views[m].data_ptr()) continue;
+      TORCH_CHECK(p.sizes() == b.param_views[m].sizes() && p.scalar_type() == b.param_views[m].scalar_type() &&
+                      p.device() == b.param_views[m].device(),
+                  kWhere, "parameter ", b.members[m], " was ", describe(b.param_views[m]), " and is now ", describe(p),
+                  ": a parameter may get new values, not another shape, dtype or device");
+    }
+  const at::NoGradGuard no_grad;
+  for (const Bucket& b : buckets_)
+    for (std::size_t m = 0; m < b.members.size(); ++m) {
+      at::Tensor& p = params_[b.members[m]];
+      if (p.numel() == 0 || p.data_ptr() == b.param_views[m].data_ptr()) continue;
+      b.param_views[m].copy_(p);
+      p.set_data(b.param_views[m]);
+      p.unsafeGetTensorImpl()->bump_version();
+    }
+}
+
 void ZeroOptimizer::reduce_grads() {
   const at::NoGradGuard no_grad;
+  adopt_moved_params();
   // Validate every grad before the first write.
   std::vector<std::int32_t> has_grad(params_.size(), 0);
   for (const Bucket& b : buckets_)
     for (std::size_t m = 0; m < b.members.size(); ++m) {
       const std::size_t i = b.members[m];
       const at::Tensor& p = params_[i];
-      TORCH_CHECK(p.numel() == 0 || p.data_ptr() == b.param_views[m].data_ptr(), kWhere, "parameter ", i, " (",
-                  describe(p), ") no longer lives in its bucket (set_data after the optimizer was made?)");
       const at::Tensor& g = p.grad();
       if (!g.defined()) continue;
       TORCH_CHECK(g.layout() == at::kStrided, kWhere, "parameter ", i, ": its grad is ", g.layout(),
@@ -444,6 +467,7 @@ void ZeroOptimizer::gather_params() {
 at::Tensor ZeroOptimizer::step(LossClosure closure) {
   TORCH_CHECK(!closure, kWhere, "step() takes no closure");
   if (!grads_reduced_) reduce_grads();
+  adopt_moved_params();
   copy_options_to_inner();
   note_writes_from_outside();
   inner_->step();
@@ -455,6 +479,7 @@ void ZeroOptimizer::step_with_signals(const StepSignals& signals) {
   TORCH_CHECK(grads_reduced_, kWhere,
               "step_with_signals before reduce_grads(): GradScaler calls prepare_grads() first; "
               "anything else must call reduce_grads()");
+  adopt_moved_params();
   copy_options_to_inner();
   note_writes_from_outside();
   if (auto* aware = dynamic_cast<ScalerAware*>(inner_.get())) {

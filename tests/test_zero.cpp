@@ -216,7 +216,8 @@ TEST(ZeroOptimizer, ClipsByTheGlobalNorm) {
 // bf16 parameters with FusedAdam's fp32 master weights: the master of each
 // piece survives the all-gathers (which write the buckets, not the pieces'
 // version), and a parameter written from outside (weights loaded) refreshes
-// its pieces' masters, as on one process.
+// its pieces' masters, as on one process, also when it was given new memory
+// (moved back into its bucket).
 TEST(ZeroOptimizer, MasterWeightsSurviveTheGatherAndFollowWritesFromOutside) {
   const auto seed = ampfuse_test::seed_for_test();
   torch::manual_seed(seed);
@@ -231,9 +232,10 @@ TEST(ZeroOptimizer, MasterWeightsSurviveTheGatherAndFollowWritesFromOutside) {
   const auto fused = ampfuse::FusedAdamOptions().master_weights(true);
   const auto train = [&](std::vector<torch::Tensor>& params, torch::optim::Optimizer& opt) {
     for (int step = 0; step < steps; ++step) {
-      if (step == write_step) {
+      if (step == write_step) {  // in place, and new memory (as torch::nn::Module::load gives it)
         const at::NoGradGuard no_grad;
         params[1].mul_(0.5);
+        params[2].set_(params[2].detach().mul(0.5));
       }
       for (std::size_t i = 0; i < params.size(); ++i) params[i].mutable_grad() = grads[step * params.size() + i];
       opt.step();

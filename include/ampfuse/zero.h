@@ -159,6 +159,7 @@ class ZeroOptimizer : public torch::optim::Optimizer, public ScalerAware {
   void gather_params();
   void set_piece_grads(const std::vector<std::int32_t>& has_grad);
   void note_writes_from_outside();
+  void adopt_moved_params();
   void record_versions();
 
   c10::intrusive_ptr<c10d::ProcessGroup> process_group_;
