@@ -36,6 +36,7 @@ void register_adagrad_rmsprop(torch::Device device);
 void register_subnormal(torch::Device device);
 void register_float64(torch::Device device);
 void register_host(torch::Device device);
+void register_zero(torch::Device device);
 
 
 inline int bench_threads() {

@@ -22,6 +22,7 @@ int main(int argc, char** argv) {
     ampfuse_bench::register_subnormal(device);
     ampfuse_bench::register_float64(device);
     ampfuse_bench::register_host(device);
+    ampfuse_bench::register_zero(device);
   }
   benchmark::Initialize(&argc, argv);
   if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;

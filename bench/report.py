@@ -64,12 +64,16 @@ def load(path):
         rows[(op, pset, contender)] = {
             "seconds": b["real_time"] * unit,
             "bytes_per_second": b.get("bytes_per_second", 0.0),
+            # ZeroAdam's counters: what each rank sends per step and holds as optimizer state.
+            "sent_bytes_per_rank": b.get("sent_bytes_per_rank"),
+            "state_bytes_per_rank": b.get("state_bytes_per_rank"),
         }
     return data.get("context", {}), rows
 
 
 OP_ORDER = ["Check", "CheckNorm", "Scale", "Scaler", "ScalerClip", "Adam", "AdamScaled", "AdamClip", "SGD", "LAMB",
-            "Adagrad", "RMSprop", "AdamSubnormal", "AdamScaledTiny", "AdamF64", "SGDF64", "Host", "HostScaler"]
+            "Adagrad", "RMSprop", "AdamSubnormal", "AdamScaledTiny", "AdamF64", "SGDF64", "Host", "HostScaler",
+            "ZeroAdam"]
 
 # (operation, parameter set, most nanoseconds per parameter, what is timed): host-path budgets.
 TIME_TARGETS = [
@@ -116,7 +120,7 @@ def ratios(rows):
             else:
                 ratio = r["seconds"] / ours["seconds"]
                 kind = "speedup"
-            lines.append((contender, r["seconds"], r["bytes_per_second"] / 1e9, ratio, kind))
+            lines.append((contender, r["seconds"], r["bytes_per_second"] / 1e9, ratio, kind, r))
         out[key] = (ours, lines)
     return out
 
@@ -151,14 +155,37 @@ def markdown(context, table, title, setup=None):
         md.append("| contender | time (ms) | GB/s | ampfuse vs it |")
         md.append("| --- | ---: | ---: | ---: |")
         md.append(f"| **ampfuse** | {ours['seconds'] * 1e3:.2f} | {ours['bytes_per_second'] / 1e9:.1f} | |")
-        for contender, sec, gbs, ratio, kind in lines:
+        for contender, sec, gbs, ratio, kind, _ in lines:
             shown = f"{ratio * 100:.0f}% of ceiling" if kind == "ceiling" else f"{ratio:.2f}x"
             md.append(f"| {contender} | {sec * 1e3:.2f} | {gbs:.1f} | {shown} |")
         md.append("")
         if op.startswith("Host") and num_params(pset):
             md.append(f"ampfuse: {ours['seconds'] * 1e9 / num_params(pset):.0f} ns per parameter.")
             md.append("")
+        if op == "ZeroAdam":
+            md += zero_lines(ours, lines) + [""]
     return md
+
+
+def zero_memory(ours, lines):
+    """(ours, replicated) optimizer-state MB per rank and MB each rank sends per step, or None."""
+    rep = [l for l in lines if l[0] == "replicated"]
+    if not rep or ours.get("state_bytes_per_rank") is None or rep[0][5] is None:
+        return None
+    r = rep[0][5]
+    return (ours["state_bytes_per_rank"] / 2**20, r["state_bytes_per_rank"] / 2**20,
+            ours["sent_bytes_per_rank"] / 2**20, r["sent_bytes_per_rank"] / 2**20)
+
+
+def zero_lines(ours, lines):
+    m = zero_memory(ours, lines)
+    if m is None:
+        return []
+    return [f"Ranks are threads of one process over Gloo (loopback), one intra-op thread each. Optimizer state "
+            f"per rank: {m[0]:.1f} MB (ZeroOptimizer(FusedAdam)) against {m[1]:.1f} MB (replicated FusedAdam). "
+            f"Sent per rank per step (ring algorithms): {m[2]:.1f} MB against {m[3]:.1f} MB (on CPU ZeroOptimizer "
+            f"all-reduces the grads and broadcasts the shards, Gloo's fastest collectives; with NCCL it "
+            f"reduce-scatters and all-gathers, as much as one all-reduce)."]
 
 
 def target_lines(table):
@@ -196,7 +223,11 @@ def readme_rows(table):
         cells = []
         if op.startswith("Host") and num_params(pset):
             cells.append(f"{ours['seconds'] * 1e9 / num_params(pset):.0f} ns per parameter")
-        for contender, _, _, ratio, kind in lines:
+        if op == "ZeroAdam" and zero_memory(ours, lines):
+            m = zero_memory(ours, lines)
+            cells.append(f"optimizer state {m[0]:.0f} MB per rank (replicated: {m[1]:.0f} MB), sent {m[2]:.0f} MB "
+                         f"per rank per step (replicated: {m[3]:.0f} MB)")
+        for contender, _, _, ratio, kind, _ in lines:
             cells.append(f"{ratio * 100:.0f}% of {contender}" if kind == "ceiling" else f"{ratio:.2f}x {contender}")
         rows.append(f"| {op} | {pset} | {'; '.join(cells)} |")
     return rows
@@ -230,7 +261,7 @@ def plot(table, path):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    keys = list(table.keys())
+    keys = [k for k in table.keys() if table[k][0]["bytes_per_second"]]  # rows timed without bytes (ZeroAdam) are not plotted
     fig, axes = plt.subplots(len(keys), 1, figsize=(9, 2.2 * len(keys)), squeeze=False)
     for ax, key in zip(axes[:, 0], keys):
         ours, lines = table[key]

@@ -59,10 +59,11 @@ void collective(const c10d::ProcessGroup& group, const char* what, F&& start) {
 // `world` shards of `shard` elements each.
 struct ZeroOptimizer::Bucket {
   std::int64_t shard = 0;
+  bool all_reduce = false;  // ZeroCollectives::kAllReduceBroadcast for this bucket
   at::Tensor flat_param;   // world * shard elements; the parameters are views of it
   at::Tensor flat_grad;    // the grads, gathered here for the reduce-scatter; padding stays zero
   at::Tensor shard_param;  // flat_param's part of this rank
-  at::Tensor shard_grad;   // the reduced grads of this rank's part
+  at::Tensor shard_grad;   // the reduced grads of this rank's part (with all_reduce: flat_grad's part)
   std::vector<std::size_t> members;      // indices into params_
   std::vector<std::int64_t> offsets;     // each member's first element in the flat tensors
   std::vector<at::Tensor> param_views;   // flat_param's part of each member, in its shape
@@ -241,7 +242,9 @@ std::shared_ptr<ZeroOptimizer::Layout> ZeroOptimizer::build(std::vector<torch::o
     const auto opts = first.options();
     b.flat_param = at::zeros({b.shard * world}, opts);
     b.flat_grad = at::zeros({b.shard * world}, opts);
-    b.shard_grad = at::zeros({b.shard}, opts);
+    b.all_reduce = options.collectives() == ZeroCollectives::kAllReduceBroadcast ||
+                   (options.collectives() == ZeroCollectives::kAuto && first.device().is_cpu());
+    b.shard_grad = b.all_reduce ? b.flat_grad.narrow(0, rank * b.shard, b.shard) : at::zeros({b.shard}, opts);
     b.shard_param = b.flat_param.narrow(0, rank * b.shard, b.shard);
     for (std::size_t m = 0; m < b.members.size(); ++m) {
       at::Tensor& p = params[b.members[m]];
@@ -324,10 +327,15 @@ std::int64_t ZeroOptimizer::shard_numel() const {
   return n;
 }
 
-std::int64_t ZeroOptimizer::bytes_communicated_per_step() const {
+std::int64_t ZeroOptimizer::bytes_sent_per_step() const {
   std::int64_t n = 0;
-  for (const Bucket& b : buckets_)
-    n += 2 * b.flat_grad.numel() * static_cast<std::int64_t>(b.flat_grad.element_size());
+  const std::int64_t world = process_group_->getSize();
+  for (const Bucket& b : buckets_) {
+    const std::int64_t bytes = b.flat_grad.numel() * static_cast<std::int64_t>(b.flat_grad.element_size());
+    // Ring reduce-scatter + all-gather: 2 (w-1)/w; ring all-reduce 2 (w-1)/w
+    // + w pipelined broadcasts of a shard, about (w-1)/w.
+    n += (b.all_reduce ? 3 : 2) * (world - 1) * bytes / world;
+  }
   return n;
 }
 
@@ -406,13 +414,20 @@ void ZeroOptimizer::reduce_grads() {
     const at::Tensor any = buffer[0].cpu();
     for (std::size_t i = 0; i < has_grad.size(); ++i) has_grad[i] = any[static_cast<std::int64_t>(i)].item<std::int32_t>();
   }
+  const bool average = options_.average_grads() && process_group_->getSize() > 1;
   for (Bucket& b : buckets_) {
+    if (b.all_reduce) {
+      std::vector<at::Tensor> buffer{b.flat_grad};
+      collective(*process_group_, "reduce_grads", [&] { return process_group_->allreduce(buffer); });
+      if (average) b.flat_grad.div_(process_group_->getSize());  // every grad the mean, as after DDP
+      continue;
+    }
     collective(*process_group_, "reduce_grads", [&] {
       c10d::ReduceScatterOptions opts;
       opts.reduceOp = c10d::ReduceOp::SUM;
       return process_group_->_reduce_scatter_base(b.shard_grad, b.flat_grad, opts);
     });
-    if (options_.average_grads() && process_group_->getSize() > 1) b.shard_grad.div_(process_group_->getSize());
+    if (average) b.shard_grad.div_(process_group_->getSize());
   }
   set_piece_grads(has_grad);
   grads_reduced_ = true;
@@ -457,9 +472,21 @@ void ZeroOptimizer::copy_options_to_inner() {
 
 void ZeroOptimizer::gather_params() {
   const at::NoGradGuard no_grad;
-  for (Bucket& b : buckets_)
-    collective(*process_group_, "all-gathering the parameters",
-               [&] { return process_group_->_allgather_base(b.flat_param, b.shard_param); });
+  const int rank = process_group_->getRank(), world = process_group_->getSize();
+  for (Bucket& b : buckets_) {
+    if (!b.all_reduce) {
+      collective(*process_group_, "all-gathering the parameters",
+                 [&] { return process_group_->_allgather_base(b.flat_param, b.shard_param); });
+      continue;
+    }
+    // Each rank's shard from it, in place.
+    for (int r = 0; r < world; ++r) {
+      std::vector<at::Tensor> buffer{b.flat_param.narrow(0, r * b.shard, b.shard)};
+      c10d::BroadcastOptions opts;
+      opts.rootRank = r;
+      collective(*process_group_, "gathering the parameters", [&] { return process_group_->broadcast(buffer, opts); });
+    }
+  }
   record_versions();
   grads_reduced_ = false;
 }

@@ -35,7 +35,7 @@ using Groups = std::vector<torch::optim::OptimizerParamGroup>;
 struct Kind {
   std::string name;
   std::function<std::unique_ptr<torch::optim::Optimizer>(Groups)> whole;
-  std::function<std::unique_ptr<ZeroOptimizer>(Groups, const Group&)> zero;
+  std::function<std::unique_ptr<ZeroOptimizer>(Groups, const Group&, ampfuse::distributed::ZeroOptions)> zero;
   std::function<std::unique_ptr<torch::optim::OptimizerOptions>()> group1_options;
 };
 
@@ -43,7 +43,9 @@ template <class Opt, class Options>
 Kind kind(std::string name, Options defaults, Options group1) {
   return {std::move(name),
           [defaults](Groups g) { return std::unique_ptr<torch::optim::Optimizer>(std::make_unique<Opt>(std::move(g), defaults)); },
-          [defaults](Groups g, const Group& pg) { return ZeroOptimizer::make<Opt>(std::move(g), defaults, pg); },
+          [defaults](Groups g, const Group& pg, ampfuse::distributed::ZeroOptions o) {
+            return ZeroOptimizer::make<Opt>(std::move(g), defaults, pg, o);
+          },
           [group1] { return std::unique_ptr<torch::optim::OptimizerOptions>(std::make_unique<Options>(group1)); }};
 }
 
@@ -155,14 +157,15 @@ std::vector<std::vector<torch::Tensor>> reference(const Scenario& s, const Kind&
   return ::testing::AssertionFailure() << "max difference " << (got - want).abs().max().item<double>();
 }
 
-void expect_zero_matches_one_process(const Kind& k, int world, std::uint64_t seed, std::vector<int> clip_steps) {
+void expect_zero_matches_one_process(const Kind& k, int world, std::uint64_t seed, std::vector<int> clip_steps,
+                                     ampfuse::distributed::ZeroOptions options = {}) {
   Scenario s = make_scenario(seed, world);
   s.clip_steps = std::move(clip_steps);
   const auto expected = reference(s, k);
   std::mutex mutex;
   on_ranks(world, [&](int rank, const Group& pg) {
     auto params = fresh_params(s);
-    auto opt = k.zero(groups_of(params, k), pg);
+    auto opt = k.zero(groups_of(params, k), pg, options);
     ampfuse::GradScaler scaler(ampfuse::GradScalerOptions().init_scale(kScale).growth_interval(2));
     for (int step = 0; step < s.steps; ++step) {
       opt->zero_grad();
@@ -191,14 +194,19 @@ void expect_zero_matches_one_process(const Kind& k, int world, std::uint64_t see
   });
 }
 
-// Every optimizer, world sizes 1 to 4, without clipping: bit for bit.
+// Every optimizer, world sizes 1 to 4, both ways of reducing and
+// gathering, without clipping: bit for bit.
 TEST(ZeroOptimizer, StepsAsOneProcessOnTheAveragedGrads) {
   const auto seed = ampfuse_test::seed_for_test();
-  for (const Kind& k : kinds())
-    for (int world = 1; world <= 4; ++world) {
-      SCOPED_TRACE(k.name + ", world " + std::to_string(world));
-      expect_zero_matches_one_process(k, world, seed, {});
-    }
+  using ampfuse::distributed::ZeroCollectives;
+  for (const auto collectives : {ZeroCollectives::kReduceScatter, ZeroCollectives::kAllReduceBroadcast})
+    for (const Kind& k : kinds())
+      for (int world = 1; world <= 4; ++world) {
+        SCOPED_TRACE(k.name + ", world " + std::to_string(world) +
+                     (collectives == ZeroCollectives::kAllReduceBroadcast ? ", all-reduce + broadcast" : ", reduce-scatter"));
+        expect_zero_matches_one_process(k, world, seed, {},
+                                        ampfuse::distributed::ZeroOptions().collectives(collectives));
+      }
 }
 
 // Clipping by the global norm (GradScaler sums the shards' squares across
@@ -346,6 +354,25 @@ TEST(ZeroOptimizer, ParametersWithoutGradsOnEveryRank) {
   }
 }
 
+// Gathering the parameters moves their bits (broadcast or all-gather,
+// never a sum), so -0.0 and NaN payloads come back as they were.
+TEST(ZeroOptimizer, GatherKeepsEveryBit) {
+  on_ranks(3, [&](int, const Group& pg) {
+    auto p = torch::full({100}, -0.0f);
+    p[7] = std::numeric_limits<float>::quiet_NaN();
+    p = p.requires_grad_();
+    const auto before = p.detach().clone();
+    for (const auto collectives : {ampfuse::distributed::ZeroCollectives::kReduceScatter,
+                                   ampfuse::distributed::ZeroCollectives::kAllReduceBroadcast}) {
+      auto opt = ZeroOptimizer::make<ampfuse::FusedSGD>({p}, torch::optim::SGDOptions(0.1), pg,
+                                                        ampfuse::distributed::ZeroOptions().collectives(collectives));
+      p.mutable_grad() = torch::zeros({100});
+      opt->step();  // -0 + -0.1 * 0 = -0
+      EXPECT_TRUE(torch::equal(p.detach().view(torch::kInt), before.view(torch::kInt)));
+    }
+  });
+}
+
 // The learning rate set on the ZeroOptimizer's groups (as an LR scheduler
 // does) reaches the wrapped optimizer.
 TEST(ZeroOptimizer, OptionsSetOnItsGroupsReachTheWrappedOptimizer) {
@@ -453,7 +480,7 @@ TEST(ZeroOptimizer, ShardedCheckpointResumesBitForBit) {
   };
   on_ranks(world, [&](int rank, const Group& pg) {
     auto params = fresh_params(s);
-    auto opt = k.zero(groups_of(params, k), pg);
+    auto opt = k.zero(groups_of(params, k), pg, {});
     run(rank, params, *opt, 0, 3);
     torch::serialize::OutputArchive archive;
     opt->save(archive);
@@ -472,7 +499,7 @@ TEST(ZeroOptimizer, ShardedCheckpointResumesBitForBit) {
       const at::NoGradGuard no_grad;
       for (std::size_t i = 0; i < params.size(); ++i) params[i].copy_(at_save[rank][i]);
     }
-    auto opt = k.zero(groups_of(params, k), pg);
+    auto opt = k.zero(groups_of(params, k), pg, {});
     const int other_rank = (rank + 1) % world;
     torch::serialize::InputArchive other;
     std::istringstream other_in(saved[other_rank]);

@@ -168,10 +168,10 @@ int main(int argc, char** argv) {
     auto trainer = std::make_unique<Trainer>(group, /*seed=*/1);
     const double initial = evaluate(*trainer, data);
     if (rank == 0)
-      std::printf("%d ranks, %lld parameters, optimizer state for %lld per rank, %lld bytes moved per rank per step\n",
+      std::printf("%d ranks, %lld parameters, optimizer state for %lld per rank, %lld bytes sent per rank per step\n",
                   world, (long long)trainer->optimizer->parameters().size(),
                   (long long)trainer->optimizer->shard_numel(),
-                  (long long)trainer->optimizer->bytes_communicated_per_step());
+                  (long long)trainer->optimizer->bytes_sent_per_step());
 
     train(*trainer, data, steps / 2, rank, world);
     save_checkpoint(*trainer, rank);
