@@ -4,6 +4,8 @@
 
 #include "ampfuse/zero.h"
 
+#include "ampfuse/sdk/optimizer.h"
+
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 #include <torch/serialize/archive.h>
@@ -317,9 +319,40 @@ ZeroOptimizer::ZeroOptimizer(std::shared_ptr<Layout> layout)
       pieces_(std::move(layout->pieces)),
       layout_hash_(layout->layout_hash) {
   record_versions();
+  connect_tensor_sums();
 }
 
 ZeroOptimizer::~ZeroOptimizer() = default;
+
+// An optimizer whose update needs sums over each whole tensor (FusedLAMB's
+// norms) gets them through this: every piece's row is added into its
+// parameter's, across the ranks, in one all-reduce per step.
+void ZeroOptimizer::connect_tensor_sums() {
+  auto* reduces = dynamic_cast<sdk::ReducesTensorSums*>(inner_.get());
+  if (!reduces) return;
+  auto& groups = inner_->param_groups();
+  for (const Piece& piece : pieces_)
+    piece_param_[groups.at(piece.group).params().at(piece.index).unsafeGetTensorImpl()] = piece.param;
+  reduces->set_tensor_sums_reducer([this](std::vector<sdk::TensorSums>& lists, std::int64_t columns) {
+    at::Tensor total = at::zeros({static_cast<std::int64_t>(params_.size()), columns}, at::kDouble);
+    std::vector<std::vector<std::int64_t>> rows(lists.size());
+    for (std::size_t l = 0; l < lists.size(); ++l) {
+      TORCH_CHECK(lists[l].sums.device().is_cpu() && lists[l].sums.size(1) == columns, kWhere,
+                  "per-tensor sums must be fp64 [n, ", columns, "] on CPU");
+      for (const at::Tensor& p : lists[l].params) {
+        const auto it = piece_param_.find(p.unsafeGetTensorImpl());
+        TORCH_CHECK(it != piece_param_.end(), kWhere, "per-tensor sums of a tensor that is not one of its pieces");
+        rows[l].push_back(static_cast<std::int64_t>(it->second));
+      }
+      total.index_add_(0, at::tensor(rows[l], at::kLong), lists[l].sums);
+    }
+    std::vector<at::Tensor> buffer{total};
+    collective(*process_group_, "summing per-tensor norms across the shards",
+               [&] { return process_group_->allreduce(buffer); });
+    for (std::size_t l = 0; l < lists.size(); ++l)
+      lists[l].sums.copy_(buffer[0].index_select(0, at::tensor(rows[l], at::kLong)));
+  });
+}
 
 std::int64_t ZeroOptimizer::shard_numel() const {
   std::int64_t n = 0;

@@ -86,6 +86,11 @@ struct FusedLambWorkspace {
 #if defined(AMPFUSE_WITH_CUDA)
   sdk::TicketCounters counters;
 #endif
+  // Sharded (a reducer set): each CPU list's per-tensor [param, update]
+  // sums of squares, and what finishes the list once they are reduced.
+  sdk::TensorSumsReducer reducer;
+  std::vector<sdk::TensorSums> pending_sums;
+  std::vector<std::function<void()>> pending_apply;
 };
 
 }  // namespace detail
@@ -170,11 +175,26 @@ void FusedLAMB::check_entries(const std::vector<sdk::Entry>& entries) const {
                 " parameter; it is for Half and BFloat16 parameters");
 }
 
+void FusedLAMB::set_tensor_sums_reducer(sdk::TensorSumsReducer reducer) {
+  workspace_->reducer = std::move(reducer);
+}
+
 void FusedLAMB::begin_step(const std::vector<const sdk::Entry*>& entries, const StepSignals*) {
   auto& sums = workspace_->grad_sum_sq;
   sums.clear();
+  workspace_->pending_sums.clear();
+  workspace_->pending_apply.clear();
   bool clip = false;
-  for (std::size_t g = 0; g < param_groups().size(); ++g) clip |= options_of(g).max_grad_norm() > 0;
+  for (std::size_t g = 0; g < param_groups().size(); ++g) {
+    clip |= options_of(g).max_grad_norm() > 0;
+    TORCH_CHECK(!(workspace_->reducer && options_of(g).max_grad_norm() > 0), "FusedLAMB: param group ", g,
+                ": max_grad_norm under a sharded optimizer would clip by this rank's shard only; clip with "
+                "GradScaler::clip_grad_norm_, which sums across the ranks");
+  }
+  if (workspace_->reducer)
+    for (const sdk::Entry* e : entries)
+      TORCH_CHECK(e->device.is_cpu(), "FusedLAMB: param group ", e->group, ", param ", e->index, " is on ",
+                  e->device, ": under a sharded optimizer FusedLAMB runs on CPU only so far");
   if (!clip) return;
   // One read-only pass per device (and dtype) over every grad of the step:
   // the global norm, summed in fp64 on each device.
@@ -216,6 +236,17 @@ void FusedLAMB::begin_step(const std::vector<const sdk::Entry*>& entries, const 
     }
     for (std::size_t i = 0; i < sums.size(); ++i) sums[i].second = totals[i];
   }
+}
+
+// Sharded: every rank hands its lists' per-tensor sums to the reducer once
+// (also with none, so that the collective matches), then finishes them.
+void FusedLAMB::end_step(const StepSignals* signals) {
+  detail::FusedLambWorkspace& ws = *workspace_;
+  if (!ws.reducer || sdk::cpu_step_skipped(signals)) return;
+  ws.reducer(ws.pending_sums, /*columns=*/2);
+  for (auto& apply : ws.pending_apply) apply();
+  ws.pending_sums.clear();
+  ws.pending_apply.clear();
 }
 
 void FusedLAMB::after_load(const at::Tensor& param, FusedLAMBParamState& state) {
@@ -267,6 +298,7 @@ sdk::Launch FusedLAMB::prepare_list(const sdk::ParamList& pl) {
     const double grad_factor = sdk::cpu_grad_factor(pl.signal);
     const bool f64 = st == ScalarType::Float64;
     auto plan = std::make_shared<const Plan>(numels, sdk::cpu::kChunkSize);
+    detail::FusedLambWorkspace* workspace = workspace_.get();
     return [=, states = std::move(states), param = std::move(param),
             grad = std::move(grad), m = std::move(m), v = std::move(v),
             masters = std::move(masters), steps = std::move(steps), scalars = std::move(scalars)] {
@@ -280,21 +312,41 @@ sdk::Launch FusedLAMB::prepare_list(const sdk::ParamList& pl) {
                                       chunk_param_sq.data(), chunk_update_sq.data(), neg_step.data()};
       const fused::cpu::LambFn moments = fused::cpu::lamb_moments_kernel();
       sdk::parallel_chunks(*plan, [&](std::int64_t b, std::int64_t e) { moments(args, b, e); });
-      // Per-tensor norms from the chunks' sums, in chunk order (deterministic).
+      // Per-tensor sums of squares from the chunks' sums, in chunk order (deterministic).
+      at::Tensor sums = at::zeros({static_cast<std::int64_t>(states.size()), 2}, at::kDouble);
+      double* s = sums.data_ptr<double>();
       for (std::size_t k = 0; k < plan->tensors().size(); ++k) {
         double ps = 0.0, us = 0.0;
         for (std::int64_t c = plan->chunk_offsets()[k]; c < plan->chunk_offsets()[k + 1]; ++c) {
           ps += chunk_param_sq[c];
           us += chunk_update_sq[c];
         }
-        neg_step[plan->tensors()[k]] =
-            f64 ? fused::lamb_neg_step(hyper, std::sqrt(ps), std::sqrt(us))
-                : fused::lamb_neg_step(hyper.as<float>(), static_cast<float>(std::sqrt(ps)),
-                                       static_cast<float>(std::sqrt(us)));
+        s[2 * plan->tensors()[k]] = ps;
+        s[2 * plan->tensors()[k] + 1] = us;
       }
-      const fused::cpu::LambFn apply = fused::cpu::lamb_apply_kernel();
-      sdk::parallel_chunks(*plan, [&](std::int64_t b, std::int64_t e) { apply(args, b, e); });
-      sdk::parallel_entries(states.size(), [&](std::size_t i) { *states[i]->step().data_ptr<double>() = steps[i]; });
+      // The update, from the sums: now, or (sharded) once every list's sums
+      // are reduced over the whole tensors, in end_step.
+      auto apply_from_sums = [=]() mutable {
+        const double* r = sums.data_ptr<double>();
+        for (std::size_t i = 0; i < states.size(); ++i)
+          neg_step[i] = f64 ? fused::lamb_neg_step(hyper, std::sqrt(r[2 * i]), std::sqrt(r[2 * i + 1]))
+                            : fused::lamb_neg_step(hyper.as<float>(), static_cast<float>(std::sqrt(r[2 * i])),
+                                                   static_cast<float>(std::sqrt(r[2 * i + 1])));
+        fused::cpu::LambArgs a = args;
+        a.neg_step = neg_step.data();
+        a.chunk_param_sq = a.chunk_update_sq = nullptr;  // pass 1's, gone when this runs later
+        const fused::cpu::LambFn apply = fused::cpu::lamb_apply_kernel();
+        sdk::parallel_chunks(*plan, [&](std::int64_t b, std::int64_t e) { apply(a, b, e); });
+        sdk::parallel_entries(states.size(), [&](std::size_t i) { *states[i]->step().data_ptr<double>() = steps[i]; });
+      };
+      if (!workspace->reducer) {
+        apply_from_sums();
+        return;
+      }
+      std::vector<at::Tensor> params;
+      for (const sdk::Entry* e : list) params.push_back(e->param);
+      workspace->pending_sums.push_back({std::move(params), sums});
+      workspace->pending_apply.push_back(std::move(apply_from_sums));
     };
   }
 #if defined(AMPFUSE_WITH_CUDA)

@@ -89,12 +89,18 @@ namespace detail {
 struct FusedLambWorkspace;
 }
 
-class FusedLAMB : public sdk::FusedOptimizer<torch::optim::Optimizer, FusedLAMBOptions, FusedLAMBParamState> {
+class FusedLAMB : public sdk::FusedOptimizer<torch::optim::Optimizer, FusedLAMBOptions, FusedLAMBParamState>,
+                  public sdk::ReducesTensorSums {
  public:
   explicit FusedLAMB(const std::vector<torch::optim::OptimizerParamGroup>& param_groups,
                      FusedLAMBOptions defaults = {});
   explicit FusedLAMB(std::vector<at::Tensor> params, FusedLAMBOptions defaults = {});
   ~FusedLAMB() override;
+  /// Under distributed::ZeroOptimizer: each parameter's and update's norm
+  /// is summed over the pieces of the whole tensor across the ranks before
+  /// its trust ratio is taken (CPU; refused on CUDA so far, and with
+  /// max_grad_norm: clip with GradScaler::clip_grad_norm_, which is global).
+  void set_tensor_sums_reducer(sdk::TensorSumsReducer reducer) override;
 
  protected:
   const char* name() const override { return "FusedLAMB"; }
@@ -104,6 +110,7 @@ class FusedLAMB : public sdk::FusedOptimizer<torch::optim::Optimizer, FusedLAMBO
   void check_entries(const std::vector<sdk::Entry>& entries) const override;
   void begin_step(const std::vector<const sdk::Entry*>& entries, const StepSignals* signals) override;
   sdk::Launch prepare_list(const sdk::ParamList& list) override;
+  void end_step(const StepSignals* signals) override;
   void after_load(const at::Tensor& param, FusedLAMBParamState& state) override;
   std::vector<std::string> saved_state_keys() const override { return {"step", "exp_avg", "exp_avg_sq", "master"}; }
   std::size_t state_stamp(const FusedLAMBParamState& state) const override {

@@ -35,6 +35,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <unordered_map>
 #include <vector>
 
 #include "ampfuse/contract.h"
@@ -183,6 +184,7 @@ class ZeroOptimizer : public torch::optim::Optimizer, public ScalerAware {
   void note_writes_from_outside();
   void adopt_moved_params();
   void record_versions();
+  void connect_tensor_sums();
 
   c10::intrusive_ptr<c10d::ProcessGroup> process_group_;
   ZeroOptions options_;
@@ -192,6 +194,7 @@ class ZeroOptimizer : public torch::optim::Optimizer, public ScalerAware {
   std::vector<Bucket> buckets_;
   std::vector<Piece> pieces_;
   std::vector<std::int64_t> versions_;  // each parameter's version counter after the last step
+  std::unordered_map<const c10::TensorImpl*, std::size_t> piece_param_;  // piece -> params_ index
   std::int64_t layout_hash_ = 0;  // the parameters' groups, shapes, dtypes and devices
   bool grads_reduced_ = false;
 };

@@ -283,6 +283,32 @@ void check_saved_option_keys(torch::serialize::InputArchive& archive, const torc
 void check_saved_state_keys(torch::serialize::InputArchive& archive, const std::vector<std::string>& known,
                             const char* name, std::size_t group, std::size_t index);
 
+/// Per-tensor partial sums of one list, for an optimizer whose update needs
+/// a reduction over each whole tensor (FusedLAMB's parameter and update
+/// norms): row i of `sums` (fp64, [n, k], on the list's device) belongs to
+/// `params[i]`.
+struct TensorSums {
+  std::vector<at::Tensor> params;
+  at::Tensor sums;
+};
+/// Adds up, in place, the rows of tensors that are parts of one larger
+/// tensor, across the ranks of a sharded optimizer: after it, every row holds
+/// the sums over the whole tensor it is part of.
+/// `columns` is k, the same on every rank (a rank without lists still calls).
+using TensorSumsReducer = std::function<void(std::vector<TensorSums>& lists, std::int64_t columns)>;
+
+/// Implemented by an optimizer whose math needs per-tensor reductions, so
+/// that a sharded optimizer (distributed::ZeroOptimizer) can wrap it: with a
+/// reducer set, each step hands the reducer its per-tensor partial sums
+/// exactly once, on every rank (also one with no parameters or grads;
+/// except in a step that a CPU found_inf skips, which every rank skips),
+/// before any update that uses them.
+class ReducesTensorSums {
+ public:
+  virtual ~ReducesTensorSums() = default;
+  virtual void set_tensor_sums_reducer(TensorSumsReducer reducer) = 0;
+};
+
 /// True when a CPU signal's found_inf is set (reading a CPU tensor is no
 /// device sync): the CPU part of the step is then skipped on the host.
 bool cpu_step_skipped(const StepSignals* signals);
@@ -657,6 +683,9 @@ class FusedOptimizer : public Base, public ScalerAware {
   /// into workspaces, not into parameters or state). `signals` is null
   /// without a scaler; CPU entries are left out when the CPU step is skipped.
   virtual void begin_step(const std::vector<const Entry*>& /*entries*/, const StepSignals* /*signals*/) {}
+  /// After every list's Launch ran (also when there was none); nothing in it
+  /// may throw once a Launch wrote. FusedLAMB finishes a sharded step here.
+  virtual void end_step(const StepSignals* /*signals*/) {}
   /// Prepares one list and returns what launches it (see the top of this file).
   virtual Launch prepare_list(const ParamList& list) = 0;
   /// save() leaves out a parameter whose state this refuses (state that a
@@ -863,6 +892,7 @@ class FusedOptimizer : public Base, public ScalerAware {
     stale_masters_.clear();
     for (const Launch& launch : launches)
       if (launch) launch();
+    end_step(signals);
     if (match == PlanMatch::kChanged) {
       record_plan(*this, stamp, plan_keys_);
       for (Entry& e : plan_entries_)
