@@ -31,12 +31,19 @@
 namespace ampfuse_bench {
 namespace {
 
+// c10d's flight recorder (a process-wide trace of collectives) is not safe
+// when several process groups of one process issue collectives at once, as
+// ranks as threads do (its map insert crashed here; docs/distributed.md):
+// off, before main() and before anything reads the variable.
+const bool kFlightRecorderOff = [] { return setenv("TORCH_FR_BUFFER_SIZE", "0", /*overwrite=*/0) == 0; }();
+
 // `world` threads, each holding one rank's optimizer; run() makes every
 // rank call its step once and returns when all have.
 class Ranks {
  public:
   using Make = std::function<Fn(int rank, const c10::intrusive_ptr<c10d::ProcessGroup>& group)>;
   Ranks(int world, const Make& make) : world_(world) {
+    TORCH_CHECK(kFlightRecorderOff, "could not turn c10d's flight recorder off");
     std::signal(SIGPIPE, SIG_IGN);
     auto store = c10::make_intrusive<c10d::HashStore>();
     for (int rank = 0; rank < world; ++rank)

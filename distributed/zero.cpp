@@ -233,8 +233,8 @@ std::shared_ptr<ZeroOptimizer::Layout> ZeroOptimizer::build(std::vector<torch::o
     param_bucket[i] = it->second;
   }
 
-  // Move each parameter into its bucket (values copied, then the parameter
-  // becomes a view of it: same TensorImpl, same autograd identity).
+  // Each parameter's values into its bucket; the parameters themselves move
+  // there (set_data, below) once the wrapped optimizer has been made.
   const at::NoGradGuard no_grad;
   for (Bucket& b : layout->buckets) {
     const at::Tensor& first = params[b.members.front()];
@@ -254,7 +254,6 @@ std::shared_ptr<ZeroOptimizer::Layout> ZeroOptimizer::build(std::vector<torch::o
       dst.copy_(p);
       b.param_views.push_back(dst);
       b.grad_views.push_back(b.flat_grad.narrow(0, b.offsets[m], p.numel()).view(p.sizes()));
-      p.set_data(dst);
     }
   }
 
@@ -291,6 +290,10 @@ std::shared_ptr<ZeroOptimizer::Layout> ZeroOptimizer::build(std::vector<torch::o
   TORCH_CHECK(layout->inner, kWhere, "the factory returned no optimizer");
   TORCH_CHECK(layout->inner->param_groups().size() == groups.size(), kWhere, "the wrapped optimizer has ",
               layout->inner->param_groups().size(), " parameter groups, expected ", groups.size());
+  // Nothing can fail from here: each parameter becomes a view of its bucket
+  // (same TensorImpl, autograd identity and version counter).
+  for (Bucket& b : layout->buckets)
+    for (std::size_t m = 0; m < b.members.size(); ++m) params[b.members[m]].set_data(b.param_views[m]);
   return layout;
 }
 

@@ -13,6 +13,9 @@
 
 #include <functional>
 #include <limits>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
 #include <memory>
 #include <mutex>
 #include <random>
@@ -22,6 +25,10 @@
 
 #include "tests/common.h"
 #include "tests/ranks.h"
+
+#if defined(AMPFUSE_WITH_CUDA)
+#include <c10/cuda/CUDAFunctions.h>
+#endif
 
 namespace {
 
@@ -452,6 +459,9 @@ TEST(ZeroOptimizer, RefusesBadInputOnEveryRank) {
     auto v1 = base.narrow(0, 0, 6).detach().requires_grad_(), v2 = base.narrow(0, 4, 6).detach().requires_grad_();
     EXPECT_THAT(error_of([&] { ZeroOptimizer::make<ampfuse::FusedAdam>({v1, v2}, torch::optim::AdamOptions(0.1), pg); }),
                 ::testing::HasSubstr("group 0, parameter 1 shares memory with group 0, parameter 0"));
+    // A wrapped optimizer that refuses its options: nothing moved either.
+    EXPECT_THAT(error_of([&] { ZeroOptimizer::make<ampfuse::FusedAdam>({a}, torch::optim::AdamOptions(-1.0), pg); }),
+                ::testing::HasSubstr("learning rate"));
     EXPECT_EQ(a.data_ptr(), before);  // nothing moved
     auto opt = ZeroOptimizer::make<ampfuse::FusedAdam>({a}, torch::optim::AdamOptions(0.1), pg);
     a.mutable_grad() = torch::ones({8}).to_sparse();
@@ -543,6 +553,74 @@ TEST(ZeroOptimizer, ShardedCheckpointResumesBitForBit) {
     for (std::size_t i = 0; i < params.size(); ++i)
       EXPECT_TRUE(bitwise_equal(params[i].detach(), uninterrupted[rank][i])) << "rank " << rank << ", parameter " << i;
   });
+}
+
+// A free TCP port on 127.0.0.1 (bound, read, released).
+std::uint16_t free_port() {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  addr.sin_port = 0;
+  socklen_t len = sizeof(addr);
+  const bool ok = fd >= 0 && bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0 &&
+                  getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0;
+  if (fd >= 0) close(fd);
+  return ok ? ntohs(addr.sin_port) : 0;
+}
+
+// On a GPU (scripts/gpu-check.sh runs it; NOT YET RUN on one): a group made
+// by init_process_group with NCCL, world size 1, and ZeroOptimizer(FusedAdam)
+// over CUDA parameters (reduce-scatter and all-gather through NCCL) under
+// GradScaler with clipping: bit for bit FusedAdam alone, and the steps do
+// not synchronize with the host (CUDA's sync debug mode throws if they do).
+TEST(ZeroOptimizer, CudaNcclWorldOneStepsAsFusedAdamWithoutHostSync) {
+  if (!ampfuse_test::cuda_available()) GTEST_SKIP() << "no CUDA device here; this test runs on a GPU machine";
+#if defined(AMPFUSE_WITH_CUDA)
+  const auto seed = ampfuse_test::seed_for_test();
+  ampfuse::distributed::LaunchEnv env;
+  env.master_port = free_port();
+  ASSERT_NE(env.master_port, 0);
+  const auto group = ampfuse::distributed::init_process_group(env, /*cuda=*/true, std::chrono::seconds(60));
+  const auto cuda = torch::TensorOptions().device(torch::kCUDA);
+  std::vector<torch::Tensor> init, grads;
+  for (const std::int64_t n : {1000, 7, 65537}) init.push_back(torch::randn({n}, cuda));
+  for (int step = 0; step < 4; ++step)
+    for (const auto& t : init) grads.push_back(torch::randn_like(t) * 1024);
+  const auto run = [&](std::vector<torch::Tensor>& params, torch::optim::Optimizer& opt, bool no_sync) {
+    ampfuse::GradScaler scaler(ampfuse::GradScalerOptions().init_scale(1024.0));
+    struct Restore {
+      c10::cuda::SyncDebugMode previous = c10::cuda::warning_state().get_sync_debug_mode();
+      ~Restore() { c10::cuda::warning_state().set_sync_debug_mode(previous); }
+    } restore;
+    for (int step = 0; step < 4; ++step) {
+      for (std::size_t i = 0; i < params.size(); ++i) params[i].mutable_grad() = grads[step * params.size() + i];
+      if (no_sync) c10::cuda::warning_state().set_sync_debug_mode(c10::cuda::SyncDebugMode::L_ERROR);
+      scaler.scale(torch::ones({}, cuda));
+      scaler.clip_grad_norm_(opt, 1.0);
+      scaler.step(opt);
+      scaler.update();
+      c10::cuda::warning_state().set_sync_debug_mode(restore.previous);
+    }
+  };
+  std::vector<torch::Tensor> whole, sharded;
+  for (const auto& t : init) {
+    whole.push_back(t.clone().requires_grad_());
+    sharded.push_back(t.clone().requires_grad_());
+  }
+  ampfuse::FusedAdam ref(whole, torch::optim::AdamOptions(0.01));
+  run(whole, ref, false);
+  auto opt = ZeroOptimizer::make<ampfuse::FusedAdam>(
+      sharded, torch::optim::AdamOptions(0.01), group,
+      ampfuse::distributed::ZeroOptions().skip_params_without_grads(false));  // no flag all-reduce: no sync
+  try {
+    run(sharded, *opt, true);
+  } catch (const c10::Error& e) {
+    FAIL() << "a ZeroOptimizer step under GradScaler synchronized with the host: " << e.what_without_backtrace();
+  }
+  for (std::size_t i = 0; i < whole.size(); ++i)
+    EXPECT_TRUE(bitwise_equal(sharded[i].detach(), whole[i].detach())) << "seed " << seed << ", parameter " << i;
+#endif
 }
 
 }  // namespace
