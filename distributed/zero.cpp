@@ -11,6 +11,7 @@
 #include <torch/serialize/archive.h>
 
 #include <algorithm>
+#include <cstring>
 #include <map>
 #include <sstream>
 #include <string>
@@ -91,6 +92,16 @@ struct ZeroOptimizer::Layout {
   std::vector<Bucket> buckets;
   std::vector<Piece> pieces;
   std::int64_t layout_hash = 0;
+  std::vector<std::size_t> group_sizes;
+  std::vector<std::size_t> param_bucket;
+  std::vector<std::int64_t> param_offset;
+};
+
+// The part of parameter `param` in a rank's shard: elements [lo, hi) of it.
+struct ZeroOptimizer::Span {
+  std::size_t param;
+  std::int64_t lo;
+  std::int64_t hi;
 };
 
 namespace {
@@ -257,6 +268,12 @@ std::shared_ptr<ZeroOptimizer::Layout> ZeroOptimizer::build(std::vector<torch::o
     }
   }
 
+  for (const auto& g : groups) layout->group_sizes.push_back(g.size());
+  layout->param_bucket = param_bucket;
+  layout->param_offset.resize(params.size());
+  for (const Bucket& b : layout->buckets)
+    for (std::size_t m = 0; m < b.members.size(); ++m) layout->param_offset[b.members[m]] = b.offsets[m];
+
   // This rank's pieces, grouped as the parameters were.
   std::vector<torch::optim::OptimizerParamGroup> piece_groups;
   std::size_t k = 0;
@@ -320,7 +337,10 @@ ZeroOptimizer::ZeroOptimizer(std::shared_ptr<Layout> layout)
       params_(std::move(layout->params)),
       buckets_(std::move(layout->buckets)),
       pieces_(std::move(layout->pieces)),
-      layout_hash_(layout->layout_hash) {
+      layout_hash_(layout->layout_hash),
+      group_sizes_(std::move(layout->group_sizes)),
+      param_bucket_(std::move(layout->param_bucket)),
+      param_offset_(std::move(layout->param_offset)) {
   record_versions();
   connect_tensor_sums();
 }
@@ -598,6 +618,186 @@ void ZeroOptimizer::load(torch::serialize::InputArchive& archive) {
   auto& mine = param_groups();
   const auto& theirs = inner_->param_groups();
   for (std::size_t g = 0; g < mine.size(); ++g) mine[g].set_options(theirs[g].options().clone());
+}
+
+// The pieces rank `rank` holds, per group in order, as build() cut them (a
+// group with none holds one empty tensor there, which has no state).
+std::vector<std::vector<ZeroOptimizer::Span>> ZeroOptimizer::spans_of_rank(int rank) const {
+  std::vector<std::vector<Span>> spans(group_sizes_.size());
+  std::size_t k = 0;
+  for (std::size_t g = 0; g < group_sizes_.size(); ++g)
+    for (std::size_t j = 0; j < group_sizes_[g]; ++j, ++k) {
+      const std::int64_t shard = buckets_[param_bucket_[k]].shard, off = param_offset_[k];
+      const std::int64_t lo = std::max(off, rank * shard), hi = std::min(off + params_[k].numel(), (rank + 1) * shard);
+      if (hi > lo) spans[g].push_back({k, lo - off, hi - off});
+    }
+  return spans;
+}
+
+namespace {
+
+std::vector<std::size_t> sizes_of(const std::vector<std::vector<ZeroOptimizer::Span>>& spans) {
+  std::vector<std::size_t> sizes;
+  for (const auto& g : spans) sizes.push_back(std::max<std::size_t>(g.size(), 1));  // the empty tensor
+  return sizes;
+}
+
+// Copies a flat archive of values (a state's or options' fields).
+void copy_fields(torch::serialize::InputArchive& from, torch::serialize::OutputArchive& to,
+                 const std::function<c10::IValue(const std::string&, c10::IValue)>& map = nullptr) {
+  for (const std::string& key : from.keys()) {
+    c10::IValue v;
+    from.read(key, v);
+    to.write(key, map ? map(key, std::move(v)) : v);
+  }
+}
+
+bool per_element(const std::string& key, const c10::IValue& v, std::int64_t numel) {
+  return key != "step" && v.isTensor() && v.toTensor().defined() && v.toTensor().numel() == numel;
+}
+
+std::string key_of(const void* p) { return std::to_string(reinterpret_cast<std::size_t>(p)); }
+
+// LibTorch's optimizer format around `states` (key -> archive) and groups of
+// `keys` with their options.
+void write_optimizer_archive(torch::serialize::OutputArchive& archive,
+                             std::vector<std::pair<std::string, torch::serialize::OutputArchive>>& states,
+                             const std::vector<std::vector<std::string>>& keys,
+                             std::vector<torch::serialize::InputArchive>& options) {
+  archive.write("pytorch_version", c10::IValue("1.5.0"));
+  torch::serialize::OutputArchive state_archive(archive.compilation_unit());
+  for (auto& [key, one] : states) state_archive.write(key, one);
+  archive.write("state", state_archive);
+  torch::serialize::OutputArchive groups(archive.compilation_unit());
+  groups.write("param_groups/size", at::tensor(static_cast<std::int64_t>(keys.size())));
+  for (std::size_t g = 0; g < keys.size(); ++g) {
+    torch::serialize::OutputArchive group(archive.compilation_unit());
+    group.write("params/size", at::tensor(static_cast<std::int64_t>(keys[g].size())));
+    for (std::size_t i = 0; i < keys[g].size(); ++i) group.write("params/" + std::to_string(i), c10::IValue(keys[g][i]));
+    torch::serialize::OutputArchive opts(archive.compilation_unit());
+    copy_fields(options[g], opts);
+    group.write("options", opts);
+    groups.write("param_groups/" + std::to_string(g), group);
+  }
+  archive.write("param_groups", groups);
+}
+
+}  // namespace
+
+void ZeroOptimizer::save_consolidated(torch::serialize::OutputArchive& archive, int root) const {
+  const int world = process_group_->getSize(), rank = process_group_->getRank();
+  TORCH_CHECK(root >= 0 && root < world, kWhere, "save_consolidated: root ", root, " is not a rank of ", world);
+  // Every rank's own checkpoint of its pieces, as bytes, gathered to root.
+  std::string bytes;
+  {
+    torch::serialize::OutputArchive mine;
+    inner_->save(mine);
+    std::ostringstream out;
+    mine.save_to(out);
+    bytes = out.str();
+  }
+  at::Tensor size = at::tensor(std::vector<std::int64_t>{static_cast<std::int64_t>(bytes.size())}, at::kLong);
+  at::Tensor sizes = at::empty({world}, at::kLong);
+  collective(*process_group_, "save_consolidated", [&] { return process_group_->_allgather_base(sizes, size); });
+  const std::int64_t longest = sizes.max().item<std::int64_t>();
+  at::Tensor padded = at::zeros({longest}, at::kByte);
+  std::memcpy(padded.data_ptr(), bytes.data(), bytes.size());
+  std::vector<std::vector<at::Tensor>> outputs;
+  if (rank == root) {
+    outputs.emplace_back();
+    for (int r = 0; r < world; ++r) outputs.back().push_back(at::empty({longest}, at::kByte));
+  }
+  std::vector<at::Tensor> inputs{padded};
+  c10d::GatherOptions gather;
+  gather.rootRank = root;
+  collective(*process_group_, "save_consolidated", [&] { return process_group_->gather(outputs, inputs, gather); });
+  if (rank != root) return;
+
+  // Each parameter's pieces' states, in element order (rank order).
+  struct PieceState {
+    std::int64_t lo, hi;
+    torch::serialize::InputArchive archive;
+  };
+  std::vector<std::vector<PieceState>> of_param(params_.size());
+  std::vector<torch::serialize::InputArchive> options;
+  for (int r = 0; r < world; ++r) {
+    std::istringstream in(std::string(static_cast<const char*>(outputs[0][r].data_ptr()),
+                                      static_cast<std::size_t>(sizes[r].item<std::int64_t>())));
+    torch::serialize::InputArchive theirs;
+    theirs.load_from(in);
+    const auto spans = spans_of_rank(r);
+    sdk::CheckpointLayout layout = sdk::read_checkpoint_layout(theirs, "ZeroOptimizer::save_consolidated", sizes_of(spans));
+    if (r == 0) options = std::move(layout.options);
+    for (auto& saved : layout.states) {
+      if (spans[saved.group].empty()) continue;  // the empty tensor's (it has none)
+      const Span& span = spans[saved.group].at(saved.index);
+      of_param[span.param].push_back({span.lo, span.hi, std::move(saved.archive)});
+    }
+  }
+  std::vector<std::pair<std::string, torch::serialize::OutputArchive>> states;
+  for (std::size_t k = 0; k < params_.size(); ++k) {
+    auto& pieces = of_param[k];
+    if (pieces.empty()) continue;
+    std::sort(pieces.begin(), pieces.end(), [](const PieceState& a, const PieceState& b) { return a.lo < b.lo; });
+    TORCH_CHECK(pieces.front().lo == 0 && pieces.back().hi == params_[k].numel(), kWhere,
+                "save_consolidated: parameter ", k, " has state on some of its pieces only");
+    torch::serialize::OutputArchive whole(archive.compilation_unit());
+    copy_fields(pieces.front().archive, whole, [&](const std::string& key, c10::IValue v) -> c10::IValue {
+      if (!per_element(key, v, pieces.front().hi - pieces.front().lo)) return v;
+      std::vector<at::Tensor> parts;
+      for (auto& piece : pieces) {
+        c10::IValue part;
+        TORCH_CHECK(piece.archive.try_read(key, part) && part.isTensor(), kWhere, "save_consolidated: parameter ", k,
+                    ": a piece has no ", key);
+        parts.push_back(part.toTensor().reshape({-1}));
+      }
+      return at::cat(parts).view(params_[k].sizes());
+    });
+    states.emplace_back(key_of(params_[k].unsafeGetTensorImpl()), std::move(whole));
+  }
+  std::vector<std::vector<std::string>> keys(group_sizes_.size());
+  for (std::size_t g = 0, k = 0; g < group_sizes_.size(); ++g)
+    for (std::size_t j = 0; j < group_sizes_[g]; ++j, ++k) keys[g].push_back(key_of(params_[k].unsafeGetTensorImpl()));
+  write_optimizer_archive(archive, states, keys, options);
+}
+
+void ZeroOptimizer::load_consolidated(torch::serialize::InputArchive& archive) {
+  sdk::CheckpointLayout layout =
+      sdk::read_checkpoint_layout(archive, "ZeroOptimizer::load_consolidated", group_sizes_);
+  // (group, index) -> parameter
+  std::vector<std::size_t> first_of_group(group_sizes_.size() + 1, 0);
+  for (std::size_t g = 0; g < group_sizes_.size(); ++g) first_of_group[g + 1] = first_of_group[g] + group_sizes_[g];
+  std::vector<torch::serialize::InputArchive*> state_of(params_.size(), nullptr);
+  for (auto& saved : layout.states) state_of[first_of_group[saved.group] + saved.index] = &saved.archive;
+
+  // This rank's pieces' part, in the wrapped optimizer's own format.
+  const auto spans = spans_of_rank(process_group_->getRank());
+  const auto& groups = inner_->param_groups();
+  std::vector<std::pair<std::string, torch::serialize::OutputArchive>> states;
+  std::vector<std::vector<std::string>> keys(groups.size());
+  for (std::size_t g = 0; g < groups.size(); ++g) {
+    for (const at::Tensor& piece : groups[g].params()) keys[g].push_back(key_of(piece.unsafeGetTensorImpl()));
+    for (std::size_t i = 0; i < spans[g].size(); ++i) {
+      const Span& span = spans[g][i];
+      torch::serialize::InputArchive* whole = state_of[span.param];
+      if (!whole) continue;
+      torch::serialize::OutputArchive part;
+      copy_fields(*whole, part, [&](const std::string& key, c10::IValue v) -> c10::IValue {
+        if (!per_element(key, v, params_[span.param].numel())) return v;
+        return v.toTensor().reshape({-1}).narrow(0, span.lo, span.hi - span.lo).clone();
+      });
+      states.emplace_back(keys[g][i], std::move(part));
+    }
+  }
+  torch::serialize::OutputArchive mine;
+  write_optimizer_archive(mine, states, keys, layout.options);
+  std::stringstream bytes;
+  mine.save_to(bytes);
+  torch::serialize::InputArchive in;
+  in.load_from(bytes);
+  inner_->load(in);
+  auto& own = param_groups();
+  for (std::size_t g = 0; g < own.size(); ++g) own[g].set_options(inner_->param_groups()[g].options().clone());
 }
 
 }  // namespace ampfuse::distributed

@@ -555,6 +555,116 @@ TEST(ZeroOptimizer, ShardedCheckpointResumesBitForBit) {
   });
 }
 
+std::string to_bytes(const std::function<void(torch::serialize::OutputArchive&)>& save) {
+  torch::serialize::OutputArchive archive;
+  save(archive);
+  std::ostringstream out;
+  archive.save_to(out);
+  return out.str();
+}
+
+torch::serialize::InputArchive from_bytes(const std::string& bytes) {
+  torch::serialize::InputArchive archive;
+  std::istringstream in(bytes);
+  archive.load_from(in);
+  return archive;
+}
+
+// Consolidated checkpoints reshard: FusedAdam (amsgrad in group 1) steps at
+// 4 ranks, is consolidated and loaded at 2, steps, is consolidated again;
+// a one-process checkpoint loads at 3 ranks; the 2-rank one loads into
+// FusedAdam on one process and into torch::optim::Adam. Every rank's grads
+// are the same, so the mean is exact and every run must be bit for bit the
+// one-process run.
+TEST(ZeroOptimizer, ConsolidatedCheckpointsReshardFourToTwoToThree) {
+  const auto seed = ampfuse_test::seed_for_test();
+  const Kind k = kinds()[0];
+  const Scenario s = make_scenario(seed, /*world=*/1, /*inf_step=*/-1);
+  const auto grads_of = [&](int step) { return s.grads[step][0]; };
+  const auto step_with = [&](std::vector<torch::Tensor>& params, torch::optim::Optimizer& opt, int step) {
+    for (std::size_t i = 0; i < params.size(); ++i) params[i].mutable_grad() = grads_of(step)[i];
+    opt.step();
+  };
+  const auto values = [](const std::vector<torch::Tensor>& params) {
+    std::vector<torch::Tensor> v;
+    for (const auto& p : params) v.push_back(p.detach().clone());
+    return v;
+  };
+  const auto params_from = [](const std::vector<torch::Tensor>& v) {
+    std::vector<torch::Tensor> p;
+    for (const auto& t : v) p.push_back(t.clone().requires_grad_());
+    return p;
+  };
+  // One process: values after steps 1, 3 and 5, and its checkpoint after step 3.
+  std::vector<std::vector<torch::Tensor>> ref(6);
+  std::string ref_after_3;
+  {
+    auto params = fresh_params(s);
+    auto opt = k.whole(groups_of(params, k));
+    for (int step = 0; step < 6; ++step) {
+      step_with(params, *opt, step);
+      ref[step] = values(params);
+      if (step == 3) ref_after_3 = to_bytes([&](auto& a) { opt->save(a); });
+    }
+  }
+  std::mutex mutex;
+  std::string at4, at2;
+  on_ranks(4, [&](int rank, const Group& pg) {
+    auto params = fresh_params(s);
+    auto opt = k.zero(groups_of(params, k), pg, {});
+    for (int step = 0; step < 2; ++step) step_with(params, *opt, step);
+    const std::string bytes = to_bytes([&](auto& a) { opt->save_consolidated(a); });
+    const std::lock_guard<std::mutex> lock(mutex);
+    for (std::size_t i = 0; i < params.size(); ++i) EXPECT_TRUE(bitwise_equal(params[i].detach(), ref[1][i]));
+    if (rank == 0) at4 = bytes;
+  });
+  on_ranks(2, [&](int rank, const Group& pg) {
+    auto params = params_from(ref[1]);
+    auto opt = k.zero(groups_of(params, k), pg, {});
+    auto archive = from_bytes(at4);
+    opt->load_consolidated(archive);
+    for (int step = 2; step < 4; ++step) step_with(params, *opt, step);
+    const std::string bytes = to_bytes([&](auto& a) { opt->save_consolidated(a); });
+    const std::lock_guard<std::mutex> lock(mutex);
+    for (std::size_t i = 0; i < params.size(); ++i)
+      EXPECT_TRUE(bitwise_equal(params[i].detach(), ref[3][i])) << "2 ranks, rank " << rank << ", parameter " << i;
+    if (rank == 0) at2 = bytes;
+  });
+  on_ranks(3, [&](int rank, const Group& pg) {
+    auto params = params_from(ref[3]);
+    auto opt = k.zero(groups_of(params, k), pg, {});
+    auto archive = from_bytes(ref_after_3);  // saved by FusedAdam on one process
+    opt->load_consolidated(archive);
+    for (int step = 4; step < 6; ++step) step_with(params, *opt, step);
+    const std::lock_guard<std::mutex> lock(mutex);
+    for (std::size_t i = 0; i < params.size(); ++i)
+      EXPECT_TRUE(bitwise_equal(params[i].detach(), ref[5][i])) << "3 ranks, rank " << rank << ", parameter " << i;
+  });
+  // The 2-rank consolidated checkpoint on one process: FusedAdam resumes bit
+  // for bit; torch::optim::Adam takes it and holds the same moments.
+  auto params = params_from(ref[3]);
+  auto opt = k.whole(groups_of(params, k));
+  auto archive = from_bytes(at2);
+  opt->load(archive);
+  for (int step = 4; step < 6; ++step) step_with(params, *opt, step);
+  for (std::size_t i = 0; i < params.size(); ++i) EXPECT_TRUE(bitwise_equal(params[i].detach(), ref[5][i]));
+  auto plain = params_from(ref[3]);
+  torch::optim::Adam adam(groups_of(plain, k), torch::optim::AdamOptions(0.01));
+  auto again = from_bytes(at2);
+  adam.load(again);
+  EXPECT_EQ(adam.state().size(), 6u);  // every parameter but the empty one
+  const auto& st = static_cast<const torch::optim::AdamParamState&>(*adam.state().at(plain[4].unsafeGetTensorImpl()));
+  EXPECT_EQ(st.step(), 4);
+  EXPECT_EQ(st.exp_avg().sizes(), plain[4].sizes());
+  // A checkpoint of other parameters is refused, changing nothing.
+  on_ranks(2, [&](int, const Group& pg) {
+    auto p = torch::zeros({10}).requires_grad_();
+    auto z = ZeroOptimizer::make<ampfuse::FusedAdam>({p}, torch::optim::AdamOptions(0.01), pg);
+    auto wrong = from_bytes(at2);
+    EXPECT_THAT(error_of([&] { z->load_consolidated(wrong); }), ::testing::HasSubstr("param group"));
+  });
+}
+
 // A free TCP port on 127.0.0.1 (bound, read, released).
 std::uint16_t free_port() {
   const int fd = socket(AF_INET, SOCK_STREAM, 0);

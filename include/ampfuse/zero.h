@@ -25,9 +25,9 @@
 // Elementwise optimizers (FusedAdam, FusedAdamW, FusedSGD, FusedAdagrad,
 // FusedRMSprop, third-party ones like Lion, and torch::optim's Adam, AdamW,
 // SGD, Adagrad, RMSprop) step a piece exactly as they would step the whole
-// parameter. docs/distributed.md has the rules: which ranks call what, what
-// is refused, and what is not built yet (LAMB's per-tensor norms across
-// shards, checkpoints across world sizes).
+// parameter; FusedLAMB's per-tensor norms are summed across the shards (CPU).
+// docs/distributed.md has the rules: which ranks call what, what is refused,
+// checkpoints (sharded, and consolidated for any world size).
 
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/optim/optimizer.h>
@@ -154,6 +154,24 @@ class ZeroOptimizer : public torch::optim::Optimizer, public ScalerAware {
   void save(torch::serialize::OutputArchive& archive) const override;
   void load(torch::serialize::InputArchive& archive) override;
 
+  /// A consolidated checkpoint, gathered to rank `root`: the wrapped
+  /// optimizer's own format (LibTorch's) over the whole parameters, as one
+  /// process stepping them would save it, so that it loads into the wrapped
+  /// optimizer's type over the model's parameters (FusedAdam's also into
+  /// torch::optim::Adam) and, with load_consolidated, into a ZeroOptimizer
+  /// of any world size. Every rank calls it; only root's archive is written.
+  /// A state tensor with a piece's shape is per element and is concatenated
+  /// across the pieces; any other state (a "step" always) is per parameter
+  /// and is taken from the parameter's first piece.
+  void save_consolidated(torch::serialize::OutputArchive& archive, int root = 0) const;
+  /// Every rank calls it with the same one-process checkpoint (from
+  /// save_consolidated at any world size, or saved by the wrapped
+  /// optimizer's type over the whole parameters): each keeps its pieces'
+  /// part (per-element state tensors sliced, the rest copied) and loads it
+  /// through the wrapped optimizer's own load, which refuses a checkpoint
+  /// that does not fit, changing nothing. No collective.
+  void load_consolidated(torch::serialize::InputArchive& archive);
+
   /// The wrapped optimizer, over this rank's pieces.
   torch::optim::Optimizer& inner() { return *inner_; }
   const torch::optim::Optimizer& inner() const { return *inner_; }
@@ -171,6 +189,7 @@ class ZeroOptimizer : public torch::optim::Optimizer, public ScalerAware {
 
   struct Bucket;
   struct Piece;
+  struct Span;
 
  private:
   struct Layout;
@@ -185,6 +204,7 @@ class ZeroOptimizer : public torch::optim::Optimizer, public ScalerAware {
   void adopt_moved_params();
   void record_versions();
   void connect_tensor_sums();
+  std::vector<std::vector<Span>> spans_of_rank(int rank) const;
 
   c10::intrusive_ptr<c10d::ProcessGroup> process_group_;
   ZeroOptions options_;
@@ -196,6 +216,9 @@ class ZeroOptimizer : public torch::optim::Optimizer, public ScalerAware {
   std::vector<std::int64_t> versions_;  // each parameter's version counter after the last step
   std::unordered_map<const c10::TensorImpl*, std::size_t> piece_param_;  // piece -> params_ index
   std::int64_t layout_hash_ = 0;  // the parameters' groups, shapes, dtypes and devices
+  std::vector<std::size_t> group_sizes_;    // parameters per group, as given
+  std::vector<std::size_t> param_bucket_;   // params_ index -> bucket
+  std::vector<std::int64_t> param_offset_;  // params_ index -> first element in its bucket
   bool grads_reduced_ = false;
 };
 
