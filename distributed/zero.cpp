@@ -622,12 +622,19 @@ void ZeroOptimizer::load(torch::serialize::InputArchive& archive) {
 
 // The pieces rank `rank` holds, per group in order, as build() cut them (a
 // group with none holds one empty tensor there, which has no state).
-std::vector<std::vector<ZeroOptimizer::Span>> ZeroOptimizer::spans_of_rank(int rank) const {
+std::vector<std::vector<ZeroOptimizer::Span>> ZeroOptimizer::spans_of_rank(int rank, int world) const {
+  // Each bucket's shard at that world size, as build() computes it.
+  std::vector<std::int64_t> shards;
+  for (const Bucket& b : buckets_) {
+    const std::int64_t align = kAlignBytes / static_cast<std::int64_t>(b.flat_param.element_size());
+    const std::int64_t total = b.offsets.back() + params_[b.members.back()].numel();
+    shards.push_back(round_up((total + world - 1) / world, align));
+  }
   std::vector<std::vector<Span>> spans(group_sizes_.size());
   std::size_t k = 0;
   for (std::size_t g = 0; g < group_sizes_.size(); ++g)
     for (std::size_t j = 0; j < group_sizes_[g]; ++j, ++k) {
-      const std::int64_t shard = buckets_[param_bucket_[k]].shard, off = param_offset_[k];
+      const std::int64_t shard = shards[param_bucket_[k]], off = param_offset_[k];
       const std::int64_t lo = std::max(off, rank * shard), hi = std::min(off + params_[k].numel(), (rank + 1) * shard);
       if (hi > lo) spans[g].push_back({k, lo - off, hi - off});
     }
@@ -712,7 +719,20 @@ void ZeroOptimizer::save_consolidated(torch::serialize::OutputArchive& archive, 
   gather.rootRank = root;
   collective(*process_group_, "save_consolidated", [&] { return process_group_->gather(outputs, inputs, gather); });
   if (rank != root) return;
+  std::vector<torch::serialize::InputArchive> parts(world);
+  for (int r = 0; r < world; ++r) {
+    std::istringstream in(std::string(static_cast<const char*>(outputs[0][r].data_ptr()),
+                                      static_cast<std::size_t>(sizes[r].item<std::int64_t>())));
+    parts[r].load_from(in);
+  }
+  consolidate(parts, archive);
+}
 
+// The one-process checkpoint of the whole parameters, from every rank's own
+// checkpoint of its pieces at a world size of parts.size().
+void ZeroOptimizer::consolidate(std::vector<torch::serialize::InputArchive>& parts,
+                                torch::serialize::OutputArchive& archive) const {
+  const int world = static_cast<int>(parts.size());
   // Each parameter's pieces' states, in element order (rank order).
   struct PieceState {
     std::int64_t lo, hi;
@@ -721,12 +741,9 @@ void ZeroOptimizer::save_consolidated(torch::serialize::OutputArchive& archive, 
   std::vector<std::vector<PieceState>> of_param(params_.size());
   std::vector<torch::serialize::InputArchive> options;
   for (int r = 0; r < world; ++r) {
-    std::istringstream in(std::string(static_cast<const char*>(outputs[0][r].data_ptr()),
-                                      static_cast<std::size_t>(sizes[r].item<std::int64_t>())));
-    torch::serialize::InputArchive theirs;
-    theirs.load_from(in);
-    const auto spans = spans_of_rank(r);
-    sdk::CheckpointLayout layout = sdk::read_checkpoint_layout(theirs, "ZeroOptimizer::save_consolidated", sizes_of(spans));
+    torch::serialize::InputArchive& theirs = parts[r];
+    const auto spans = spans_of_rank(r, world);
+    sdk::CheckpointLayout layout = sdk::read_checkpoint_layout(theirs, "ZeroOptimizer: consolidating", sizes_of(spans));
     if (r == 0) options = std::move(layout.options);
     for (auto& saved : layout.states) {
       if (spans[saved.group].empty()) continue;  // the empty tensor's (it has none)
@@ -740,14 +757,14 @@ void ZeroOptimizer::save_consolidated(torch::serialize::OutputArchive& archive, 
     if (pieces.empty()) continue;
     std::sort(pieces.begin(), pieces.end(), [](const PieceState& a, const PieceState& b) { return a.lo < b.lo; });
     TORCH_CHECK(pieces.front().lo == 0 && pieces.back().hi == params_[k].numel(), kWhere,
-                "save_consolidated: parameter ", k, " has state on some of its pieces only");
+                "consolidating: parameter ", k, " has state on some of its pieces only");
     torch::serialize::OutputArchive whole(archive.compilation_unit());
     copy_fields(pieces.front().archive, whole, [&](const std::string& key, c10::IValue v) -> c10::IValue {
       if (!per_element(key, v, pieces.front().hi - pieces.front().lo)) return v;
       std::vector<at::Tensor> parts;
       for (auto& piece : pieces) {
         c10::IValue part;
-        TORCH_CHECK(piece.archive.try_read(key, part) && part.isTensor(), kWhere, "save_consolidated: parameter ", k,
+        TORCH_CHECK(piece.archive.try_read(key, part) && part.isTensor(), kWhere, "consolidating: parameter ", k,
                     ": a piece has no ", key);
         parts.push_back(part.toTensor().reshape({-1}));
       }
@@ -771,7 +788,7 @@ void ZeroOptimizer::load_consolidated(torch::serialize::InputArchive& archive) {
   for (auto& saved : layout.states) state_of[first_of_group[saved.group] + saved.index] = &saved.archive;
 
   // This rank's pieces' part, in the wrapped optimizer's own format.
-  const auto spans = spans_of_rank(process_group_->getRank());
+  const auto spans = spans_of_rank(process_group_->getRank(), process_group_->getSize());
   const auto& groups = inner_->param_groups();
   std::vector<std::pair<std::string, torch::serialize::OutputArchive>> states;
   std::vector<std::vector<std::string>> keys(groups.size());
@@ -798,6 +815,39 @@ void ZeroOptimizer::load_consolidated(torch::serialize::InputArchive& archive) {
   inner_->load(in);
   auto& own = param_groups();
   for (std::size_t g = 0; g < own.size(); ++g) own[g].set_options(inner_->param_groups()[g].options().clone());
+}
+
+void ZeroOptimizer::load_sharded(std::vector<torch::serialize::InputArchive>& parts) {
+  const auto read_int = [&](torch::serialize::InputArchive& a, const char* key, std::size_t i) {
+    c10::IValue v;
+    TORCH_CHECK(a.try_read(key, v) && v.isInt(), kWhere, "load_sharded: part ", i, " has no ", key,
+                " (it is not a ZeroOptimizer checkpoint)");
+    return v.toInt();
+  };
+  const auto world = static_cast<std::int64_t>(parts.size());
+  TORCH_CHECK(world > 0, kWhere, "load_sharded: no parts");
+  std::vector<torch::serialize::InputArchive> inner(parts.size());
+  std::vector<bool> seen(parts.size(), false);
+  for (std::size_t i = 0; i < parts.size(); ++i) {
+    const std::int64_t their_world = read_int(parts[i], "ampfuse_zero/world_size", i);
+    const std::int64_t rank = read_int(parts[i], "ampfuse_zero/rank", i);
+    TORCH_CHECK(their_world == world, kWhere, "load_sharded: part ", i, " is one of ", their_world,
+                " ranks' parts, but ", world, " parts were given (pass every rank's part)");
+    TORCH_CHECK(rank >= 0 && rank < world && !seen[rank], kWhere, "load_sharded: rank ", rank,
+                "'s part is given twice, or is out of range");
+    seen[rank] = true;
+    TORCH_CHECK(read_int(parts[i], "ampfuse_zero/layout", i) == layout_hash_, kWhere, "load_sharded: part ", i,
+                " was saved for other parameters (groups, shapes, dtypes or devices differ)");
+    TORCH_CHECK(parts[i].try_read("ampfuse_zero/inner", inner[rank]), kWhere, "load_sharded: part ", i,
+                " has no ampfuse_zero/inner");
+  }
+  torch::serialize::OutputArchive whole;
+  consolidate(inner, whole);
+  std::stringstream bytes;
+  whole.save_to(bytes);
+  torch::serialize::InputArchive in;
+  in.load_from(bytes);
+  load_consolidated(in);
 }
 
 }  // namespace ampfuse::distributed

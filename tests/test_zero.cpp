@@ -570,8 +570,9 @@ torch::serialize::InputArchive from_bytes(const std::string& bytes) {
   return archive;
 }
 
-// Consolidated checkpoints reshard: FusedAdam (amsgrad in group 1) steps at
-// 4 ranks, is consolidated and loaded at 2, steps, is consolidated again;
+// Checkpoints reshard: FusedAdam (amsgrad in group 1) steps at 4 ranks, is
+// consolidated and loaded at 2 (and its 4 sharded parts at 3), steps, is
+// consolidated again;
 // a one-process checkpoint loads at 3 ranks; the 2-rank one loads into
 // FusedAdam on one process and into torch::optim::Adam. Every rank's grads
 // are the same, so the mean is exact and every run must be bit for bit the
@@ -609,14 +610,32 @@ TEST(ZeroOptimizer, ConsolidatedCheckpointsReshardFourToTwoToThree) {
   }
   std::mutex mutex;
   std::string at4, at2;
+  std::vector<std::string> parts4(4);
   on_ranks(4, [&](int rank, const Group& pg) {
     auto params = fresh_params(s);
     auto opt = k.zero(groups_of(params, k), pg, {});
     for (int step = 0; step < 2; ++step) step_with(params, *opt, step);
     const std::string bytes = to_bytes([&](auto& a) { opt->save_consolidated(a); });
+    const std::string part = to_bytes([&](auto& a) { opt->save(a); });
     const std::lock_guard<std::mutex> lock(mutex);
     for (std::size_t i = 0; i < params.size(); ++i) EXPECT_TRUE(bitwise_equal(params[i].detach(), ref[1][i]));
     if (rank == 0) at4 = bytes;
+    parts4[rank] = part;
+  });
+  // The 4 ranks' sharded parts, every one, loaded at 3 ranks.
+  on_ranks(3, [&](int rank, const Group& pg) {
+    auto params = params_from(ref[1]);
+    auto opt = k.zero(groups_of(params, k), pg, {});
+    std::vector<torch::serialize::InputArchive> three;
+    for (int r : {2, 0, 1}) three.push_back(from_bytes(parts4[r]));
+    EXPECT_THAT(error_of([&] { opt->load_sharded(three); }), ::testing::HasSubstr("pass every rank's part"));
+    std::vector<torch::serialize::InputArchive> all;
+    for (int r : {3, 1, 0, 2}) all.push_back(from_bytes(parts4[r]));
+    opt->load_sharded(all);
+    for (int step = 2; step < 4; ++step) step_with(params, *opt, step);
+    const std::lock_guard<std::mutex> lock(mutex);
+    for (std::size_t i = 0; i < params.size(); ++i)
+      EXPECT_TRUE(bitwise_equal(params[i].detach(), ref[3][i])) << "sharded 4 -> 3, rank " << rank << ", parameter " << i;
   });
   on_ranks(2, [&](int rank, const Group& pg) {
     auto params = params_from(ref[1]);

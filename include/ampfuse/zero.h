@@ -148,11 +148,18 @@ class ZeroOptimizer : public torch::optim::Optimizer, public ScalerAware {
   void zero_grad(bool set_to_none = true);
 
   /// A sharded checkpoint: this rank's part (the wrapped optimizer's state
-  /// of its pieces) and the layout it belongs to. It loads into a
+  /// of its pieces) and the layout it belongs to. load() takes it into a
   /// ZeroOptimizer with the same world size, rank and parameters; anything
-  /// else is refused, naming what differs, before anything changes.
+  /// else is refused, naming what differs, before anything changes. At
+  /// another world size, load_sharded() takes every rank's part.
   void save(torch::serialize::OutputArchive& archive) const override;
   void load(torch::serialize::InputArchive& archive) override;
+  /// Every rank's sharded checkpoint (save()) from a run at any world size,
+  /// all of them, in any order: each rank of this one keeps its pieces' part
+  /// (as load_consolidated does with the checkpoint they make together).
+  /// Refused, naming the part, when a part is missing or given twice, or was
+  /// saved for other parameters. No collective.
+  void load_sharded(std::vector<torch::serialize::InputArchive>& parts);
 
   /// A consolidated checkpoint, gathered to rank `root`: the wrapped
   /// optimizer's own format (LibTorch's) over the whole parameters, as one
@@ -204,7 +211,8 @@ class ZeroOptimizer : public torch::optim::Optimizer, public ScalerAware {
   void adopt_moved_params();
   void record_versions();
   void connect_tensor_sums();
-  std::vector<std::vector<Span>> spans_of_rank(int rank) const;
+  std::vector<std::vector<Span>> spans_of_rank(int rank, int world) const;
+  void consolidate(std::vector<torch::serialize::InputArchive>& parts, torch::serialize::OutputArchive& archive) const;
 
   c10::intrusive_ptr<c10d::ProcessGroup> process_group_;
   ZeroOptions options_;
