@@ -4,7 +4,8 @@
 // Gloo), steps its part of one model under a GradScaler across the ranks
 // (tests/sharded_model.h: FusedAdam with clipping, then torch::optim::SGD
 // with unscale_, an inf on one rank at step 3) and checks every step against
-// the whole model stepped in this process alone. Exit status 0 when all
+// the whole model stepped in this process alone; then ZeroOptimizer(FusedAdam)
+// over the whole model, data parallel, against FusedAdam in this process. Exit status 0 when all
 // agree; every collective times out after 30 s.
 
 #include <ampfuse/ampfuse.h>
@@ -29,6 +30,10 @@ int main() {
       for (const auto& e : errors) std::fprintf(stderr, "%s\n", e.c_str());
       failures += errors.size();
     }
+    // Data parallelism with the optimizer state sharded (ZeroOptimizer).
+    const auto zero_errors = sharded::check_zero_rank(model, env.rank, env.world_size, group);
+    for (const auto& e : zero_errors) std::fprintf(stderr, "%s\n", e.c_str());
+    failures += zero_errors.size();
     group->barrier()->wait();  // no rank leaves while another still reduces
     std::printf("rank %d of %d (seed %llu): %s\n", env.rank, env.world_size, static_cast<unsigned long long>(seed),
                 failures == 0 ? "stepped as one process" : "differs from one process");

@@ -7,6 +7,7 @@
 // GoogleTest here: mismatches come back as messages.
 
 #include <ampfuse/ampfuse.h>
+#include <ampfuse/zero.h>
 
 #include <cmath>
 #include <limits>
@@ -114,6 +115,56 @@ inline std::vector<std::string> check_rank(const Model& model, const Flow& flow,
     for (std::size_t j = 0; j < held.size(); ++j) {
       const double diff = (got.params[s][j] - expected.params[s][held[j]]).abs().max().item<double>();
       if (!(diff <= 1e-6)) errors.push_back(where + "param " + std::to_string(held[j]) + " differs by " + std::to_string(diff));
+    }
+  }
+  return errors;
+}
+
+/// Data parallelism with ZeroOptimizer(FusedAdam): every rank holds the
+/// whole model and the same grads (so their mean is the grads, up to the
+/// rounding of the sum); each step of every rank, under a GradScaler with
+/// clipping, must match one process stepping FusedAdam on those grads, to
+/// 1e-6. Returns what differs.
+inline std::vector<std::string> check_zero_rank(const Model& model, int rank, int world,
+                                                const c10::intrusive_ptr<c10d::ProcessGroup>& group) {
+  const auto options = torch::optim::AdamOptions(0.01).weight_decay(0.01);
+  const auto step_all = [&](std::vector<torch::Tensor>& params, torch::optim::Optimizer& opt,
+                            ampfuse::GradScaler& scaler, std::size_t s, bool mean_here) {
+    const float scale = static_cast<float>(scaler.get_scale());
+    for (std::size_t k = 0; k < params.size(); ++k) {
+      torch::Tensor g = model.grads[s][k] * scale;
+      if (mean_here) {  // what the ranks' all-reduce makes of `world` copies
+        torch::Tensor sum = g.clone();
+        for (int r = 1; r < world; ++r) sum += g;
+        g = world > 1 ? sum / world : sum;
+      }
+      params[k].mutable_grad() = g;
+    }
+    scaler.scale(torch::ones({}));
+    scaler.clip_grad_norm_(opt, 50.0);
+    scaler.step(opt);
+    scaler.update();
+  };
+  std::vector<torch::Tensor> whole, mine;
+  for (const auto& p : model.params) {
+    whole.push_back(p.detach().clone().requires_grad_());
+    mine.push_back(p.detach().clone().requires_grad_());
+  }
+  ampfuse::FusedAdam ref(whole, options);
+  auto zero = ampfuse::distributed::ZeroOptimizer::make<ampfuse::FusedAdam>(mine, options, group);
+  ampfuse::GradScaler ref_scaler(scaler_options()), scaler(scaler_options());
+  std::vector<std::string> errors;
+  const std::string who = "ZeroOptimizer, rank " + std::to_string(rank) + " of " + std::to_string(world);
+  for (std::size_t s = 0; s < model.grads.size(); ++s) {
+    step_all(whole, ref, ref_scaler, s, /*mean_here=*/true);
+    step_all(mine, *zero, scaler, s, /*mean_here=*/false);
+    const std::string where = who + ", step " + std::to_string(s) + ": ";
+    if (scaler.get_scale() != ref_scaler.get_scale())
+      errors.push_back(where + "scale " + std::to_string(scaler.get_scale()) + ", one process " +
+                       std::to_string(ref_scaler.get_scale()));
+    for (std::size_t k = 0; k < whole.size(); ++k) {
+      const double diff = (mine[k].detach() - whole[k].detach()).abs().max().item<double>();
+      if (!(diff <= 1e-6)) errors.push_back(where + "param " + std::to_string(k) + " differs by " + std::to_string(diff));
     }
   }
   return errors;

@@ -59,6 +59,19 @@ TEST(DistributedGradScaler, ShardedRanksStepAsOneProcessClassicPath) {
   }
 }
 
+// The same model data parallel with ZeroOptimizer(FusedAdam) (the scenario
+// tests/dist_rank.cpp runs as processes): every rank as one process.
+TEST(DistributedGradScaler, ZeroOptimizerDataParallelStepsAsOneProcess) {
+  const auto seed = ampfuse_test::seed_for_test();
+  const sharded::Model model = sharded::make_model(seed, /*steps=*/8, /*inf_step=*/3);
+  for (int world = 1; world <= 4; ++world) {
+    SCOPED_TRACE("world " + std::to_string(world));
+    on_ranks(world, [&](int rank, const c10::intrusive_ptr<c10d::ProcessGroup>& group) {
+      for (const std::string& e : sharded::check_zero_rank(model, rank, world, group)) ADD_FAILURE() << e;
+    });
+  }
+}
+
 // A rank whose parameters have no grads this step, and a rank whose
 // optimizer has no parameters, join the all-reduce: an inf on rank 0 skips
 // every rank, and nothing hangs or is refused for lack of grads.

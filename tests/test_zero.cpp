@@ -95,10 +95,11 @@ struct Scenario {
 
 torch::Dtype dtype_of(std::size_t i) { return i == 6 ? torch::kDouble : torch::kFloat; }
 
-Scenario make_scenario(std::uint64_t seed, int world, int inf_step = 3) {
+Scenario make_scenario(std::uint64_t seed, int world, int inf_step = 3, int steps = 6) {
   Scenario s;
   s.world = world;
   s.inf_step = inf_step;
+  s.steps = steps;
   torch::manual_seed(seed);
   for (std::size_t i = 0; i < kShapes.size(); ++i) s.init.push_back(torch::randn(kShapes[i], dtype_of(i)));
   for (int step = 0; step < s.steps; ++step) {
@@ -178,8 +179,8 @@ std::vector<std::vector<torch::Tensor>> reference(const Scenario& s, const Kind&
 }
 
 void expect_zero_matches_one_process(const Kind& k, int world, std::uint64_t seed, std::vector<int> clip_steps,
-                                     ampfuse::distributed::ZeroOptions options = {}) {
-  Scenario s = make_scenario(seed, world);
+                                     ampfuse::distributed::ZeroOptions options = {}, int steps = 6) {
+  Scenario s = make_scenario(seed, world, /*inf_step=*/3, steps);
   s.clip_steps = std::move(clip_steps);
   const auto expected = reference(s, k);
   std::mutex mutex;
@@ -228,6 +229,21 @@ TEST(ZeroOptimizer, StepsAsOneProcessOnTheAveragedGrads) {
         expect_zero_matches_one_process(k, world, seed, {},
                                         ampfuse::distributed::ZeroOptions().collectives(collectives));
       }
+}
+
+// 50 steps (an inf at step 3) of FusedAdam, FusedSGD and FusedLAMB at 2 and
+// 4 ranks: bit for bit one process (LAMB within 1e-6).
+TEST(ZeroOptimizer, FiftyStepsAsOneProcess) {
+  const auto seed = ampfuse_test::seed_for_test();
+  auto all = kinds();
+  Kind lamb = kind<ampfuse::FusedLAMB>("FusedLAMB", ampfuse::FusedLAMBOptions(0.01).weight_decay(0.01),
+                                       ampfuse::FusedLAMBOptions(0.02).weight_decay(0.1));
+  lamb.exact = false;
+  for (const Kind* k : {&all[0], &all[2], &lamb})
+    for (int world : {2, 4}) {
+      SCOPED_TRACE(k->name + ", world " + std::to_string(world));
+      expect_zero_matches_one_process(*k, world, seed, {}, {}, /*steps=*/50);
+    }
 }
 
 // Clipping by the global norm (GradScaler sums the shards' squares across
