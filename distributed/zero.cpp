@@ -4,6 +4,7 @@
 
 #include "ampfuse/zero.h"
 
+#include "ampfuse/fused_adam.h"
 #include "ampfuse/sdk/optimizer.h"
 
 #include <ATen/ATen.h>
@@ -307,6 +308,14 @@ std::shared_ptr<ZeroOptimizer::Layout> ZeroOptimizer::build(std::vector<torch::o
   TORCH_CHECK(layout->inner, kWhere, "the factory returned no optimizer");
   TORCH_CHECK(layout->inner->param_groups().size() == groups.size(), kWhere, "the wrapped optimizer has ",
               layout->inner->param_groups().size(), " parameter groups, expected ", groups.size());
+  // 8-bit moments decide per parameter on its whole numel and code blocks of
+  // it; on pieces both would depend on the sharding.
+  const FusedAdamOptions* adam = nullptr;
+  if (auto* a = dynamic_cast<const FusedAdam*>(layout->inner.get())) adam = &a->fused_options();
+  if (auto* a = dynamic_cast<const FusedAdamW*>(layout->inner.get())) adam = &a->fused_options();
+  TORCH_CHECK(adam == nullptr || !adam->moments_8bit(), kWhere,
+              "FusedAdam with moments_8bit is not supported under ZeroOptimizer yet (its blocks would follow the "
+              "shards); use 32-bit moments, or moments_8bit without sharding");
   // Nothing can fail from here: each parameter becomes a view of its bucket
   // (same TensorImpl, autograd identity and version counter).
   for (Bucket& b : layout->buckets)

@@ -4,6 +4,7 @@
 
 #include "ampfuse/sdk/cpu.h"
 #include "fused/adagrad/adagrad_cpu.h"
+#include "fused/adam/adam8_cpu.h"
 #include "fused/adam/adam_cpu.h"
 #include "fused/lamb/lamb_cpu.h"
 #include "fused/rmsprop/rmsprop_cpu.h"
@@ -14,6 +15,8 @@ using sdk::cpu::pick_isa;
 
 AdagradFn adagrad_kernel() { return pick_isa(avx512::kAdagrad, avx2::kAdagrad, baseline::kAdagrad); }
 AdamFn adam_kernel() { return pick_isa(avx512::kAdam, avx2::kAdam, baseline::kAdam); }
+Adam8Fn adam8_kernel() { return pick_isa(avx512::kAdam8, avx2::kAdam8, baseline::kAdam8); }
+Quant8Fn quant8_kernel() { return pick_isa(avx512::kQuant8, avx2::kQuant8, baseline::kQuant8); }
 LambFn lamb_moments_kernel() { return pick_isa(avx512::kLambMoments, avx2::kLambMoments, baseline::kLambMoments); }
 LambFn lamb_apply_kernel() { return pick_isa(avx512::kLambApply, avx2::kLambApply, baseline::kLambApply); }
 RmspropFn rmsprop_kernel() { return pick_isa(avx512::kRmsprop, avx2::kRmsprop, baseline::kRmsprop); }

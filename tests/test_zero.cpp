@@ -479,6 +479,13 @@ TEST(ZeroOptimizer, RefusesBadInputOnEveryRank) {
     EXPECT_THAT(error_of([&] { ZeroOptimizer::make<ampfuse::FusedAdam>({a}, torch::optim::AdamOptions(-1.0), pg); }),
                 ::testing::HasSubstr("learning rate"));
     EXPECT_EQ(a.data_ptr(), before);  // nothing moved
+    // 8-bit moments would code blocks of the shards: refused, before anything moved.
+    EXPECT_THAT(error_of([&] {
+                  ZeroOptimizer::make<ampfuse::FusedAdamW>({a}, torch::optim::AdamWOptions(0.1), pg, {},
+                                                           ampfuse::FusedAdamOptions().moments_8bit(true));
+                }),
+                ::testing::HasSubstr("FusedAdam with moments_8bit is not supported under ZeroOptimizer"));
+    EXPECT_EQ(a.data_ptr(), before);
     auto opt = ZeroOptimizer::make<ampfuse::FusedAdam>({a}, torch::optim::AdamOptions(0.1), pg);
     a.mutable_grad() = torch::ones({8}).to_sparse();
     EXPECT_THAT(error_of([&] { opt->step(); }), ::testing::HasSubstr("parameter 0: its grad is Sparse"));

@@ -4,16 +4,20 @@
 #include "ampfuse/fused_adam.h"
 
 #include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 #include <ATen/ops/full.h>
 #include <ATen/ops/zeros.h>
 #include <ATen/ops/zeros_like.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <memory>
 #include <tuple>
 
 #include "ampfuse/tensor_ops.h"
 #include "contract/cpu/kernels.h"
+#include "fused/adam/adam8_cpu.h"
 #include "fused/adam/adam_cpu.h"
 
 #if defined(AMPFUSE_WITH_CUDA)
@@ -30,13 +34,27 @@ template <class BaseState>
 void FusedAdamParamStateT<BaseState>::serialize(torch::serialize::OutputArchive& archive) const {
   sdk::save_counted<BaseState>(*this, archive);
   if (master().defined()) archive.write("master", master());
+  for (const auto& [key, t] : {std::pair<const char*, const at::Tensor*>{"exp_avg_8bit", &exp_avg_8bit()},
+                                {"exp_avg_absmax", &exp_avg_absmax()},
+                                {"exp_avg_sq_8bit", &exp_avg_sq_8bit()},
+                                {"exp_avg_sq_absmax", &exp_avg_sq_absmax()}})
+    if (t->defined()) archive.write(key, *t);
 }
 
 template <class BaseState>
 void FusedAdamParamStateT<BaseState>::serialize(torch::serialize::InputArchive& archive) {
   BaseState::serialize(archive);
-  at::Tensor saved;
-  if (archive.try_read("master", saved)) master(saved);
+  // A fresh tensor per key: try_read into a defined tensor would set_ it in place.
+  auto read = [&archive](const char* key) {
+    at::Tensor saved;
+    archive.try_read(key, saved);
+    return saved;
+  };
+  if (at::Tensor t = read("master"); t.defined()) master(t);
+  exp_avg_8bit(read("exp_avg_8bit"));
+  exp_avg_absmax(read("exp_avg_absmax"));
+  exp_avg_sq_8bit(read("exp_avg_sq_8bit"));
+  exp_avg_sq_absmax(read("exp_avg_sq_absmax"));
 }
 
 template struct FusedAdamParamStateT<torch::optim::AdamParamState>;
@@ -63,7 +81,106 @@ c10::ScalarType state_dtype(const at::Tensor& p, const FusedAdamOptions& fused) 
 
 constexpr const char* optimizer_name(bool decoupled) { return decoupled ? "FusedAdamW" : "FusedAdam"; }
 
+// Whether a parameter's moments are 8-bit under these options: decided on
+// the parameter's numel alone.
+bool coded_8bit(const at::Tensor& p, const FusedAdamOptions& fused) {
+  return fused.moments_8bit() && p.numel() >= fused::kMin8bitNumel;
+}
+
+template <class State>
+bool holds_coded(const State& s) {
+  return s.exp_avg_8bit().defined() || s.exp_avg_absmax().defined() || s.exp_avg_sq_8bit().defined() ||
+         s.exp_avg_sq_absmax().defined();
+}
+
+// exp_avg / exp_avg_sq into codes (the parameter's strides: the moments have them).
+template <class State>
+void code_moments(State& s) {
+  Coded8 m = quantize_8bit(s.exp_avg(), Moment8::kExpAvg);
+  Coded8 v = quantize_8bit(s.exp_avg_sq(), Moment8::kExpAvgSq);
+  s.exp_avg_8bit(std::move(m.codes));
+  s.exp_avg_absmax(std::move(m.absmax));
+  s.exp_avg_sq_8bit(std::move(v.codes));
+  s.exp_avg_sq_absmax(std::move(v.absmax));
+  s.exp_avg(at::Tensor());
+  s.exp_avg_sq(at::Tensor());
+}
+
+// The codes back into exp_avg / exp_avg_sq of `dtype`.
+template <class State>
+void decode_moments(State& s, c10::ScalarType dtype) {
+  s.exp_avg(dequantize_8bit(s.exp_avg_8bit(), s.exp_avg_absmax(), Moment8::kExpAvg).to(dtype));
+  s.exp_avg_sq(dequantize_8bit(s.exp_avg_sq_8bit(), s.exp_avg_sq_absmax(), Moment8::kExpAvgSq).to(dtype));
+  s.exp_avg_8bit(at::Tensor());
+  s.exp_avg_absmax(at::Tensor());
+  s.exp_avg_sq_8bit(at::Tensor());
+  s.exp_avg_sq_absmax(at::Tensor());
+}
+
+void check_codes(const at::Tensor& codes, const at::Tensor& absmax, const at::Tensor& p, const char* name,
+                 const char* codes_key, const char* absmax_key, std::size_t g, std::size_t i) {
+  sdk::check_required_state_tensor(codes, p, at::kByte, name, codes_key, g, i);
+  TORCH_CHECK(absmax.defined(), name, ": param group ", g, ", param ", i, ": state ", absmax_key, " is missing (", codes_key,
+              " is there; a damaged checkpoint?)");
+  const std::int64_t blocks = fused::quant_blocks(p.numel());
+  TORCH_CHECK(absmax.dim() == 1 && absmax.numel() == blocks && absmax.scalar_type() == at::kFloat &&
+                  absmax.device() == p.device() && absmax.is_contiguous(),
+              name, ": param group ", g, ", param ", i, ": state ", absmax_key, " has shape ", absmax.sizes(), ", dtype ",
+              absmax.scalar_type(), " on ", absmax.device(), " but ", name, " keeps it contiguous with shape [", blocks,
+              "], dtype Float on ", p.device(), " (one per 256 elements)");
+  // A negative absmax would decode a negative second moment (and its sqrt to NaN).
+  if (absmax.is_cpu()) {
+    const float* a = absmax.data_ptr<float>();
+    for (std::int64_t b = 0; b < blocks; ++b)
+      TORCH_CHECK(!(a[b] < 0.0f), name, ": param group ", g, ", param ", i, ": state ", absmax_key, " holds ", a[b],
+                  " at block ", b, "; an absmax is never negative (a damaged checkpoint?)");
+  }
+}
+
 }  // namespace
+
+Coded8 quantize_8bit(const at::Tensor& x, Moment8 which) {
+  TORCH_CHECK(x.defined() && x.layout() == at::kStrided && at::isFloatingType(x.scalar_type()),
+              "quantize_8bit: x must be a strided floating-point tensor");
+  at::Tensor src = at::empty_like(x, x.options().dtype(at::kFloat).device(at::kCPU), at::MemoryFormat::Preserve);
+  src.copy_(x);
+  const std::int64_t n = src.numel(), blocks = fused::quant_blocks(n);
+  Coded8 out{at::empty_like(src, src.options().dtype(at::kByte), at::MemoryFormat::Preserve),
+             at::empty({blocks}, src.options())};
+  const fused::cpu::Quant8Args args{src.data_ptr<float>(), out.codes.data_ptr<std::uint8_t>(),
+                                    out.absmax.data_ptr<float>(), n, which == Moment8::kExpAvg};
+  const fused::cpu::Quant8Fn kernel = fused::cpu::quant8_kernel();
+  at::parallel_for(0, blocks, 256, [&](std::int64_t b, std::int64_t e) {
+    const sdk::cpu::FlushSubnormals flush;
+    kernel(args, b, e);
+  });
+  if (!x.is_cpu()) {
+    out.codes = out.codes.to(x.device());
+    out.absmax = out.absmax.to(x.device());
+  }
+  return out;
+}
+
+at::Tensor dequantize_8bit(const at::Tensor& codes_in, const at::Tensor& absmax_in, Moment8 which) {
+  TORCH_CHECK(codes_in.defined() && absmax_in.defined() && codes_in.scalar_type() == at::kByte &&
+                  absmax_in.scalar_type() == at::kFloat && absmax_in.dim() == 1 &&
+                  absmax_in.numel() == fused::quant_blocks(codes_in.numel()) && codes_in.is_non_overlapping_and_dense(),
+              "dequantize_8bit: codes must be a dense Byte tensor and absmax a Float vector of one element per 256 codes");
+  const at::Tensor codes = codes_in.cpu(), absmax = absmax_in.cpu().contiguous();
+  at::Tensor out = at::empty_like(codes, codes.options().dtype(at::kFloat), at::MemoryFormat::Preserve);
+  const std::uint8_t* c = codes.data_ptr<std::uint8_t>();
+  const float* a = absmax.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  const bool is_signed = which == Moment8::kExpAvg;
+  at::parallel_for(0, codes.numel(), 1 << 16, [&](std::int64_t b, std::int64_t e) {
+    const sdk::cpu::FlushSubnormals flush;  // as the step decodes
+    for (std::int64_t k = b; k < e; ++k) {
+      const float scale = a[k / fused::kQuantBlock];
+      o[k] = is_signed ? fused::decode8<fused::SignedMap8>(c[k], scale) : fused::decode8<fused::UnsignedMap8>(c[k], scale);
+    }
+  });
+  return codes_in.is_cpu() ? out : out.to(codes_in.device());
+}
 
 namespace detail {
 
@@ -77,8 +194,16 @@ void FusedAdamImpl<Base, Options, State, kDecoupled>::check_state(const at::Tens
                                                                   std::size_t g, std::size_t i) const {
   const c10::ScalarType dtype = state_dtype(p, fused_);
   sdk::check_state_step(st.step(), name(), g, i);
-  sdk::check_required_state_tensor(st.exp_avg(), p, dtype, name(), "exp_avg", g, i);
-  sdk::check_required_state_tensor(st.exp_avg_sq(), p, dtype, name(), "exp_avg_sq", g, i);
+  if (holds_coded(st)) {
+    // 8-bit moments (of this optimizer, or of a checkpoint: the step codes or decodes them as its options ask).
+    TORCH_CHECK(!st.exp_avg().defined() && !st.exp_avg_sq().defined(), name(), ": param group ", g, ", param ", i,
+                ": state holds both exp_avg and exp_avg_8bit; it keeps one or the other (a damaged checkpoint?)");
+    check_codes(st.exp_avg_8bit(), st.exp_avg_absmax(), p, name(), "exp_avg_8bit", "exp_avg_absmax", g, i);
+    check_codes(st.exp_avg_sq_8bit(), st.exp_avg_sq_absmax(), p, name(), "exp_avg_sq_8bit", "exp_avg_sq_absmax", g, i);
+  } else {
+    sdk::check_required_state_tensor(st.exp_avg(), p, dtype, name(), "exp_avg", g, i);
+    sdk::check_required_state_tensor(st.exp_avg_sq(), p, dtype, name(), "exp_avg_sq", g, i);
+  }
   sdk::check_state_tensor(st.max_exp_avg_sq(), p, dtype, name(), "max_exp_avg_sq", g, i);
   sdk::check_state_tensor(st.master(), p, at::kFloat, name(), "master", g, i);
   sdk::check_device_step(st.device_step(), p, name(), g, i);
@@ -86,6 +211,18 @@ void FusedAdamImpl<Base, Options, State, kDecoupled>::check_state(const at::Tens
 
 template <class Base, class Options, class State, bool kDecoupled>
 void FusedAdamImpl<Base, Options, State, kDecoupled>::check_entries(const std::vector<sdk::Entry>& entries) const {
+  if (fused_.moments_8bit()) {
+    TORCH_CHECK(!fused_.bf16_moments(), name(), ": moments_8bit and bf16_moments both asked for; choose one");
+    for (std::size_t g = 0; g < this->param_groups().size(); ++g)
+      TORCH_CHECK(!this->options_of(g).amsgrad(), name(), ": param group ", g,
+                  ": amsgrad with moments_8bit; 8-bit moments have no max_exp_avg_sq (turn one of them off)");
+    for (const sdk::Entry& e : entries) {
+      TORCH_CHECK(e.dtype != at::kDouble, name(), ": param group ", e.group, ", param ", e.index,
+                  ": moments_8bit asked for on a Double parameter; Double parameters keep Double moments");
+      TORCH_CHECK(e.device.is_cpu(), name(), ": param group ", e.group, ", param ", e.index, " is on ", e.device,
+                  ": moments_8bit runs on the CPU only so far");
+    }
+  }
   if (!fused_.master_weights() && !fused_.bf16_moments()) return;
   for (const sdk::Entry& e : entries) {
     TORCH_CHECK(!fused_.master_weights() || (e.dtype != at::kFloat && e.dtype != at::kDouble), name(),
@@ -111,7 +248,8 @@ void FusedAdamImpl<Base, Options, State, kDecoupled>::load_extra(torch::serializ
 
 template <class Base, class Options, class State, bool kDecoupled>
 std::vector<std::string> FusedAdamImpl<Base, Options, State, kDecoupled>::saved_state_keys() const {
-  return {"step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master"};
+  return {"step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master",
+          "exp_avg_8bit", "exp_avg_absmax", "exp_avg_sq_8bit", "exp_avg_sq_absmax"};
 }
 
 template <class Base, class Options, class State, bool kDecoupled>
@@ -119,17 +257,25 @@ void FusedAdamImpl<Base, Options, State, kDecoupled>::after_load(const at::Tenso
   // The loaded master stands for the parameter as it is now: a write into
   // the parameter after this load (weights loaded next) refreshes it.
   state.master_version(param._version());
+  // The moments as these options keep them: coded or decoded once, here.
+  const bool want = coded_8bit(param, fused_) && param.is_cpu() && param.scalar_type() != at::kDouble;
+  if (want && !holds_coded(state)) code_moments(state);
+  else if (!want && holds_coded(state)) decode_moments(state, state_dtype(param, fused_));
 }
 
 template <class Base, class Options, class State, bool kDecoupled>
 std::size_t FusedAdamImpl<Base, Options, State, kDecoupled>::state_stamp(const State& s) const {
   std::size_t h = 1;
-  for (const at::Tensor* t : {&s.exp_avg(), &s.exp_avg_sq(), &s.max_exp_avg_sq(), &s.master(), &s.device_step()})
+  for (const at::Tensor* t : {&s.exp_avg(), &s.exp_avg_sq(), &s.max_exp_avg_sq(), &s.master(), &s.device_step(),
+                              &s.exp_avg_8bit(), &s.exp_avg_absmax(), &s.exp_avg_sq_8bit(), &s.exp_avg_sq_absmax()})
     h = sdk::stamp_of(h, *t);
   return h;
 }
 
 namespace {
+
+enum class Coded8List : int { kParam, kGrad, kMaster, kExpAvg, kExpAvgAbsmax, kExpAvgSq, kExpAvgSqAbsmax };
+constexpr int kCoded8Lists = 7;
 
 // What a list keeps between steps (its ListSlot): the states and the
 // pointers the kernels take, valid while the step plan holds.
@@ -152,6 +298,11 @@ struct AdamKept {
   // next step prepares).
   std::vector<std::vector<void*>> ptrs;
   std::shared_ptr<const Plan> plan;
+  // moments_8bit: which tensors are coded (they are left out of `plan`),
+  // their pointer arrays (by Coded8List) and their plan.
+  std::vector<char> coded;
+  std::vector<std::vector<void*>> ptrs8;
+  std::shared_ptr<const Plan> plan8;
   std::vector<std::int64_t> steps;
   std::vector<fused::AdamStepScalars> scalars;
 };
@@ -184,11 +335,33 @@ sdk::Launch FusedAdamImpl<Base, Options, State, kDecoupled>::prepare_list(const 
       const sdk::Entry& e = *list[i];
       const at::Tensor& p = e.param;
       const auto zeros = [&] { return at::zeros_like(p, p.options().dtype(state_st_torch), at::MemoryFormat::Preserve); };
+      const bool coded = coded_8bit(p, fused_);
       State& state = this->state_for(e, [&](State& s) {
         s.step(0);
-        s.exp_avg(zeros());
-        s.exp_avg_sq(zeros());
+        if (coded) {
+          const at::Tensor none = at::zeros_like(p, p.options().dtype(at::kByte), at::MemoryFormat::Preserve);
+          const at::Tensor zero_absmax = at::zeros({fused::quant_blocks(p.numel())}, p.options().dtype(at::kFloat));
+          s.exp_avg_8bit(none);
+          s.exp_avg_absmax(zero_absmax);
+          s.exp_avg_sq_8bit(none.clone());
+          s.exp_avg_sq_absmax(zero_absmax.clone());
+        } else {
+          s.exp_avg(zeros());
+          s.exp_avg_sq(zeros());
+        }
       });
+      if (coded != holds_coded(state)) {
+        // A state of the other kind (loaded, or set by hand): coded or decoded as these options keep it.
+        this->undo_on_failure([&state, kept_state = state] {
+          state.exp_avg(kept_state.exp_avg());
+          state.exp_avg_sq(kept_state.exp_avg_sq());
+          state.exp_avg_8bit(kept_state.exp_avg_8bit());
+          state.exp_avg_absmax(kept_state.exp_avg_absmax());
+          state.exp_avg_sq_8bit(kept_state.exp_avg_sq_8bit());
+          state.exp_avg_sq_absmax(kept_state.exp_avg_sq_absmax());
+        });
+        coded ? code_moments(state) : decode_moments(state, state_st_torch);
+      }
       if (o.amsgrad() && !state.max_exp_avg_sq().defined()) {
         this->undo_on_failure([&state] { state.max_exp_avg_sq(at::Tensor()); });
         state.max_exp_avg_sq(zeros());
@@ -206,16 +379,40 @@ sdk::Launch FusedAdamImpl<Base, Options, State, kDecoupled>::prepare_list(const 
     for (std::size_t i = 0; i < n; ++i) this->prepare_master(*list[i], *kept->states[i]);
   if (fresh)
     for (const State* s : kept->states)
-      for (const at::Tensor* t : {&s->exp_avg(), &s->exp_avg_sq(), &s->max_exp_avg_sq(), &s->master(), &s->device_step()})
+      for (const at::Tensor* t : {&s->exp_avg(), &s->exp_avg_sq(), &s->max_exp_avg_sq(), &s->master(), &s->device_step(),
+                                  &s->exp_avg_8bit(), &s->exp_avg_absmax(), &s->exp_avg_sq_8bit(),
+                                  &s->exp_avg_sq_absmax()})
         if (t->defined()) kept->held.push_back(*t);
 
   auto& ptrs = kept->ptrs;
   if (!on_cuda) {
     auto list_ptrs = [&](AdamList l) -> std::vector<void*>& { return ptrs[list_index(l)]; };
+    auto coded_ptrs = [&](Coded8List l) -> std::vector<void*>& { return kept->ptrs8[list_index(l)]; };
     if (fresh) {
+      kept->coded.assign(n, 0);
+      for (std::size_t i = 0; i < n; ++i) kept->coded[i] = kept->states[i]->exp_avg_8bit().defined() ? 1 : 0;
+      const bool any_coded = std::find(kept->coded.begin(), kept->coded.end(), 1) != kept->coded.end();
+      std::vector<std::int64_t> numels8;
+      if (any_coded) {
+        kept->ptrs8.assign(kCoded8Lists, std::vector<void*>(n, nullptr));
+        numels8.assign(n, 0);
+      }
       sdk::parallel_entries(n, [&](std::size_t i) {
         const State& s = *kept->states[i];
-        kept->numels[i] = list[i]->param.numel();
+        const std::int64_t numel = list[i]->param.numel();
+        if (kept->coded[i] != 0) {
+          kept->numels[i] = 0;  // not in the 32-bit plan
+          numels8[i] = numel;
+          coded_ptrs(Coded8List::kParam)[i] = list[i]->param.data_ptr();
+          coded_ptrs(Coded8List::kGrad)[i] = list[i]->grad.data_ptr();
+          if (master) coded_ptrs(Coded8List::kMaster)[i] = s.master().data_ptr();
+          coded_ptrs(Coded8List::kExpAvg)[i] = s.exp_avg_8bit().data_ptr();
+          coded_ptrs(Coded8List::kExpAvgAbsmax)[i] = s.exp_avg_absmax().data_ptr();
+          coded_ptrs(Coded8List::kExpAvgSq)[i] = s.exp_avg_sq_8bit().data_ptr();
+          coded_ptrs(Coded8List::kExpAvgSqAbsmax)[i] = s.exp_avg_sq_absmax().data_ptr();
+          return;
+        }
+        kept->numels[i] = numel;
         list_ptrs(AdamList::kParam)[i] = list[i]->param.data_ptr();
         list_ptrs(AdamList::kGrad)[i] = list[i]->grad.data_ptr();
         list_ptrs(AdamList::kExpAvg)[i] = s.exp_avg().data_ptr();
@@ -224,8 +421,11 @@ sdk::Launch FusedAdamImpl<Base, Options, State, kDecoupled>::prepare_list(const 
         if (master) list_ptrs(AdamList::kMaster)[i] = s.master().data_ptr();
       });
       kept->plan = std::make_shared<const Plan>(kept->numels, sdk::cpu::kChunkSize);
+      if (any_coded) kept->plan8 = std::make_shared<const Plan>(numels8, sdk::cpu::kChunkSize);
     } else if (pl.grads_moved) {
-      sdk::parallel_entries(n, [&](std::size_t i) { list_ptrs(AdamList::kGrad)[i] = list[i]->grad.data_ptr(); });
+      sdk::parallel_entries(n, [&](std::size_t i) {
+        (kept->coded[i] != 0 ? coded_ptrs(Coded8List::kGrad) : list_ptrs(AdamList::kGrad))[i] = list[i]->grad.data_ptr();
+      });
     }
     std::vector<std::int64_t>& steps = kept->steps;
     steps.resize(n);
@@ -245,7 +445,26 @@ sdk::Launch FusedAdamImpl<Base, Options, State, kDecoupled>::prepare_list(const 
                                       master ? array(AdamList::kMaster) : nullptr, st, state_st, scalars.data(), hyper,
                                       grad_factor};
       const fused::cpu::AdamFn kernel = fused::cpu::adam_kernel();
-      sdk::parallel_chunks(*kept->plan, [&](std::int64_t b, std::int64_t e) { kernel(args, b, e); });
+      if (kept->plan8 == nullptr) {
+        sdk::parallel_chunks(*kept->plan, [&](std::int64_t b, std::int64_t e) { kernel(args, b, e); });
+      } else {
+        // One parallel region over both plans: the 32-bit chunks, then the 8-bit ones.
+        auto coded = [&](Coded8List l) { return kept->ptrs8[list_index(l)].data(); };
+        auto codes = [&](Coded8List l) { return reinterpret_cast<std::uint8_t* const*>(coded(l)); };
+        auto absmax = [&](Coded8List l) { return reinterpret_cast<float* const*>(coded(l)); };
+        const fused::cpu::Adam8Args args8{sdk::cpu::plan_ref(*kept->plan8), coded(Coded8List::kParam),
+                                          coded(Coded8List::kGrad), master ? coded(Coded8List::kMaster) : nullptr,
+                                          codes(Coded8List::kExpAvg), absmax(Coded8List::kExpAvgAbsmax),
+                                          codes(Coded8List::kExpAvgSq), absmax(Coded8List::kExpAvgSqAbsmax), st,
+                                          scalars.data(), hyper, grad_factor};
+        const fused::cpu::Adam8Fn kernel8 = fused::cpu::adam8_kernel();
+        const std::int64_t n32 = kept->plan->num_chunks(), n8 = kept->plan8->num_chunks();
+        at::parallel_for(0, n32 + n8, 1, [&](std::int64_t b, std::int64_t e) {
+          const sdk::cpu::FlushSubnormals flush;
+          if (b < n32) kernel(args, b, std::min(e, n32));
+          if (e > n32) kernel8(args8, std::max(b, n32) - n32, e - n32);
+        });
+      }
       sdk::parallel_entries(steps.size(), [&](std::size_t i) { kept->states[i]->step(steps[i]); });
     };
   }

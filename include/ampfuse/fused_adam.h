@@ -49,6 +49,18 @@ struct FusedAdamOptions {
   TORCH_ARG(bool, master_weights) = false;
   /// Keep the moments in bf16 (half the state memory; ~3 significant digits).
   TORCH_ARG(bool, bf16_moments) = false;
+  /// Keep the moments of parameters of at least 4096 elements in 8-bit
+  /// blocks (bitsandbytes-style): a byte per moment and element, and one
+  /// fp32 absmax per 256 elements, 2.03 bytes of state per parameter against
+  /// 8 (see docs/optimizers.md, "8-bit moments", for the code down to the
+  /// bit). Smaller parameters keep 32-bit moments. The block's moments are
+  /// decoded, updated and coded again in the step's one pass. CPU, fp32 /
+  /// fp16 / bf16 parameters (with or without master_weights), amsgrad off;
+  /// anything else is refused. The state keeps the codes under
+  /// exp_avg_8bit / exp_avg_sq_8bit and the absmax under exp_avg_absmax /
+  /// exp_avg_sq_absmax, in place of exp_avg / exp_avg_sq; a checkpoint of
+  /// either kind loads into either optimizer (coded or decoded on load).
+  TORCH_ARG(bool, moments_8bit) = false;
   /// CUDA: the kernels read lr from a device tensor per group and device
   /// (lr_tensor()), as they read the step counters, so that a step can be
   /// captured in a CUDA graph and replayed with a new lr. At an eager step
@@ -74,6 +86,14 @@ struct FusedAdamParamStateT : BaseState {
   /// parameter was written from outside since, the next step refreshes the
   /// master from it.
   TORCH_ARG(std::int64_t, master_version) = 0;
+  /// moments_8bit: the codes of exp_avg and exp_avg_sq (uint8, the
+  /// parameter's shape and strides) and each one's absmax per block of 256
+  /// elements in storage order (fp32, 1-D). Defined together, in place of
+  /// exp_avg and exp_avg_sq.
+  TORCH_ARG(at::Tensor, exp_avg_8bit);
+  TORCH_ARG(at::Tensor, exp_avg_absmax);
+  TORCH_ARG(at::Tensor, exp_avg_sq_8bit);
+  TORCH_ARG(at::Tensor, exp_avg_sq_absmax);
 
  public:
   std::unique_ptr<torch::optim::OptimizerParamState> clone() const override {
@@ -84,6 +104,23 @@ struct FusedAdamParamStateT : BaseState {
 };
 using FusedAdamParamState = FusedAdamParamStateT<torch::optim::AdamParamState>;
 using FusedAdamWParamState = FusedAdamParamStateT<torch::optim::AdamWParamState>;
+
+/// Which of moments_8bit's two codes: exp_avg's is signed (magnitudes down
+/// to 2^-17 of the block's absmax), exp_avg_sq's unsigned (down to 2^-33).
+enum class Moment8 { kExpAvg, kExpAvgSq };
+
+/// moments_8bit's code of a tensor of any floating dtype, layout and device:
+/// the codes (uint8, x's shape; its strides when x is dense) and one fp32
+/// absmax per 256 elements in the codes' storage order. The step codes its
+/// moments exactly so.
+struct Coded8 {
+  at::Tensor codes;
+  at::Tensor absmax;
+};
+Coded8 quantize_8bit(const at::Tensor& x, Moment8 which);
+/// The fp32 values of codes and absmax made by quantize_8bit (or kept by the
+/// step), on the codes' device.
+at::Tensor dequantize_8bit(const at::Tensor& codes, const at::Tensor& absmax, Moment8 which);
 
 namespace detail {
 

@@ -1,0 +1,119 @@
+#pragma once
+// The 8-bit blockwise code of FusedAdam's moments_8bit, written once as
+// scalar functions (host and device: the rule, the CUDA kernel's future
+// element code, and what the CPU kernel's lanes must equal bit for bit). No
+// LibTorch here.
+//
+// A tensor's elements are cut into blocks of kQuantBlock consecutive
+// elements (the last one may be shorter). A block keeps one fp32 absmax, the
+// largest |x| in it, and one byte per element:
+//   y    = fl32(|x| / absmax)                      (0 <= y <= 1; correctly rounded)
+//   code = the map value nearest y, ties to the even code (the map is a
+//          minifloat: 3 mantissa bits, kExpBits exponent bits, subnormals,
+//          largest value used 1.0), NaN to the largest code;
+//   x'   = value(code) * absmax                    (one fp32 rounding)
+// exp_avg uses the signed map (sign bit, then a 4-bit exponent: magnitudes
+// down to 2^-17 of absmax, 1/16 relative precision); exp_avg_sq the unsigned
+// one (5-bit exponent: down to 2^-33 of absmax, the range of a squared grad),
+// where a nonzero y never codes to 0 (it takes the smallest nonzero code: a
+// second moment rounded to zero would turn its element's update into m / eps).
+// A block whose absmax is 0, or below 2^-126 (an fp32 subnormal; only when
+// subnormals are kept) codes every element as 0 and keeps absmax 0.
+
+#include <cstdint>
+#include <cstring>
+
+#include "ampfuse/config.h"
+
+namespace ampfuse::fused {
+
+/// Elements per quantization block (one fp32 absmax each), as bitsandbytes'.
+constexpr std::int64_t kQuantBlock = 256;
+/// Tensors with fewer elements keep 32-bit moments (as bitsandbytes'
+/// min_8bit_size): decided on the whole parameter's numel.
+constexpr std::int64_t kMin8bitNumel = 4096;
+
+constexpr std::int64_t quant_blocks(std::int64_t numel) { return (numel + kQuantBlock - 1) / kQuantBlock; }
+
+/// One of the two maps. Magnitude codes: e = code >> 3, f = code & 7;
+/// value = e == 0 ? f * 2^(-bias-2) : (1 + f/8) * 2^(e - bias), bias = 2^kExpBits - 1.
+template <int kExpBits, bool kSigned>
+struct Map8 {
+  static constexpr int kBias = (1 << kExpBits) - 1;
+  static constexpr std::uint32_t kOne = static_cast<std::uint32_t>(kBias) << 3;  ///< the code of 1.0 (largest used)
+  static constexpr std::uint32_t kFloatOffset = static_cast<std::uint32_t>(127 - kBias) << 3;
+  static constexpr bool kSignedMap = kSigned;
+  /// Below it a magnitude lies in the subnormal codes (f * 2^(-bias-2)).
+  static constexpr float min_normal() { return pow2(1 - kBias); }
+  static constexpr float subnormal_step() { return pow2(-kBias - 2); }
+  static constexpr float inv_subnormal_step() { return pow2(kBias + 2); }
+
+ private:
+  static constexpr float pow2(int e) {
+    float r = 1.0f;
+    for (; e > 0; --e) r *= 2.0f;
+    for (; e < 0; ++e) r *= 0.5f;
+    return r;
+  }
+};
+using SignedMap8 = Map8<4, true>;     ///< exp_avg: sign, 4-bit exponent, 3-bit mantissa
+using UnsignedMap8 = Map8<5, false>;  ///< exp_avg_sq: 5-bit exponent, 3-bit mantissa
+
+AMPFUSE_HOST_DEVICE std::uint32_t quant_float_bits(float f) {
+  std::uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  return u;
+}
+AMPFUSE_HOST_DEVICE float quant_bits_float(std::uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+/// The magnitude code of y (0 <= y <= 1, or NaN), by the rule above.
+template <class Map>
+AMPFUSE_HOST_DEVICE std::uint32_t encode_magnitude(float y) {
+  std::uint32_t code;
+  if (y < Map::min_normal()) {
+    // y * 2^(bias+2) < 8 is exact; adding 1.5 * 2^23 rounds it to an integer, ties to even.
+    code = quant_float_bits(y * Map::inv_subnormal_step() + 12582912.0f) - 0x4B400000u;
+  } else {
+    // Drop 20 of fp32's 23 mantissa bits, rounding to nearest even; a carry
+    // into the exponent is the next binade's first code. NaN lands far above kOne.
+    const std::uint32_t bits = quant_float_bits(y);
+    code = ((bits + 0x7FFFFu + ((bits >> 20) & 1u)) >> 20) - Map::kFloatOffset;
+  }
+  if (code > Map::kOne) code = Map::kOne;
+  if (!Map::kSignedMap && code == 0 && y > 0.0f) code = 1;
+  return code;
+}
+
+/// value(code) for a magnitude code, exact.
+template <class Map>
+AMPFUSE_HOST_DEVICE float decode_magnitude(std::uint32_t code) {
+  if (code < 8) return static_cast<float>(code) * Map::subnormal_step();
+  return quant_bits_float((code << 20) + (Map::kFloatOffset << 20));
+}
+
+/// The byte of x in a block of absmax `absmax` (as the block's rule computes it).
+template <class Map>
+AMPFUSE_HOST_DEVICE std::uint8_t encode8(float x, float absmax) {
+  if (!(absmax >= 1.1754943508222875e-38f) && absmax == absmax) return 0;  // 0 or subnormal: all 0
+  const std::uint32_t sign = Map::kSignedMap ? (quant_float_bits(x) >> 24) & 0x80u : 0u;
+  const float y = quant_bits_float(quant_float_bits(x) & 0x7FFFFFFFu) / absmax;
+  return static_cast<std::uint8_t>(sign | encode_magnitude<Map>(y));
+}
+
+template <class Map>
+AMPFUSE_HOST_DEVICE float decode8(std::uint8_t byte, float absmax) {
+  const std::uint32_t mag = Map::kSignedMap ? byte & 0x7Fu : byte;
+  const float v = decode_magnitude<Map>(mag) * absmax;
+  return Map::kSignedMap && (byte & 0x80u) != 0 ? -v : v;
+}
+
+/// The absmax a block keeps, from the largest |x| in it (NaN when any is NaN).
+AMPFUSE_HOST_DEVICE float stored_absmax(float max_abs) {
+  return max_abs >= 1.1754943508222875e-38f || max_abs != max_abs ? max_abs : 0.0f;
+}
+
+}  // namespace ampfuse::fused

@@ -1,0 +1,575 @@
+// FusedAdam's moments_8bit: the 8-bit code against its rule computed here in
+// fp64 (bit for bit), the step against an fp64 reference of the same
+// quantized algorithm (with the per-step quantization error bounded), skipped
+// steps, master weights, the 32-bit small tensors, checkpoints both ways and
+// what is refused. Every instruction set this CPU has.
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <ampfuse/ampfuse.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "contract/cpu/kernels.h"
+#include "fused/adam/adam8_math.h"
+#include "tests/common.h"
+
+namespace {
+
+using ampfuse::Moment8;
+using ampfuse_test::bitwise_equal;
+
+// ---- the rule of fused/adam/adam8_math.h, in fp64, written from its comment ----
+
+struct RefMap {
+  int exp_bits;
+  bool is_signed;
+  int bias() const { return (1 << exp_bits) - 1; }
+  std::uint32_t one() const { return static_cast<std::uint32_t>(bias()) << 3; }
+  double value(std::uint32_t c) const {
+    const int e = static_cast<int>(c >> 3), f = static_cast<int>(c & 7u);
+    return e == 0 ? std::ldexp(f, -bias() - 2) : std::ldexp(1.0 + f / 8.0, e - bias());
+  }
+  // The magnitude code of y (an fp32 value in [0, 1], or NaN): nearest, ties to the even code.
+  std::uint32_t encode(double y) const {
+    if (std::isnan(y)) return one();
+    std::uint32_t lo = 0, hi = one();  // lo: the largest code whose value <= y (values rise with the code)
+    while (lo < hi) {
+      const std::uint32_t mid = (lo + hi + 1) / 2;
+      if (value(mid) <= y) lo = mid;
+      else hi = mid - 1;
+    }
+    std::uint32_t code = lo;
+    if (lo < one() && value(lo) != y) {
+      const double twice = 2 * y, mid2 = value(lo) + value(lo + 1);  // exact in fp64
+      code = twice < mid2 ? lo : twice > mid2 ? lo + 1 : (lo % 2 == 0 ? lo : lo + 1);
+    }
+    if (!is_signed && code == 0 && y > 0) code = 1;
+    return code;
+  }
+};
+const RefMap kRefSigned{4, true}, kRefUnsigned{5, false};
+const RefMap& ref_map(Moment8 which) { return which == Moment8::kExpAvg ? kRefSigned : kRefUnsigned; }
+
+constexpr double kFloatMin = 1.1754943508222875e-38;  // 2^-126: the kernels flush below it
+
+float flushed(double x) {
+  const float f = static_cast<float>(x);
+  return std::fabs(f) < kFloatMin ? std::copysign(0.0f, f) : f;
+}
+
+struct RefCoded {
+  std::vector<std::uint8_t> codes;
+  std::vector<float> absmax;
+};
+
+RefCoded ref_quantize(const std::vector<float>& x, const RefMap& map) {
+  RefCoded out{std::vector<std::uint8_t>(x.size()), {}};
+  for (std::size_t b = 0; b < x.size(); b += 256) {
+    const std::size_t end = std::min(x.size(), b + 256);
+    double absmax = 0;
+    bool nan = false;
+    for (std::size_t i = b; i < end; ++i) {
+      nan = nan || std::isnan(x[i]);
+      absmax = std::max(absmax, std::fabs(static_cast<double>(flushed(x[i]))));  // subnormal inputs read as 0
+    }
+    if (nan) absmax = std::numeric_limits<double>::quiet_NaN();
+    else if (absmax < kFloatMin) absmax = 0;
+    out.absmax.push_back(static_cast<float>(absmax));
+    for (std::size_t i = b; i < end; ++i) {
+      if (absmax == 0) {
+        out.codes[i] = 0;
+        continue;
+      }
+      const double y = flushed(std::fabs(static_cast<double>(flushed(x[i]))) / absmax);  // fl32(|x| / absmax)
+      const std::uint32_t sign = map.is_signed && std::signbit(x[i]) ? 0x80u : 0u;
+      out.codes[i] = static_cast<std::uint8_t>(sign | map.encode(y));
+    }
+  }
+  return out;
+}
+
+float ref_decode(std::uint8_t code, float absmax, const RefMap& map) {
+  const std::uint32_t mag = map.is_signed ? code & 0x7Fu : code;
+  const float v = flushed(map.value(mag) * static_cast<double>(absmax));
+  return map.is_signed && (code & 0x80u) != 0 ? -v : v;
+}
+
+template <class T>
+std::vector<T> to_vector(const torch::Tensor& t) {
+  const torch::Tensor c = t.contiguous().cpu();
+  return std::vector<T>(c.data_ptr<T>(), c.data_ptr<T>() + c.numel());
+}
+
+torch::Tensor from_vector(const std::vector<float>& v) {
+  return torch::from_blob(const_cast<float*>(v.data()), {static_cast<std::int64_t>(v.size())}, torch::kFloat).clone();
+}
+
+// Values that probe the rule: every code's value, every midpoint (a tie),
+// one ulp either side of it, log-uniform magnitudes over the whole range and
+// below it, in blocks whose absmax is a power of two (so that |x| / absmax is
+// the probe exactly) or random; plus a zero block, a NaN block, huge and tiny
+// absmax, and a short last block.
+std::vector<float> probes(const RefMap& map, std::mt19937_64& rng) {
+  std::vector<double> ys;
+  for (std::uint32_t c = 0; c <= map.one(); ++c) {
+    ys.push_back(map.value(c));
+    if (c == map.one()) break;
+    const double mid = (map.value(c) + map.value(c + 1)) / 2;
+    const float f = static_cast<float>(mid);
+    ys.push_back(f);
+    ys.push_back(std::nextafter(f, 0.0f));
+    ys.push_back(std::nextafter(f, 2.0f));
+  }
+  std::uniform_real_distribution<double> log_mag(-45.0, 0.0);
+  for (int i = 0; i < 1500; ++i) ys.push_back(std::pow(10.0, log_mag(rng)));
+  std::vector<float> out;
+  std::uniform_int_distribution<int> sign(0, 1), exponent(-100, 100);
+  std::size_t k = 0;
+  while (k < ys.size()) {
+    const float scale = std::ldexp(1.0f, exponent(rng));
+    out.push_back(scale);  // the absmax: |x| / absmax is exact
+    for (int j = 1; j < 256 && k < ys.size(); ++j, ++k) {
+      const float x = static_cast<float>(ys[k]) * scale;
+      out.push_back(map.is_signed && sign(rng) ? -x : x);
+    }
+    while (out.size() % 256 != 0) out.push_back(0.0f);
+  }
+  std::normal_distribution<float> normal;
+  for (int j = 0; j < 256; ++j) out.push_back(normal(rng) * 3.7e-3f);  // a random absmax
+  for (int j = 0; j < 256; ++j) out.push_back(0.0f);                    // all zero
+  for (int j = 0; j < 256; ++j) out.push_back(j == 9 ? std::nanf("") : normal(rng));  // NaN
+  for (int j = 0; j < 256; ++j) out.push_back(normal(rng) * 1e30f);
+  for (int j = 0; j < 256; ++j) out.push_back(j == 0 ? 1e30f : normal(rng) * 1e-10f);  // y below 2^-126: flushed
+  for (int j = 0; j < 77; ++j) out.push_back(normal(rng));                      // a short last block
+  if (!map.is_signed)
+    for (float& x : out) x = std::fabs(x);
+  return out;
+}
+
+class Adam8 : public ::testing::TestWithParam<std::string> {
+ protected:
+  void SetUp() override {
+    ampfuse::sdk::cpu::force_isa(GetParam().c_str());
+    seed_ = ampfuse_test::seed_for_test();
+    rng_.seed(seed_);
+  }
+  void TearDown() override { ampfuse::sdk::cpu::force_isa(""); }
+  std::uint64_t seed_ = 0;
+  std::mt19937_64 rng_;
+};
+
+TEST_P(Adam8, CodeIsTheStatedRuleBitForBit) {
+  for (Moment8 which : {Moment8::kExpAvg, Moment8::kExpAvgSq}) {
+    const RefMap& map = ref_map(which);
+    SCOPED_TRACE(map.is_signed ? "exp_avg (signed)" : "exp_avg_sq (unsigned)");
+    const std::vector<float> x = probes(map, rng_);
+    const RefCoded want = ref_quantize(x, map);
+    const ampfuse::Coded8 got = ampfuse::quantize_8bit(from_vector(x), which);
+    const auto codes = to_vector<std::uint8_t>(got.codes);
+    const auto absmax = to_vector<float>(got.absmax);
+    ASSERT_EQ(absmax.size(), want.absmax.size());
+    for (std::size_t b = 0; b < absmax.size(); ++b)
+      ASSERT_TRUE(std::memcmp(&absmax[b], &want.absmax[b], 4) == 0 || (std::isnan(absmax[b]) && std::isnan(want.absmax[b])))
+          << "block " << b << ": absmax " << absmax[b] << ", the rule's " << want.absmax[b];
+    std::size_t wrong = 0;
+    for (std::size_t i = 0; i < x.size(); ++i)
+      if (codes[i] != want.codes[i] && wrong++ < 10)
+        ADD_FAILURE() << "element " << i << " = " << x[i] << " (absmax " << want.absmax[i / 256] << "): code "
+                      << int(codes[i]) << ", the rule's " << int(want.codes[i]);
+    EXPECT_EQ(wrong, 0u);
+    // The scalar code of adam8_math.h (the CUDA kernel's) gives the same bytes where nothing flushes.
+    for (std::size_t i = 0; i < x.size(); ++i) {
+      const float a = want.absmax[i / 256];
+      if (std::fabs(x[i]) < kFloatMin || std::fabs(x[i]) / a < kFloatMin) continue;
+      const std::uint8_t scalar = map.is_signed ? ampfuse::fused::encode8<ampfuse::fused::SignedMap8>(x[i], a)
+                                                : ampfuse::fused::encode8<ampfuse::fused::UnsignedMap8>(x[i], a);
+      ASSERT_EQ(int(scalar), int(want.codes[i])) << "element " << i << " = " << x[i];
+    }
+    // Decoding: value(code) * absmax, one rounding.
+    const auto decoded = to_vector<float>(ampfuse::dequantize_8bit(got.codes, got.absmax, which));
+    for (std::size_t i = 0; i < x.size(); ++i) {
+      const float w = ref_decode(want.codes[i], want.absmax[i / 256], map);
+      ASSERT_TRUE(std::memcmp(&decoded[i], &w, 4) == 0 || (std::isnan(w) && std::isnan(decoded[i])))
+          << "element " << i << ": decoded " << decoded[i] << ", the rule's " << w;
+    }
+  }
+}
+
+// The fp64 reference of one 8-bit step from the optimizer's own state: the
+// stored codes decoded, the update in fp64, the new moments coded by the
+// rule. The step must agree: parameters to fp32 rounding, absmax likewise,
+// codes equal but for rare neighbours (where the fp32 update and the fp64 one
+// land on two sides of a midpoint), and the decoded moments within the
+// code's bound of the exact new moments.
+struct StepCheck {
+  double worst_bound_ratio = 0;  // max |decoded - exact| / bound, over all steps
+  std::size_t codes = 0, neighbours = 0;
+};
+
+void check_one_step(const torch::Tensor& p_before, const torch::Tensor& grad, const torch::Tensor& codes_m,
+                    const torch::Tensor& absmax_m, const torch::Tensor& codes_v, const torch::Tensor& absmax_v,
+                    std::int64_t step, const ampfuse::FusedAdamW& opt, const torch::Tensor& p_after, double lr,
+                    double wd, bool maximize, StepCheck& out) {
+  const auto& st = static_cast<const ampfuse::FusedAdamWParamState&>(
+      *opt.state().at(p_after.unsafeGetTensorImpl()));
+  const auto p0 = to_vector<float>(p_before), g = to_vector<float>(grad), p1 = to_vector<float>(p_after);
+  const auto cm = to_vector<std::uint8_t>(codes_m), cv = to_vector<std::uint8_t>(codes_v);
+  const auto am = to_vector<float>(absmax_m), av = to_vector<float>(absmax_v);
+  const auto new_cm = to_vector<std::uint8_t>(st.exp_avg_8bit()), new_cv = to_vector<std::uint8_t>(st.exp_avg_sq_8bit());
+  const auto new_am = to_vector<float>(st.exp_avg_absmax()), new_av = to_vector<float>(st.exp_avg_sq_absmax());
+  const double beta1 = 0.9, beta2 = 0.999, eps = 1e-8;
+  const double bc1 = 1 - std::pow(beta1, step), bc2 = 1 - std::pow(beta2, step);
+  const std::size_t n = p0.size();
+  std::vector<double> m(n), v(n);
+  for (std::size_t i = 0; i < n; ++i) {
+    const double gi = maximize ? -double(g[i]) : double(g[i]);
+    const double p = double(p0[i]) * (1 - lr * wd);
+    const double m_old = ref_decode(cm[i], am[i / 256], kRefSigned);
+    m[i] = m_old * beta1 + (1 - beta1) * gi;
+    v[i] = ref_decode(cv[i], av[i / 256], kRefUnsigned) * beta2 + (1 - beta2) * gi * gi;
+    const double denom = std::sqrt(v[i]) / std::sqrt(bc2) + eps;
+    const double want = p - lr / bc1 * (m[i] / denom);
+    // fp32 rounding of the terms (m may cancel: its error is relative to its terms' size).
+    const double delta_terms = lr / bc1 * (std::fabs(m_old * beta1) + std::fabs((1 - beta1) * gi)) / denom;
+    ASSERT_LE(std::fabs(p1[i] - want), 3e-7 * std::fabs(want) + 1e-5 * delta_terms + 1e-30)
+        << "param element " << i << " at step " << step;
+  }
+  for (std::size_t b = 0; b * 256 < n; ++b) {
+    double max_m = 0, max_v = 0;
+    for (std::size_t i = b * 256; i < std::min(n, b * 256 + 256); ++i) {
+      max_m = std::max(max_m, std::fabs(m[i]));
+      max_v = std::max(max_v, v[i]);
+    }
+    ASSERT_NEAR(new_am[b], max_m, 1e-5 * max_m) << "exp_avg absmax of block " << b;
+    ASSERT_NEAR(new_av[b], max_v, 1e-5 * max_v) << "exp_avg_sq absmax of block " << b;
+    for (std::size_t i = b * 256; i < std::min(n, b * 256 + 256); ++i) {
+      for (const bool first : {true, false}) {
+        const RefMap& map = first ? kRefSigned : kRefUnsigned;
+        const double exact = first ? m[i] : v[i], absmax = first ? max_m : max_v;
+        const std::uint8_t got = first ? new_cm[i] : new_cv[i];
+        const float stored_absmax = first ? new_am[b] : new_av[b];
+        const std::uint32_t sign = map.is_signed && exact < 0 ? 0x80u : 0u;
+        const std::uint8_t want = absmax == 0 ? 0 : static_cast<std::uint8_t>(sign | map.encode(flushed(std::fabs(exact) / absmax)));
+        ++out.codes;
+        if (got != want) {
+          const int mag_got = got & (map.is_signed ? 0x7F : 0xFF), mag_want = want & (map.is_signed ? 0x7F : 0xFF);
+          ASSERT_LE(std::abs(mag_got - mag_want), 1) << "element " << i << ": code " << int(got) << ", want " << int(want);
+          ++out.neighbours;
+        }
+        // The bound: half a step of the code (1/16 relative in the normal codes, half the
+        // smallest step below them; the unsigned code's zero-free rule costs one whole
+        // step), plus fp32 rounding of the update.
+        const double step_floor = std::ldexp(absmax, -map.bias() - 2);
+        const double bound = std::ldexp(std::fabs(exact), -4) + step_floor * (1 + 1e-5) + 2e-6 * std::fabs(exact);
+        const double err = std::fabs(double(ref_decode(got, stored_absmax, map)) - exact);
+        ASSERT_LE(err, bound) << "element " << i << (first ? " exp_avg" : " exp_avg_sq") << " at step " << step;
+        out.worst_bound_ratio = std::max(out.worst_bound_ratio, err / bound);
+      }
+    }
+  }
+}
+
+TEST_P(Adam8, StepsAsTheFloat64ReferenceWithinTheCodeBound) {
+  // 4096 (the threshold, whole blocks), a short last block, and several CPU chunks (64 Ki elements each).
+  const std::vector<std::int64_t> sizes = {4096, 4096 + 100, 3 * 65536 + 1000};
+  std::vector<torch::Tensor> params;
+  for (std::int64_t s : sizes) params.push_back(torch::randn({s}).requires_grad_());
+  const double lr = 1e-2, wd = 0.05;
+  std::bernoulli_distribution coin;
+  const bool maximize = coin(rng_);
+  SCOPED_TRACE(maximize ? "maximize" : "minimize");
+  ampfuse::FusedAdamW opt(params, torch::optim::AdamWOptions(lr).weight_decay(wd),
+                          ampfuse::FusedAdamOptions().moments_8bit(true).maximize(maximize));
+  StepCheck check;
+  for (std::int64_t step = 1; step <= 12; ++step) {
+    std::vector<torch::Tensor> before, codes_m, absmax_m, codes_v, absmax_v;
+    for (auto& p : params) {
+      // Grads over many magnitudes within a tensor: per-block absmax, small and zero codes all occur.
+      p.mutable_grad() = torch::randn_like(p) * torch::exp(torch::randn_like(p) * 3) * 1e-3;
+      p.mutable_grad().narrow(0, 0, 300).zero_();
+      before.push_back(p.detach().clone());
+      if (step > 1) {
+        const auto& st = static_cast<const ampfuse::FusedAdamWParamState&>(*opt.state().at(p.unsafeGetTensorImpl()));
+        codes_m.push_back(st.exp_avg_8bit().clone());
+        absmax_m.push_back(st.exp_avg_absmax().clone());
+        codes_v.push_back(st.exp_avg_sq_8bit().clone());
+        absmax_v.push_back(st.exp_avg_sq_absmax().clone());
+      } else {
+        codes_m.push_back(torch::zeros_like(p, torch::kByte));
+        codes_v.push_back(torch::zeros_like(p, torch::kByte));
+        absmax_m.push_back(torch::zeros({(p.numel() + 255) / 256}));
+        absmax_v.push_back(torch::zeros({(p.numel() + 255) / 256}));
+      }
+    }
+    opt.step();
+    for (std::size_t k = 0; k < params.size(); ++k) {
+      SCOPED_TRACE("param " + std::to_string(k) + ", step " + std::to_string(step));
+      check_one_step(before[k], params[k].grad(), codes_m[k], absmax_m[k], codes_v[k], absmax_v[k], step, opt,
+                     params[k], lr, wd, maximize, check);
+      if (HasFatalFailure()) return;
+    }
+  }
+  std::cout << "[ 8-bit    ] " << check.codes << " codes, " << check.neighbours
+            << " a neighbour of the fp64 rule's; worst error " << check.worst_bound_ratio << " of the bound\n";
+  EXPECT_LE(check.neighbours, check.codes / 1000);
+}
+
+TEST_P(Adam8, SkippedStepChangesNothingAndScaledGradsStepAsUnscaled) {
+  auto a = torch::randn({5000}).requires_grad_();
+  auto b = a.detach().clone().requires_grad_();
+  ampfuse::FusedAdam scaled({a}, torch::optim::AdamOptions(1e-2), ampfuse::FusedAdamOptions().moments_8bit(true));
+  ampfuse::FusedAdam plain({b}, torch::optim::AdamOptions(1e-2), ampfuse::FusedAdamOptions().moments_8bit(true));
+  auto state = [](ampfuse::FusedAdam& opt, const torch::Tensor& p) -> const ampfuse::FusedAdamParamState& {
+    return static_cast<const ampfuse::FusedAdamParamState&>(*opt.state().at(p.unsafeGetTensorImpl()));
+  };
+  for (int step = 0; step < 6; ++step) {
+    const auto g = torch::randn({5000}) * 1e-3;
+    a.mutable_grad() = g * 1024;  // scaled by a power of two: unscaling is exact
+    b.mutable_grad() = g.clone();
+    ampfuse_test::step_with_cpu_signal(scaled, 1.0f / 1024, torch::zeros({}));
+    plain.step();
+    ASSERT_TRUE(bitwise_equal(a, b));
+    const auto& sa = state(scaled, a);
+    const auto& sb = state(plain, b);
+    ASSERT_TRUE(bitwise_equal(sa.exp_avg_8bit(), sb.exp_avg_8bit()));
+    ASSERT_TRUE(bitwise_equal(sa.exp_avg_sq_absmax(), sb.exp_avg_sq_absmax()));
+    // A step on inf grads under the scaler: skipped, bit for bit.
+    const auto p = a.detach().clone(), codes = sa.exp_avg_8bit().clone(), absmax = sa.exp_avg_absmax().clone(),
+               codes_sq = sa.exp_avg_sq_8bit().clone(), absmax_sq = sa.exp_avg_sq_absmax().clone();
+    const std::int64_t count = sa.step();
+    a.mutable_grad().fill_(std::numeric_limits<float>::infinity());
+    ampfuse_test::step_with_cpu_signal(scaled, 1.0f / 1024, torch::ones({}));
+    EXPECT_TRUE(bitwise_equal(a, p));
+    EXPECT_TRUE(bitwise_equal(sa.exp_avg_8bit(), codes));
+    EXPECT_TRUE(bitwise_equal(sa.exp_avg_absmax(), absmax));
+    EXPECT_TRUE(bitwise_equal(sa.exp_avg_sq_8bit(), codes_sq));
+    EXPECT_TRUE(bitwise_equal(sa.exp_avg_sq_absmax(), absmax_sq));
+    EXPECT_EQ(sa.step(), count);
+  }
+}
+
+TEST_P(Adam8, SmallTensorsKeep32BitMomentsAndMasterWeightsStepAsFp32) {
+  // Below 4096 elements: 32-bit moments, stepped exactly as FusedAdam without the option.
+  auto small = torch::randn({4095}).requires_grad_(), big = torch::randn({4096}).requires_grad_();
+  auto small_ref = small.detach().clone().requires_grad_();
+  ampfuse::FusedAdam opt({small, big}, torch::optim::AdamOptions(1e-2), ampfuse::FusedAdamOptions().moments_8bit(true));
+  ampfuse::FusedAdam ref({small_ref}, torch::optim::AdamOptions(1e-2));
+  for (int step = 0; step < 5; ++step) {
+    small.mutable_grad() = torch::randn_like(small);
+    small_ref.mutable_grad() = small.grad().clone();
+    big.mutable_grad() = torch::randn_like(big);
+    opt.step();
+    ref.step();
+    ASSERT_TRUE(bitwise_equal(small, small_ref));
+  }
+  const auto& ss = static_cast<const ampfuse::FusedAdamParamState&>(*opt.state().at(small.unsafeGetTensorImpl()));
+  const auto& sb = static_cast<const ampfuse::FusedAdamParamState&>(*opt.state().at(big.unsafeGetTensorImpl()));
+  EXPECT_TRUE(ss.exp_avg().defined() && !ss.exp_avg_8bit().defined());
+  EXPECT_TRUE(!sb.exp_avg().defined() && sb.exp_avg_8bit().defined());
+  // State bytes per parameter of a coded tensor: 2 + 8 / 256.
+  const double bytes = (sb.exp_avg_8bit().nbytes() + sb.exp_avg_absmax().nbytes() + sb.exp_avg_sq_8bit().nbytes() +
+                        sb.exp_avg_sq_absmax().nbytes()) / double(big.numel());
+  EXPECT_DOUBLE_EQ(bytes, 2.03125);
+
+  // fp16 / bf16 parameters with fp32 master weights: the master steps exactly as an fp32 parameter
+  // with the same (exactly widened) grads, the parameter is it rounded.
+  for (const auto dtype : {torch::kHalf, torch::kBFloat16}) {
+    SCOPED_TRACE(ampfuse_test::dtype_name(dtype));
+    auto half = torch::randn({3, 3000}).to(dtype).requires_grad_();
+    auto full = half.detach().to(torch::kFloat).requires_grad_();
+    ampfuse::FusedAdamW a({half}, torch::optim::AdamWOptions(1e-2),
+                          ampfuse::FusedAdamOptions().moments_8bit(true).master_weights(true));
+    ampfuse::FusedAdamW b({full}, torch::optim::AdamWOptions(1e-2), ampfuse::FusedAdamOptions().moments_8bit(true));
+    for (int step = 0; step < 5; ++step) {
+      half.mutable_grad() = torch::randn_like(half);
+      full.mutable_grad() = half.grad().to(torch::kFloat);
+      a.step();
+      b.step();
+      const auto& sa = static_cast<const ampfuse::FusedAdamWParamState&>(*a.state().at(half.unsafeGetTensorImpl()));
+      const auto& sf = static_cast<const ampfuse::FusedAdamWParamState&>(*b.state().at(full.unsafeGetTensorImpl()));
+      ASSERT_TRUE(bitwise_equal(sa.master(), full));
+      ASSERT_TRUE(bitwise_equal(half, full.to(dtype)));
+      ASSERT_TRUE(bitwise_equal(sa.exp_avg_sq_8bit(), sf.exp_avg_sq_8bit()));
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(All, Adam8, ::testing::ValuesIn(ampfuse::cpu::available_isas()),
+                         [](const auto& info) { return info.param; });
+
+// ---- checkpoints and refusals (the automatic instruction set) ----
+
+template <class Opt>
+std::string saved(const Opt& opt) {
+  torch::serialize::OutputArchive archive;
+  opt.save(archive);
+  std::ostringstream out;
+  archive.save_to(out);
+  return out.str();
+}
+
+template <class Opt>
+void load_into(Opt& opt, const std::string& bytes) {
+  torch::serialize::InputArchive archive;
+  std::istringstream in(bytes);
+  archive.load_from(in);
+  opt.load(archive);
+}
+
+const ampfuse::FusedAdamParamState& adam_state(const ampfuse::FusedAdam& opt, const torch::Tensor& p) {
+  return static_cast<const ampfuse::FusedAdamParamState&>(*opt.state().at(p.unsafeGetTensorImpl()));
+}
+
+TEST(Adam8Checkpoints, ResumeBitForBitAndConvertBothWays) {
+  ampfuse_test::seed_for_test();
+  const auto opts8 = ampfuse::FusedAdamOptions().moments_8bit(true);
+  auto make = [] { return std::vector<torch::Tensor>{torch::randn({70, 100}), torch::randn({300})}; };
+  const auto init = make();
+  std::vector<std::vector<torch::Tensor>> grads;
+  for (int s = 0; s < 10; ++s) grads.push_back({torch::randn({70, 100}), torch::randn({300})});
+  auto run = [&](ampfuse::FusedAdam& opt, std::vector<torch::Tensor>& ps, int from, int to) {
+    for (int s = from; s < to; ++s) {
+      for (std::size_t k = 0; k < ps.size(); ++k) ps[k].mutable_grad() = grads[s][k].clone();
+      opt.step();
+    }
+  };
+  auto params = [&] {
+    std::vector<torch::Tensor> ps;
+    for (const auto& t : init) ps.push_back(t.clone().requires_grad_());
+    return ps;
+  };
+
+  // Uninterrupted against saved at 5, loaded into a fresh optimizer, resumed.
+  auto straight = params();
+  ampfuse::FusedAdam a(straight, torch::optim::AdamOptions(1e-2), opts8);
+  run(a, straight, 0, 5);
+  const std::string at5 = saved(a);
+  run(a, straight, 5, 10);
+  // The parameters at step 5 (replayed), a fresh optimizer, the checkpoint.
+  auto resumed_ps = params();
+  {
+    ampfuse::FusedAdam replay(resumed_ps, torch::optim::AdamOptions(1e-2), opts8);
+    run(replay, resumed_ps, 0, 5);
+  }
+  ampfuse::FusedAdam b(resumed_ps, torch::optim::AdamOptions(1e-2), opts8);
+  load_into(b, at5);
+  EXPECT_TRUE(adam_state(b, resumed_ps[0]).exp_avg_8bit().defined());
+  run(b, resumed_ps, 5, 10);
+  for (std::size_t k = 0; k < straight.size(); ++k) EXPECT_TRUE(bitwise_equal(resumed_ps[k], straight[k]));
+  EXPECT_TRUE(bitwise_equal(adam_state(b, resumed_ps[0]).exp_avg_8bit(), adam_state(a, straight[0]).exp_avg_8bit()));
+  EXPECT_TRUE(bitwise_equal(adam_state(b, resumed_ps[0]).exp_avg_sq_absmax(),
+                            adam_state(a, straight[0]).exp_avg_sq_absmax()));
+
+  // A 32-bit checkpoint (FusedAdam, and torch::optim::Adam's) loads coded: codes of its moments.
+  for (const bool from_libtorch : {false, true}) {
+    SCOPED_TRACE(from_libtorch ? "from torch::optim::Adam" : "from FusedAdam");
+    auto ps32 = params();
+    std::string bytes;
+    if (from_libtorch) {
+      torch::optim::Adam o(ps32, torch::optim::AdamOptions(1e-2));
+      for (int s = 0; s < 3; ++s) {
+        for (std::size_t k = 0; k < ps32.size(); ++k) ps32[k].mutable_grad() = grads[s][k].clone();
+        o.step();
+      }
+      torch::serialize::OutputArchive archive;
+      o.save(archive);
+      std::ostringstream out;
+      archive.save_to(out);
+      bytes = out.str();
+    } else {
+      ampfuse::FusedAdam o(ps32, torch::optim::AdamOptions(1e-2));
+      run(o, ps32, 0, 3);
+      bytes = saved(o);
+    }
+    ampfuse::FusedAdam fp32_view(ps32, torch::optim::AdamOptions(1e-2));
+    load_into(fp32_view, bytes);
+    ampfuse::FusedAdam coded(ps32, torch::optim::AdamOptions(1e-2), opts8);
+    load_into(coded, bytes);
+    const auto& s32 = adam_state(fp32_view, ps32[0]);
+    const auto& s8 = adam_state(coded, ps32[0]);
+    ASSERT_FALSE(s8.exp_avg().defined());
+    const auto want_m = ampfuse::quantize_8bit(s32.exp_avg(), Moment8::kExpAvg);
+    const auto want_v = ampfuse::quantize_8bit(s32.exp_avg_sq(), Moment8::kExpAvgSq);
+    EXPECT_TRUE(bitwise_equal(s8.exp_avg_8bit(), want_m.codes));
+    EXPECT_TRUE(bitwise_equal(s8.exp_avg_absmax(), want_m.absmax));
+    EXPECT_TRUE(bitwise_equal(s8.exp_avg_sq_8bit(), want_v.codes));
+    EXPECT_TRUE(bitwise_equal(s8.exp_avg_sq_absmax(), want_v.absmax));
+    // The 300-element tensor keeps its 32-bit moments as they were.
+    EXPECT_TRUE(bitwise_equal(adam_state(coded, ps32[1]).exp_avg(), adam_state(fp32_view, ps32[1]).exp_avg()));
+    // And back: an 8-bit checkpoint loads into a 32-bit FusedAdam decoded.
+    ampfuse::FusedAdam back(ps32, torch::optim::AdamOptions(1e-2));
+    load_into(back, saved(coded));
+    const auto& sb = adam_state(back, ps32[0]);
+    ASSERT_FALSE(sb.exp_avg_8bit().defined());
+    EXPECT_TRUE(bitwise_equal(sb.exp_avg(), ampfuse::dequantize_8bit(s8.exp_avg_8bit(), s8.exp_avg_absmax(), Moment8::kExpAvg)));
+    EXPECT_TRUE(bitwise_equal(sb.exp_avg_sq(), ampfuse::dequantize_8bit(s8.exp_avg_sq_8bit(), s8.exp_avg_sq_absmax(),
+                                                                      Moment8::kExpAvgSq)));
+    EXPECT_EQ(sb.step(), 3);
+  }
+}
+
+std::string error_of(const std::function<void()>& fn) {
+  try {
+    fn();
+  } catch (const c10::Error& e) {
+    return e.what_without_backtrace();
+  }
+  return "(no error)";
+}
+
+TEST(Adam8Refusals, NameTheGroupTheParameterAndTheProblemAndChangeNothing) {
+  ampfuse_test::seed_for_test();
+  const auto opts8 = ampfuse::FusedAdamOptions().moments_8bit(true);
+  auto p = torch::randn({5000}).requires_grad_();
+  p.mutable_grad() = torch::randn({5000});
+  {
+    ampfuse::FusedAdam opt({p}, torch::optim::AdamOptions(1e-2).amsgrad(true), opts8);
+    ampfuse_test::expect_step_refused(opt, "param group 0: amsgrad with moments_8bit");
+    ampfuse::FusedAdam both({p}, torch::optim::AdamOptions(1e-2), ampfuse::FusedAdamOptions(opts8).bf16_moments(true));
+    ampfuse_test::expect_step_refused(both, "moments_8bit and bf16_moments");
+    auto d = torch::randn({5000}, torch::kDouble).requires_grad_();
+    d.mutable_grad() = torch::randn_like(d);
+    ampfuse::FusedAdam dbl({p, d}, torch::optim::AdamOptions(1e-2), opts8);
+    ampfuse_test::expect_step_refused(dbl, "param group 0, param 1: moments_8bit asked for on a Double parameter");
+    EXPECT_TRUE(dbl.state().empty());
+  }
+  // Damaged checkpoints: refused, naming the key; the state stays as it was.
+  ampfuse::FusedAdam opt({p}, torch::optim::AdamOptions(1e-2), opts8);
+  opt.step();
+  const std::string good = saved(opt);
+  const auto& st = adam_state(opt, p);
+  const auto codes = st.exp_avg_8bit().clone(), absmax = st.exp_avg_absmax().clone();
+  auto damaged = [&](const std::function<void(ampfuse::FusedAdamParamState&)>& damage) {
+    ampfuse::FusedAdam other({p}, torch::optim::AdamOptions(1e-2), opts8);
+    load_into(other, good);
+    damage(static_cast<ampfuse::FusedAdamParamState&>(*other.state().at(p.unsafeGetTensorImpl())));
+    return saved(other);
+  };
+  const std::vector<std::pair<std::function<void(ampfuse::FusedAdamParamState&)>, std::string>> cases = {
+      {[](auto& s) { s.exp_avg_sq_absmax()[3] = -1.0f; }, "exp_avg_sq_absmax holds -1 at block 3; an absmax is never negative"},
+      {[](auto& s) { s.exp_avg_absmax(s.exp_avg_absmax().narrow(0, 0, 5).clone()); }, "exp_avg_absmax has shape [5]"},
+      {[](auto& s) { s.exp_avg_sq_absmax(at::Tensor()); }, "exp_avg_sq_absmax is missing"},
+      {[](auto& s) { s.exp_avg_8bit(s.exp_avg_8bit().to(torch::kFloat)); }, "exp_avg_8bit has shape [5000], dtype Float"},
+      {[](auto& s) { s.exp_avg(torch::zeros({5000})); }, "holds both exp_avg and exp_avg_8bit"},
+  };
+  for (const auto& [damage, message] : cases) {
+    SCOPED_TRACE(message);
+    const std::string bytes = damaged(damage);
+    EXPECT_THAT(error_of([&] { load_into(opt, bytes); }), ::testing::HasSubstr("param group 0, param 0"));
+    EXPECT_THAT(error_of([&] { load_into(opt, bytes); }), ::testing::HasSubstr(message));
+    EXPECT_TRUE(bitwise_equal(adam_state(opt, p).exp_avg_8bit(), codes));
+    EXPECT_TRUE(bitwise_equal(adam_state(opt, p).exp_avg_absmax(), absmax));
+  }
+}
+
+}  // namespace
