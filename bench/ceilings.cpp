@@ -133,4 +133,46 @@ void lamb_twin(const std::vector<float*>& p, const std::vector<float*>& g, const
   twin_walk<3, 0b001u>(plan, {&p, &m, &v}, [](auto& x) { x[0] = x[0] - x[1] * x[2] * kNudge; });
 }
 
+void adam8_twin(const Twin8Pointers& t, const ampfuse::Plan& plan) {
+  using Bytes64 = std::uint8_t __attribute__((vector_size(64)));  // one cache line of bytes
+  at::parallel_for(0, plan.num_chunks(), 1, [&](std::int64_t b, std::int64_t e) {
+    for (std::int64_t c = b; c < e; ++c) {
+      const ampfuse::Chunk ch = plan.chunk(c);
+      float* p = t.p[ch.tensor] + ch.begin;
+      const float* g = t.g[ch.tensor] + ch.begin;
+      std::uint8_t* m = t.m[ch.tensor] + ch.begin;
+      std::uint8_t* v = t.v[ch.tensor] + ch.begin;
+      std::int64_t i = 0;
+      // 64 elements at a time: four cache lines of p and of g, one of each moment.
+      for (; i + 64 <= ch.size; i += 64) {
+        if (i + 256 < ch.size) {
+          __builtin_prefetch(p + i + 256);
+          __builtin_prefetch(g + i + 256);
+          __builtin_prefetch(m + i + 256);
+          __builtin_prefetch(v + i + 256);
+        }
+        Bytes64 mb, vb;
+        std::memcpy(&mb, m + i, 64);
+        std::memcpy(&vb, v + i, 64);
+        for (int k = 0; k < 4; ++k) {
+          Line16 pl, gl;
+          std::memcpy(&pl, p + i + 16 * k, 64);
+          std::memcpy(&gl, g + i + 16 * k, 64);
+          pl = pl - gl * kNudge;
+          std::memcpy(p + i + 16 * k, &pl, 64);
+        }
+        mb = mb + vb;
+        vb = vb ^ mb;
+        std::memcpy(m + i, &mb, 64);
+        std::memcpy(v + i, &vb, 64);
+      }
+      for (; i < ch.size; ++i) {
+        p[i] = p[i] - g[i] * kNudge;
+        m[i] = static_cast<std::uint8_t>(m[i] + v[i]);
+        v[i] = static_cast<std::uint8_t>(v[i] ^ m[i]);
+      }
+    }
+  });
+}
+
 }  // namespace ampfuse_bench

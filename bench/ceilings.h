@@ -31,4 +31,14 @@ void sgd_twin(const std::vector<float*>& p, const std::vector<float*>& g, const 
 void lamb_twin(const std::vector<float*>& p, const std::vector<float*>& g, const std::vector<float*>& m,
                const std::vector<float*>& v, const ampfuse::Plan& plan);
 
+/// The pointers of 8-bit Adam's traffic: fp32 params and grads, a byte per moment.
+struct Twin8Pointers {
+  std::vector<float*> p, g;
+  std::vector<std::uint8_t*> m, v;
+};
+
+/// 8-bit Adam's traffic: reads p, g and both moment bytes, writes p and both
+/// bytes (16 bytes per fp32 element; the per-block absmax is left out).
+void adam8_twin(const Twin8Pointers& t, const ampfuse::Plan& plan);
+
 }  // namespace ampfuse_bench

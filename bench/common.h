@@ -37,6 +37,7 @@ void register_subnormal(torch::Device device);
 void register_float64(torch::Device device);
 void register_host(torch::Device device);
 void register_zero(torch::Device device);
+void register_adam8(torch::Device device);
 
 
 inline int bench_threads() {

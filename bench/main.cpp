@@ -16,6 +16,7 @@ int main(int argc, char** argv) {
     ampfuse_bench::register_engine(device);
     ampfuse_bench::register_scaler(device);
     ampfuse_bench::register_adam(device);
+    ampfuse_bench::register_adam8(device);
     ampfuse_bench::register_sgd(device);
     ampfuse_bench::register_lamb(device);
     ampfuse_bench::register_adagrad_rmsprop(device);

@@ -31,6 +31,8 @@ TARGETS = [
     ("Adam", "10000x4096", "aten_fused_adam", 1.5, "the speed of at::_fused_adam_"),
     ("AdamScaled", "8x8M", "aten_fused_adam", 1.25, "the speed of PyTorch's scaled fused step"),
     ("AdamClip", "8x8M", "aten_fused_adam", 1.5, "the speed of PyTorch's unscale + clip + fused step"),
+    ("Adam8", "8x8M", "fused_adam_32bit", 1.3, "the speed of 32-bit FusedAdam (8-bit moments)"),
+    ("Adam8", "8x8M", "ceiling_twin", 0.85, "of 8-bit Adam's traffic twin"),
     ("Adam", "1B@cuda", "ceiling_d2d_copy", 0.85, "of the device-to-device copy ceiling"),
     ("SGD", "8x8M", "ceiling_twin", 0.90, "of the traffic twin"),
     ("SGD", "10000x4096", "torch_optim_sgd", 3.0, "the speed of torch::optim::SGD"),
@@ -67,11 +69,13 @@ def load(path):
             # ZeroAdam's counters: what each rank sends per step and holds as optimizer state.
             "sent_bytes_per_rank": b.get("sent_bytes_per_rank"),
             "state_bytes_per_rank": b.get("state_bytes_per_rank"),
+            # Adam8's counter: optimizer state kept per parameter.
+            "state_bytes_per_param": b.get("state_bytes_per_param"),
         }
     return data.get("context", {}), rows
 
 
-OP_ORDER = ["Check", "CheckNorm", "Scale", "Scaler", "ScalerClip", "Adam", "AdamScaled", "AdamClip", "SGD", "LAMB",
+OP_ORDER = ["Check", "CheckNorm", "Scale", "Scaler", "ScalerClip", "Adam", "AdamScaled", "AdamClip", "Adam8", "SGD", "LAMB",
             "Adagrad", "RMSprop", "AdamSubnormal", "AdamScaledTiny", "AdamF64", "SGDF64", "Host", "HostScaler",
             "ZeroAdam"]
 
@@ -164,6 +168,10 @@ def markdown(context, table, title, setup=None):
             md.append("")
         if op == "ZeroAdam":
             md += zero_lines(ours, lines) + [""]
+        if op == "Adam8" and adam8_state(ours, lines):
+            m = adam8_state(ours, lines)
+            md += [f"Optimizer state: {m[0]:.3f} bytes per parameter with 8-bit moments against {m[1]:.3f} with "
+                   f"32-bit ones.", ""]
     return md
 
 
@@ -175,6 +183,14 @@ def zero_memory(ours, lines):
     r = rep[0][5]
     return (ours["state_bytes_per_rank"] / 2**20, r["state_bytes_per_rank"] / 2**20,
             ours["sent_bytes_per_rank"] / 2**20, r["sent_bytes_per_rank"] / 2**20)
+
+
+def adam8_state(ours, lines):
+    """(8-bit, 32-bit) optimizer-state bytes per parameter, or None."""
+    ref = [l for l in lines if l[0] == "fused_adam_32bit"]
+    if not ref or ours.get("state_bytes_per_param") is None or ref[0][5] is None:
+        return None
+    return ours["state_bytes_per_param"], ref[0][5]["state_bytes_per_param"]
 
 
 def zero_lines(ours, lines):
@@ -227,6 +243,9 @@ def readme_rows(table):
             m = zero_memory(ours, lines)
             cells.append(f"optimizer state {m[0]:.0f} MB per rank (replicated: {m[1]:.0f} MB), sent {m[2]:.0f} MB "
                          f"per rank per step (replicated: {m[3]:.0f} MB)")
+        if op == "Adam8" and adam8_state(ours, lines):
+            cells.append(f"{adam8_state(ours, lines)[0]:.2f} bytes of state per parameter "
+                         f"(32-bit: {adam8_state(ours, lines)[1]:.0f})")
         for contender, _, _, ratio, kind, _ in lines:
             cells.append(f"{ratio * 100:.0f}% of {contender}" if kind == "ceiling" else f"{ratio:.2f}x {contender}")
         rows.append(f"| {op} | {pset} | {'; '.join(cells)} |")

@@ -67,6 +67,14 @@ float flushed(double x) {
   return std::fabs(f) < kFloatMin ? std::copysign(0.0f, f) : f;
 }
 
+// 1 / a rounded to 24 significant bits, with an unbounded exponent (fp64's
+// quotient rounded again to 24 bits: innocuous for a division, 53 >= 2 * 24 + 2).
+double reciprocal24(double a) {
+  int e = 0;
+  const double m = std::frexp(1.0 / a, &e);  // [0.5, 1)
+  return std::ldexp(std::nearbyint(std::ldexp(m, 24)), e - 24);
+}
+
 struct RefCoded {
   std::vector<std::uint8_t> codes;
   std::vector<float> absmax;
@@ -90,7 +98,7 @@ RefCoded ref_quantize(const std::vector<float>& x, const RefMap& map) {
         out.codes[i] = 0;
         continue;
       }
-      const double y = flushed(std::fabs(static_cast<double>(flushed(x[i]))) / absmax);  // fl32(|x| / absmax)
+      const double y = flushed(std::fabs(static_cast<double>(flushed(x[i]))) * reciprocal24(absmax));  // fl32(|x| * r)
       const std::uint32_t sign = map.is_signed && std::signbit(x[i]) ? 0x80u : 0u;
       out.codes[i] = static_cast<std::uint8_t>(sign | map.encode(y));
     }
@@ -259,7 +267,8 @@ void check_one_step(const torch::Tensor& p_before, const torch::Tensor& grad, co
         const std::uint8_t got = first ? new_cm[i] : new_cv[i];
         const float stored_absmax = first ? new_am[b] : new_av[b];
         const std::uint32_t sign = map.is_signed && exact < 0 ? 0x80u : 0u;
-        const std::uint8_t want = absmax == 0 ? 0 : static_cast<std::uint8_t>(sign | map.encode(flushed(std::fabs(exact) / absmax)));
+        const std::uint8_t want =
+            absmax == 0 ? 0 : static_cast<std::uint8_t>(sign | map.encode(flushed(std::fabs(exact) * reciprocal24(absmax))));
         ++out.codes;
         if (got != want) {
           const int mag_got = got & (map.is_signed ? 0x7F : 0xFF), mag_want = want & (map.is_signed ? 0x7F : 0xFF);

@@ -7,7 +7,12 @@
 // A tensor's elements are cut into blocks of kQuantBlock consecutive
 // elements (the last one may be shorter). A block keeps one fp32 absmax, the
 // largest |x| in it, and one byte per element:
-//   y    = fl32(|x| / absmax)                      (0 <= y <= 1; correctly rounded)
+//   r    = 1 / absmax rounded to 24 significant bits (as if fp32 had an
+//          unbounded exponent: the kernels compute 2^64 / absmax instead when
+//          absmax >= 2^64, and scale y back by 2^-64)
+//   y    = fl32(|x| * r)                           (a multiply, not a divide:
+//          an 8-bit step is bound by the divider otherwise; y may exceed 1 by
+//          an ulp, and codes as 1)
 //   code = the map value nearest y, ties to the even code (the map is a
 //          minifloat: 3 mantissa bits, kExpBits exponent bits, subnormals,
 //          largest value used 1.0), NaN to the largest code;
@@ -96,12 +101,28 @@ AMPFUSE_HOST_DEVICE float decode_magnitude(std::uint32_t code) {
 }
 
 /// The byte of x in a block of absmax `absmax` (as the block's rule computes it).
+/// A block's r and whether y must be scaled back by 2^-64 (absmax >= 2^64,
+/// where 1 / absmax would fall below fp32's normal range).
+struct Reciprocal8 {
+  float r;
+  bool scaled;
+};
+AMPFUSE_HOST_DEVICE Reciprocal8 block_reciprocal(float absmax) {
+  const bool scaled = absmax >= 18446744073709551616.0f;  // 2^64
+  return {(scaled ? 18446744073709551616.0f : 1.0f) / absmax, scaled};
+}
+
+/// y of |x| in a block of reciprocal rc.
+AMPFUSE_HOST_DEVICE float scaled_magnitude(float x, Reciprocal8 rc) {
+  const float y = quant_bits_float(quant_float_bits(x) & 0x7FFFFFFFu) * rc.r;
+  return rc.scaled ? y * 5.421010862427522e-20f : y;  // 2^-64, exact
+}
+
 template <class Map>
 AMPFUSE_HOST_DEVICE std::uint8_t encode8(float x, float absmax) {
   if (!(absmax >= 1.1754943508222875e-38f) && absmax == absmax) return 0;  // 0 or subnormal: all 0
   const std::uint32_t sign = Map::kSignedMap ? (quant_float_bits(x) >> 24) & 0x80u : 0u;
-  const float y = quant_bits_float(quant_float_bits(x) & 0x7FFFFFFFu) / absmax;
-  return static_cast<std::uint8_t>(sign | encode_magnitude<Map>(y));
+  return static_cast<std::uint8_t>(sign | encode_magnitude<Map>(scaled_magnitude(x, block_reciprocal(absmax))));
 }
 
 template <class Map>
