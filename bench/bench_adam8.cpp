@@ -27,27 +27,33 @@ double state_bytes_per_param(const ampfuse::FusedAdam& opt, std::int64_t n) {
   return static_cast<double>(bytes) / static_cast<double>(n);
 }
 
-void register_row(const std::string& name, const ParamSet& set, std::int64_t bytes, bool moments_8bit) {
-  auto* b = benchmark::RegisterBenchmark(name.c_str(), [set, bytes, moments_8bit](benchmark::State& state) {
-    OptimizerData& d = optimizer_data(set, torch::kCPU);
+void register_row(const std::string& name, const ParamSet& set, torch::Device device, std::int64_t bytes,
+                  bool moments_8bit) {
+  auto* b = benchmark::RegisterBenchmark(name.c_str(), [set, device, bytes, moments_8bit](benchmark::State& state) {
+    OptimizerData& d = optimizer_data(set, device);
     ampfuse::FusedAdam opt(d.params, torch::optim::AdamOptions(1e-4),
                            ampfuse::FusedAdamOptions().moments_8bit(moments_8bit));
-    run_timed(state, torch::kCPU, [&] { opt.step(); }, bytes);
+    run_timed(state, device, [&] { opt.step(); }, bytes);
     state.counters["state_bytes_per_param"] = state_bytes_per_param(opt, total_numel(set));
   });
-  b->Unit(benchmark::kMillisecond)->MinTime(0.5)->UseRealTime();
+  b->Unit(benchmark::kMillisecond)->MinTime(0.5);
+  if (device.is_cuda()) b->UseManualTime(); else b->UseRealTime();
 }
 
 }  // namespace
 
 void register_adam8(torch::Device device) {
-  if (!device.is_cpu()) return;  // moments_8bit runs on the CPU only so far
   for (const ParamSet& set : optimizer_sets()) {
     if (set.name == "gpt2-124M") continue;  // has tensors under 4096 elements (32-bit moments)
     const std::int64_t n = total_numel(set), blocks = n / 256;
     const std::int64_t bytes = 16 * n + 2 * 8 * blocks;  // + each absmax read and written
-    register_row("Adam8/ours/" + set.name, set, bytes, true);
-    register_row("Adam8/fused_adam_32bit/" + set.name, set, 28 * n, false);  // its own traffic: GB/s comparable
+    const std::string tail = "/" + set.name + (device.is_cuda() ? "@cuda" : "");
+    register_row("Adam8/ours" + tail, set, device, bytes, true);
+    register_row("Adam8/fused_adam_32bit" + tail, set, device, 28 * n, false);  // its own traffic: GB/s comparable
+    if (device.is_cuda()) {
+      register_ceiling("Adam8", set, device, 16, nullptr);  // a device-to-device copy of 16 bytes per parameter
+      continue;
+    }
     register_one("Adam8/ceiling_twin/" + set.name, device, [set] {
       OptimizerData& d = optimizer_data(set, torch::kCPU);
       auto plan = std::make_shared<ampfuse::Plan>(set.numels, ampfuse::cpu_chunk_size());

@@ -33,6 +33,7 @@ TARGETS = [
     ("AdamClip", "8x8M", "aten_fused_adam", 1.5, "the speed of PyTorch's unscale + clip + fused step"),
     ("Adam8", "8x8M", "fused_adam_32bit", 1.3, "the speed of 32-bit FusedAdam (8-bit moments)"),
     ("Adam8", "8x8M", "ceiling_twin", 0.85, "of 8-bit Adam's traffic twin"),
+    ("Adam8", "8x8M@cuda", "ceiling_d2d_copy", 0.85, "of the device-to-device copy of 8-bit Adam's bytes"),
     ("Adam", "1B@cuda", "ceiling_d2d_copy", 0.85, "of the device-to-device copy ceiling"),
     ("SGD", "8x8M", "ceiling_twin", 0.90, "of the traffic twin"),
     ("SGD", "10000x4096", "torch_optim_sgd", 3.0, "the speed of torch::optim::SGD"),

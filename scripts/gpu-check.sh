@@ -92,6 +92,10 @@ grep -E '^\[ launches \]' "$out/tests.log" | tee -a "$out/summary.txt"
 (cd "$logs" && timeout 60 "$bin/readme_example" >"$logs/examples.log" 2>&1 &&
   timeout 90 "$bin/train_amp" --check 0.07 >>"$logs/examples.log" 2>&1)
 log "examples (readme_example, train_amp --check 0.07): rc $? ($(tail -1 "$logs/examples.log"))"
+# NOT YET RUN on a GPU (written 2026-12-01 without one): FusedAdam's 8-bit moments on CUDA in a
+# training loop, against 32-bit moments from the same start (CI runs the same on the CPU).
+(cd "$logs" && timeout 120 "$bin/train_amp" --compare-8bit 0.02 >"$logs/train_amp_8bit.log" 2>&1)
+log "train_amp --compare-8bit 0.02: rc $? ($(tail -1 "$logs/train_amp_8bit.log"))"
 
 # NOT YET RUN on a GPU (written 2026-12-01 without one): the next two steps.
 # One tensor of 2^31 + 17 fp32 elements (tests/test_large.cpp: the check pass

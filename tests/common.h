@@ -104,6 +104,16 @@ inline void expect_close(const std::vector<torch::Tensor>& a, const std::vector<
   }
 }
 
+/// The message of the c10::Error fn() throws, or "(no error)".
+inline std::string error_of(const std::function<void()>& fn) {
+  try {
+    fn();
+  } catch (const c10::Error& e) {
+    return e.what_without_backtrace();
+  }
+  return "(no error)";
+}
+
 /// opt.step() refuses, with a c10::Error whose message contains `message`.
 inline void expect_step_refused(torch::optim::Optimizer& opt, const std::string& message) {
   try {

@@ -25,6 +25,7 @@
 
 namespace {
 
+using ampfuse_test::error_of;
 using ampfuse::Moment8;
 using ampfuse_test::bitwise_equal;
 
@@ -416,6 +417,62 @@ TEST_P(Adam8, SmallTensorsKeep32BitMomentsAndMasterWeightsStepAsFp32) {
 INSTANTIATE_TEST_SUITE_P(All, Adam8, ::testing::ValuesIn(ampfuse::cpu::available_isas()),
                          [](const auto& info) { return info.param; });
 
+// ---- CUDA (runs on a GPU machine: scripts/gpu-check.sh) ----
+
+// The CUDA step computes each element with the scalar code of adam8_math.h,
+// the CPU one the same in lanes: they agree but for the bias corrections'
+// pow() (device and host libraries) and subnormals (flushed on the CPU).
+TEST(Adam8Cuda, StepsAsTheCpuStepAndSkipsOnInf) {
+  if (!ampfuse_test::cuda_available()) GTEST_SKIP() << "no CUDA device here; this test runs on a GPU machine";
+  ampfuse_test::seed_for_test();
+  for (const auto dtype : {torch::kFloat, torch::kBFloat16}) {
+    SCOPED_TRACE(ampfuse_test::dtype_name(dtype));
+    const bool master = dtype != torch::kFloat;
+    std::vector<torch::Tensor> cpu, cuda;
+    for (std::int64_t n : {std::int64_t{4096 + 100}, std::int64_t{3 * 65536 + 1000}, std::int64_t{1000}}) {
+      cpu.push_back(torch::randn({n}).to(dtype).requires_grad_());
+      cuda.push_back(cpu.back().detach().to(torch::kCUDA).requires_grad_());
+    }
+    const auto options = torch::optim::AdamWOptions(1e-2).weight_decay(0.05);
+    const auto fused = ampfuse::FusedAdamOptions().moments_8bit(true).master_weights(master);
+    ampfuse::FusedAdamW on_cpu(cpu, options, fused), on_cuda(cuda, options, fused);
+    auto state = [](ampfuse::FusedAdamW& opt, const torch::Tensor& p) -> ampfuse::FusedAdamWParamState& {
+      return static_cast<ampfuse::FusedAdamWParamState&>(*opt.state().at(p.unsafeGetTensorImpl()));
+    };
+    for (int step = 0; step < 10; ++step) {
+      for (std::size_t k = 0; k < cpu.size(); ++k) {
+        cpu[k].mutable_grad() = (torch::randn_like(cpu[k], torch::kFloat) * 1e-2).to(dtype);
+        cuda[k].mutable_grad() = cpu[k].grad().to(torch::kCUDA);
+      }
+      on_cpu.step();
+      on_cuda.step();
+      for (std::size_t k = 0; k < cpu.size(); ++k) {
+        SCOPED_TRACE("param " + std::to_string(k) + ", step " + std::to_string(step));
+        ampfuse_test::expect_close({cuda[k].detach().cpu().to(torch::kFloat)}, {cpu[k].detach().to(torch::kFloat)},
+                                   master ? 1e-2 : 1e-5, "param");
+        if (k == 2) continue;  // 1000 elements: 32-bit moments
+        const auto& sc = state(on_cpu, cpu[k]);
+        const auto& sg = state(on_cuda, cuda[k]);
+        ampfuse_test::expect_close({sg.exp_avg_sq_absmax().cpu()}, {sc.exp_avg_sq_absmax()}, 1e-5, "exp_avg_sq absmax");
+        const auto differ = (sg.exp_avg_8bit().cpu().to(torch::kInt) - sc.exp_avg_8bit().to(torch::kInt)).abs();
+        EXPECT_LE(differ.gt(0).sum().item<std::int64_t>(), cpu[k].numel() / 1000) << "exp_avg bytes that differ";
+      }
+    }
+    // A step on inf grads under the scaler, on the device: nothing written, no counter advanced.
+    auto& sg = state(on_cuda, cuda[1]);
+    const auto p = cuda[1].detach().clone(), codes = sg.exp_avg_8bit().clone(), absmax = sg.exp_avg_sq_absmax().clone(),
+               steps = sg.device_step().clone();
+    cuda[1].mutable_grad().fill_(std::numeric_limits<float>::infinity());
+    ampfuse::StepSignals signals;
+    signals.set(torch::kCUDA, {torch::full({}, 0.5f, torch::kCUDA), torch::ones({}, torch::kCUDA), {}});
+    on_cuda.step_with_signals(signals);
+    EXPECT_TRUE(bitwise_equal(cuda[1], p));
+    EXPECT_TRUE(bitwise_equal(sg.exp_avg_8bit(), codes));
+    EXPECT_TRUE(bitwise_equal(sg.exp_avg_sq_absmax(), absmax));
+    EXPECT_TRUE(bitwise_equal(sg.device_step(), steps));
+  }
+}
+
 // ---- checkpoints and refusals (the automatic instruction set) ----
 
 template <class Opt>
@@ -525,15 +582,6 @@ TEST(Adam8Checkpoints, ResumeBitForBitAndConvertBothWays) {
                                                                       Moment8::kExpAvgSq)));
     EXPECT_EQ(sb.step(), 3);
   }
-}
-
-std::string error_of(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const c10::Error& e) {
-    return e.what_without_backtrace();
-  }
-  return "(no error)";
 }
 
 TEST(Adam8Refusals, NameTheGroupTheParameterAndTheProblemAndChangeNothing) {

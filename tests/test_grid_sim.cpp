@@ -374,4 +374,34 @@ TEST(GridSim, ElementOffsetsBeyondTwoToThe31) {
   std::cout << "[ grid sim ] " << located << " chunks located, " << walked << " walked thread by thread\n";
 }
 
+// FusedAdam's 8-bit CUDA launch (fused/adam/adam8_cuda.cu): planned in chunks of kQuantBlock = 256, one block of 256
+// threads per chunk, thread t on element c.begin + t when t < c.size, the block's absmax at c.begin / 256. Every
+// quantization block of every tensor, the short last ones and those of a tensor past 2^31 elements included, must be
+// one block's, whole, with its absmax index in range.
+TEST(GridSim, Adam8BlocksAreTheQuantizationBlocks) {
+  constexpr std::int64_t kQuantBlock = 256;  // fused/adam/adam8_math.h
+  const std::vector<std::int64_t> numels = {4096, 4096 + 100, 0, 3 * 65536 + 1000, (std::int64_t{1} << 31) + 17};
+  const SimList s = make_list(numels, 4, {std::vector<std::uintptr_t>(numels.size(), 0),
+                                          std::vector<std::uintptr_t>(numels.size(), 0)});
+  const Plan plan(numels, kQuantBlock);
+  const HostMeta meta = make_meta(s, plan);
+  std::vector<std::vector<std::uint8_t>> seen(numels.size());
+  for (std::size_t t = 0; t < numels.size(); ++t) seen[t].assign(static_cast<std::size_t>((numels[t] + 255) / 256), 0);
+  for (std::int64_t b = 0; b < plan.num_chunks(); ++b) {
+    const BlockChunk c = locate_chunk(meta, b);
+    const std::int64_t t = plan.tensors()[static_cast<std::size_t>(c.slot)];
+    ASSERT_EQ(c.begin % kQuantBlock, 0) << "block " << b;
+    ASSERT_TRUE(c.size >= 1 && c.size <= kQuantBlock) << "block " << b;
+    ASSERT_LE(c.begin + c.size, numels[static_cast<std::size_t>(t)]) << "block " << b;
+    // A short block is the tensor's last.
+    if (c.size < kQuantBlock) ASSERT_EQ(c.begin + c.size, numels[static_cast<std::size_t>(t)]) << "block " << b;
+    const std::int64_t absmax_index = c.begin / kQuantBlock;
+    ASSERT_LT(absmax_index, static_cast<std::int64_t>(seen[static_cast<std::size_t>(t)].size()));
+    ++seen[static_cast<std::size_t>(t)][static_cast<std::size_t>(absmax_index)];
+  }
+  for (std::size_t t = 0; t < numels.size(); ++t)
+    EXPECT_TRUE(std::all_of(seen[t].begin(), seen[t].end(), [](std::uint8_t n) { return n == 1; }))
+        << "tensor " << t << ": a quantization block taken by no block or by two";
+}
+
 }  // namespace

@@ -32,6 +32,7 @@
 
 namespace {
 
+using ampfuse_test::error_of;
 using ampfuse::distributed::ZeroOptimizer;
 using ampfuse_test::bitwise_equal;
 using ampfuse_test::on_ranks;
@@ -132,15 +133,6 @@ std::vector<torch::Tensor> fresh_params(const Scenario& s) {
   std::vector<torch::Tensor> p;
   for (const auto& t : s.init) p.push_back(t.clone().requires_grad_());
   return p;
-}
-
-std::string error_of(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const c10::Error& e) {
-    return e.what_without_backtrace();
-  }
-  return "(no error)";
 }
 
 bool contains(const std::vector<int>& v, int x) { return std::find(v.begin(), v.end(), x) != v.end(); }

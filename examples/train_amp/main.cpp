@@ -235,9 +235,7 @@ int main(int argc, char** argv) {
     return 2;
   }
 
-  // 8-bit moments run on the CPU only so far.
-  const bool cuda = torch::cuda::is_available() && !moments_8bit && compare_8bit < 0;
-  torch::Device device = cuda ? torch::kCUDA : torch::kCPU;
+  torch::Device device = torch::cuda::is_available() ? torch::kCUDA : torch::kCPU;
   // Matrices this small gain nothing from intra-op threads, and on a busy machine threads that
   // wait for each other made this 10-20x slower (measured on 2 cores): one thread.
   if (device.is_cpu()) torch::set_num_threads(1);

@@ -29,6 +29,7 @@
 #include <cstring>
 
 #include "ampfuse/config.h"
+#include "fused/adam/adam_math.h"
 
 namespace ampfuse::fused {
 
@@ -135,6 +136,38 @@ AMPFUSE_HOST_DEVICE float decode8(std::uint8_t byte, float absmax) {
 /// The absmax a block keeps, from the largest |x| in it (NaN when any is NaN).
 AMPFUSE_HOST_DEVICE float stored_absmax(float max_abs) {
   return max_abs >= 1.1754943508222875e-38f || max_abs != max_abs ? max_abs : 0.0f;
+}
+
+/// The same from the largest bits of |x| over the block (the kernels reduce
+/// bits: for non-negative floats the integer order is the float order, and
+/// inf / NaN, 0x7F800000 and above, come after every finite value): NaN when
+/// any value is not finite.
+AMPFUSE_HOST_DEVICE float absmax_from_bits(std::uint32_t max_abs_bits) {
+  if (max_abs_bits >= 0x7F800000u) return quant_bits_float(0x7FC00000u);
+  return stored_absmax(quant_bits_float(max_abs_bits));
+}
+
+/// The 8-bit step's update: adam_update (adam_math.h) without amsgrad,
+/// multiplying sqrt(v) by 1 / sqrt(bc2) where adam_update divides by
+/// sqrt(bc2): one division per element instead of two (the 8-bit step is
+/// bound by arithmetic, not memory). V: float, or a block of fp32 lanes.
+template <class V, class Ops>
+AMPFUSE_HOST_DEVICE void adam8_update(V& p, V g, V& m, V& v, const AdamHyperT<float>& h, float neg_step_size,
+                                      float inv_bc2_sqrt) {
+  if (h.maximize) g = -g;
+  if (h.weight_decay != 0.0f) {
+    if (h.decoupled_weight_decay) p = p * Ops::splat(h.decay_factor);
+    else g = g + Ops::splat(h.weight_decay) * p;
+  }
+  m = m * Ops::splat(h.beta1) + Ops::splat(h.one_minus_beta1) * g;
+  v = v * Ops::splat(h.beta2) + (Ops::splat(h.one_minus_beta2) * g) * g;
+  const V denom = Ops::sqrt(v) * Ops::splat(inv_bc2_sqrt) + Ops::splat(h.eps);
+  p = p + Ops::splat(neg_step_size) * (m / denom);
+}
+
+/// 1 / sqrt(bc2) as the 8-bit step uses it, from adam_step_scalars' fp64 sqrt(bc2).
+AMPFUSE_HOST_DEVICE float adam8_inv_bc2_sqrt(double bias_correction2_sqrt) {
+  return static_cast<float>(1.0 / bias_correction2_sqrt);
 }
 
 }  // namespace ampfuse::fused

@@ -25,6 +25,7 @@
 #include <c10/cuda/CUDAStream.h>
 
 #include "contract/cuda/launch.h"
+#include "fused/adam/adam8_cuda.h"
 #include "fused/adam/adam_cuda.h"
 #endif
 
@@ -219,8 +220,6 @@ void FusedAdamImpl<Base, Options, State, kDecoupled>::check_entries(const std::v
     for (const sdk::Entry& e : entries) {
       TORCH_CHECK(e.dtype != at::kDouble, name(), ": param group ", e.group, ", param ", e.index,
                   ": moments_8bit asked for on a Double parameter; Double parameters keep Double moments");
-      TORCH_CHECK(e.device.is_cpu(), name(), ": param group ", e.group, ", param ", e.index, " is on ", e.device,
-                  ": moments_8bit runs on the CPU only so far");
     }
   }
   if (!fused_.master_weights() && !fused_.bf16_moments()) return;
@@ -292,6 +291,10 @@ struct AdamKept {
   TensorListsView views;
   std::shared_ptr<const sdk::ListMeta> meta;
   std::vector<at::Tensor> empty_steps;  // counters of zero-element parameters
+  // moments_8bit: the coded tensors' lists (fused::cuda::Adam8List) and metadata, planned in
+  // 256-element chunks; null when the list has none.
+  TensorListsView views8;
+  std::shared_ptr<const sdk::ListMeta> meta8;
 #endif
   // CPU: one pointer array per list of AdamList (kStep aside), and each
   // step's counters and scalars (reused: the step's launch ran before the
@@ -470,16 +473,42 @@ sdk::Launch FusedAdamImpl<Base, Options, State, kDecoupled>::prepare_list(const 
   }
 #if defined(AMPFUSE_WITH_CUDA)
   const c10::cuda::CUDAGuard guard(device);
+  using fused::cuda::Adam8List;
+  std::vector<std::int64_t> numels8;
   if (fresh) {
     TensorListsView& views = kept->views;
     views.lists.assign(fused::kAdamLists, std::vector<TensorView>(n));
     auto set = [&](AdamList l, std::size_t i, void* data, std::int64_t numel, ScalarType t) {
       views.lists[list_index(l)][i] = {data, numel, t};
     };
+    kept->coded.assign(n, 0);
+    for (std::size_t i = 0; i < n; ++i) kept->coded[i] = kept->states[i]->exp_avg_8bit().defined() ? 1 : 0;
+    if (std::find(kept->coded.begin(), kept->coded.end(), 1) != kept->coded.end()) {
+      kept->views8.lists.assign(fused::cuda::kAdam8Lists, std::vector<TensorView>(n));
+      numels8.assign(n, 0);
+    }
     for (std::size_t i = 0; i < n; ++i) {
       const at::Tensor& p = list[i]->param;
       State& s = *kept->states[i];
       const std::int64_t numel = p.numel();
+      if (kept->coded[i] != 0) {
+        // Left out of the 32-bit launch (numel 0 there), in the 8-bit one.
+        kept->numels[i] = 0;
+        numels8[i] = numel;
+        auto set8 = [&](Adam8List l, void* data, ScalarType t) {
+          kept->views8.lists[list_index(l)][i] = {data, numel, t};
+        };
+        set8(Adam8List::kParam, p.data_ptr(), st);
+        set8(Adam8List::kGrad, list[i]->grad.data_ptr(), st);
+        set8(Adam8List::kMaster, master ? s.master().data_ptr() : nullptr, ScalarType::Float32);
+        // Byte lists and absmax travel as pointers; their dtype tags are not read.
+        set8(Adam8List::kExpAvg, s.exp_avg_8bit().data_ptr(), ScalarType::Float32);
+        set8(Adam8List::kExpAvgAbsmax, s.exp_avg_absmax().data_ptr(), ScalarType::Float32);
+        set8(Adam8List::kExpAvgSq, s.exp_avg_sq_8bit().data_ptr(), ScalarType::Float32);
+        set8(Adam8List::kExpAvgSqAbsmax, s.exp_avg_sq_absmax().data_ptr(), ScalarType::Float32);
+        set8(Adam8List::kStep, s.device_step().data_ptr(), ScalarType::Float32);
+        continue;
+      }
       kept->numels[i] = numel;
       if (numel == 0) kept->empty_steps.push_back(s.device_step());
       set(AdamList::kParam, i, p.data_ptr(), numel, st);
@@ -492,15 +521,26 @@ sdk::Launch FusedAdamImpl<Base, Options, State, kDecoupled>::prepare_list(const 
       set(AdamList::kMaster, i, master ? s.master().data_ptr() : nullptr, numel, ScalarType::Float32);
     }
   } else if (pl.grads_moved) {
-    for (std::size_t i = 0; i < n; ++i) kept->views.lists[list_index(AdamList::kGrad)][i].data = list[i]->grad.data_ptr();
+    for (std::size_t i = 0; i < n; ++i) {
+      if (kept->coded[i] != 0) kept->views8.lists[list_index(Adam8List::kGrad)][i].data = list[i]->grad.data_ptr();
+      else kept->views.lists[list_index(AdamList::kGrad)][i].data = list[i]->grad.data_ptr();
+    }
   }
   if (fresh || pl.grads_moved) {
     const Plan plan(kept->numels, sdk::cuda::kChunkSize);
     kept->meta = sdk::make_launch_meta(kept->views, plan, device);
+    if (!kept->views8.lists.empty()) {
+      if (numels8.empty())
+        for (const TensorView& view : kept->views8.lists[list_index(Adam8List::kParam)]) numels8.push_back(view.numel);
+      const Plan plan8(numels8, fused::kQuantBlock);
+      kept->meta8 = sdk::make_launch_meta(kept->views8, plan8, device);
+    }
   } else {
     kept->meta = sdk::reuse_launch_meta(kept->meta, device);
+    if (kept->meta8) kept->meta8 = sdk::reuse_launch_meta(kept->meta8, device);
   }
   const std::shared_ptr<const sdk::ListMeta> meta = kept->meta;  // held by the Launch
+  const std::shared_ptr<const sdk::ListMeta> meta8 = kept->meta8;
   const double* lr_device = nullptr;
   if (fused_.capturable()) {
     bool created = false;
@@ -510,7 +550,11 @@ sdk::Launch FusedAdamImpl<Base, Options, State, kDecoupled>::prepare_list(const 
   const sdk::SignalPointers sig = sdk::signal_pointers(pl.signal);
   const fused::cuda::AdamCudaArgs args{state_st, master, hyper, o.lr(), beta1, beta2, o.weight_decay(), lr_device,
                                        sig.found_inf, sig.inv_scale, sig.clip_coef,
-                                       workspace_->counters.get({pl.group, device, pl.dtype}, meta->launch.num_tensors)};
+                                       workspace_->counters.get({pl.group, device, pl.dtype},
+                                                               std::max(meta->launch.num_tensors,
+                                                                        meta8 ? meta8->launch.num_tensors : 0))};
+  const fused::cuda::Adam8CudaArgs args8{master, hyper, o.lr(), beta1, beta2, o.weight_decay(), lr_device,
+                                         sig.found_inf, sig.inv_scale, sig.clip_coef, args.counters};
   const ScaleSignal* signal = pl.signal;
   const bool capturable = fused_.capturable();
   const double lr = o.lr();
@@ -520,6 +564,8 @@ sdk::Launch FusedAdamImpl<Base, Options, State, kDecoupled>::prepare_list(const 
     const c10::cuda::CUDAGuard launch_guard(device);
     if (capturable) workspace_->lr.refresh(group, device, lr);
     fused::cuda::adam(meta->launch, st, args, sdk::current_stream(device));
+    // The coded tensors, after it on the same stream (which frees the ticket counters again).
+    if (meta8) fused::cuda::adam8(meta8->launch, st, args8, sdk::current_stream(device));
     // Zero-element parameters have no chunk: advance their counters here.
     sdk::advance_step_counters(kept->empty_steps, signal);
   };
