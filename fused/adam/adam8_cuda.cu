@@ -24,13 +24,9 @@ __global__ void __launch_bounds__(kThreads) adam8_kernel(Meta meta, Adam8CudaArg
   auto list = [&](Adam8List l) { return meta.data(list_index(l), c.slot); };
   double* step_ptr = static_cast<double*>(list(Adam8List::kStep));
   const double step = block_broadcast(step_ptr) + 1.0;
-  double lr = args.lr;
+  const double lr = args.lr_device != nullptr ? *args.lr_device : args.lr;
   AdamHyperT<float> hyper = args.hyper.as<float>();
-  if (args.lr_device != nullptr) {
-    lr = *args.lr_device;
-    hyper.lr = static_cast<float>(lr);
-    hyper.decay_factor = static_cast<float>(1.0 - lr * args.weight_decay);
-  }
+  if (args.lr_device != nullptr) set_device_lr(hyper, lr, args.weight_decay);
   const AdamStepScalars s = adam_step_scalars<double>(lr, args.beta1, args.beta2, step);
   const float neg_step_size = static_cast<float>(s.neg_step_size);
   const float inv_bc2_sqrt = adam8_inv_bc2_sqrt(s.bias_correction2_sqrt);

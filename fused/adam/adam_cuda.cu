@@ -22,13 +22,9 @@ __global__ void __launch_bounds__(kBlockSize) adam_kernel(Meta meta, AdamCudaArg
   double* step_ptr = static_cast<double*>(meta.data(list_index(AdamList::kStep), c.slot));  // fp64: exact past 2^24
   const double step = block_broadcast(step_ptr) + 1.0;
   // capturable: lr, and what depends on it, from the device.
-  double lr = args.lr;
+  const double lr = args.lr_device != nullptr ? *args.lr_device : args.lr;
   AdamHyperT<Op> hyper = args.hyper.as<Op>();
-  if (args.lr_device != nullptr) {
-    lr = *args.lr_device;
-    hyper.lr = static_cast<Op>(lr);
-    hyper.decay_factor = static_cast<Op>(1.0 - lr * args.weight_decay);
-  }
+  if (args.lr_device != nullptr) set_device_lr(hyper, lr, args.weight_decay);
   const AdamStepScalarsT<Op> s = adam_step_scalars<Op>(lr, args.beta1, args.beta2, step);
   const Op grad_factor = signal_grad_factor<Op>(args.inv_scale, args.clip_coef);
 

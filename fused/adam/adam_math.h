@@ -110,6 +110,13 @@ AMPFUSE_HOST_DEVICE void adam_update(V& p, V g, V& m, V& v, V* vmax, const AdamH
   p = p + Ops::splat(s.neg_step_size) * (m / denom);
 }
 
+/// capturable: a group's lr read on the device, and what depends on it.
+template <class T>
+AMPFUSE_HOST_DEVICE void set_device_lr(AdamHyperT<T>& h, double lr, double weight_decay) {
+  h.lr = static_cast<T>(lr);
+  h.decay_factor = static_cast<T>(1.0 - lr * weight_decay);
+}
+
 /// Hyperparameters from LibTorch's options (doubles), computed as LibTorch computes them.
 inline AdamHyper make_adam_hyper(double lr, double beta1, double beta2, double eps, double weight_decay,
                                  bool amsgrad, bool maximize, bool decoupled) {
