@@ -257,7 +257,7 @@ void FusedAdamImpl<Base, Options, State, kDecoupled>::after_load(const at::Tenso
   // the parameter after this load (weights loaded next) refreshes it.
   state.master_version(param._version());
   // The moments as these options keep them: coded or decoded once, here.
-  const bool want = coded_8bit(param, fused_) && param.is_cpu() && param.scalar_type() != at::kDouble;
+  const bool want = coded_8bit(param, fused_) && param.scalar_type() != at::kDouble;
   if (want && !holds_coded(state)) code_moments(state);
   else if (!want && holds_coded(state)) decode_moments(state, state_dtype(param, fused_));
 }
