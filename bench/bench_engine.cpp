@@ -42,8 +42,13 @@ void run_timed(benchmark::State& state, torch::Device device, const Fn& fn, std:
 }
 
 void register_one(const std::string& name, torch::Device device, std::function<Fn()> make, std::int64_t bytes) {
+  register_one(name, device, std::function<Fn(benchmark::State&)>([make](benchmark::State&) { return make(); }), bytes);
+}
+
+void register_one(const std::string& name, torch::Device device, std::function<Fn(benchmark::State&)> make,
+                  std::int64_t bytes) {
   auto* b = benchmark::RegisterBenchmark(name.c_str(), [device, make, bytes](benchmark::State& state) {
-    const Fn fn = make();
+    const Fn fn = make(state);
     run_timed(state, device, fn, bytes);
   });
   // AMPFUSE_BENCH_MIN_TIME (seconds, default 0.5): shorter for a quick pass,

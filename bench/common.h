@@ -26,6 +26,9 @@ using Fn = std::function<void()>;
 void run_timed(benchmark::State& state, torch::Device device, const Fn& fn, std::int64_t bytes);
 /// Registers <name>, whose function is made by make() when it first runs.
 void register_one(const std::string& name, torch::Device device, std::function<Fn()> make, std::int64_t bytes);
+/// The same with make(state), which may set the benchmark's counters.
+void register_one(const std::string& name, torch::Device device, std::function<Fn(benchmark::State&)> make,
+                  std::int64_t bytes);
 
 void register_engine(torch::Device device);
 void register_scaler(torch::Device device);

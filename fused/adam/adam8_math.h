@@ -1,8 +1,8 @@
 #pragma once
 // The 8-bit blockwise code of FusedAdam's moments_8bit, written once as
-// scalar functions (host and device: the rule, the CUDA kernel's future
-// element code, and what the CPU kernel's lanes must equal bit for bit). No
-// LibTorch here.
+// scalar functions (host and device: the rule, the CUDA kernel's element
+// code, and what the CPU kernel's lanes must equal bit for bit). No LibTorch
+// here.
 //
 // A tensor's elements are cut into blocks of kQuantBlock consecutive
 // elements (the last one may be shorter). A block keeps one fp32 absmax, the
@@ -10,9 +10,8 @@
 //   r    = 1 / absmax rounded to 24 significant bits (as if fp32 had an
 //          unbounded exponent: the kernels compute 2^64 / absmax instead when
 //          absmax >= 2^64, and scale y back by 2^-64)
-//   y    = fl32(|x| * r)                           (a multiply, not a divide:
-//          an 8-bit step is bound by the divider otherwise; y may exceed 1 by
-//          an ulp, and codes as 1)
+//   y    = fl32(|x| * r)                           (a multiply, not a divide
+//          per element; y may exceed 1 by an ulp, and codes as 1)
 //   code = the map value nearest y, ties to the even code (the map is a
 //          minifloat: 3 mantissa bits, kExpBits exponent bits, subnormals,
 //          largest value used 1.0), NaN to the largest code;
@@ -40,6 +39,12 @@ constexpr std::int64_t kQuantBlock = 256;
 constexpr std::int64_t kMin8bitNumel = 4096;
 
 constexpr std::int64_t quant_blocks(std::int64_t numel) { return (numel + kQuantBlock - 1) / kQuantBlock; }
+
+/// 2^-126, fp32's smallest normal number: a block whose absmax is below it codes as 0.
+constexpr float kMinNormal32 = 1.1754943508222875e-38f;
+
+/// True when every code of a block of this absmax is 0 (absmax 0, or subnormal; not NaN).
+AMPFUSE_HOST_DEVICE bool codes_all_zero(float absmax) { return !(absmax >= kMinNormal32) && absmax == absmax; }
 
 /// One of the two maps. Magnitude codes: e = code >> 3, f = code & 7;
 /// value = e == 0 ? f * 2^(-bias-2) : (1 + f/8) * 2^(e - bias), bias = 2^kExpBits - 1.
@@ -121,7 +126,7 @@ AMPFUSE_HOST_DEVICE float scaled_magnitude(float x, Reciprocal8 rc) {
 
 template <class Map>
 AMPFUSE_HOST_DEVICE std::uint8_t encode8(float x, float absmax) {
-  if (!(absmax >= 1.1754943508222875e-38f) && absmax == absmax) return 0;  // 0 or subnormal: all 0
+  if (codes_all_zero(absmax)) return 0;
   const std::uint32_t sign = Map::kSignedMap ? (quant_float_bits(x) >> 24) & 0x80u : 0u;
   return static_cast<std::uint8_t>(sign | encode_magnitude<Map>(scaled_magnitude(x, block_reciprocal(absmax))));
 }
@@ -135,7 +140,7 @@ AMPFUSE_HOST_DEVICE float decode8(std::uint8_t byte, float absmax) {
 
 /// The absmax a block keeps, from the largest |x| in it (NaN when any is NaN).
 AMPFUSE_HOST_DEVICE float stored_absmax(float max_abs) {
-  return max_abs >= 1.1754943508222875e-38f || max_abs != max_abs ? max_abs : 0.0f;
+  return codes_all_zero(max_abs) ? 0.0f : max_abs;
 }
 
 /// The same from the largest bits of |x| over the block (the kernels reduce

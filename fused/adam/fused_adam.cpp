@@ -287,6 +287,8 @@ struct AdamKept {
   // kept.
   std::vector<at::Tensor> held;
   std::vector<std::int64_t> numels;
+  std::vector<char> coded;  // moments_8bit: which tensors are coded (left out of `numels`' plan)
+  std::vector<std::int64_t> numels8;  // their numels, 0 for the others (empty when none is coded)
 #if defined(AMPFUSE_WITH_CUDA)
   TensorListsView views;
   std::shared_ptr<const sdk::ListMeta> meta;
@@ -301,9 +303,7 @@ struct AdamKept {
   // next step prepares).
   std::vector<std::vector<void*>> ptrs;
   std::shared_ptr<const Plan> plan;
-  // moments_8bit: which tensors are coded (they are left out of `plan`),
-  // their pointer arrays (by Coded8List) and their plan.
-  std::vector<char> coded;
+  // moments_8bit: the coded tensors' pointer arrays (by Coded8List) and plan.
   std::vector<std::vector<void*>> ptrs8;
   std::shared_ptr<const Plan> plan8;
   std::vector<std::int64_t> steps;
@@ -334,6 +334,10 @@ sdk::Launch FusedAdamImpl<Base, Options, State, kDecoupled>::prepare_list(const 
     AdamKept<State> k;
     k.amsgrad = o.amsgrad();
     k.states.resize(n);
+    k.numels.assign(n, 0);
+    k.coded.assign(n, 0);
+    std::vector<std::int64_t> numels8(n, 0);
+    bool any_coded = false;
     for (std::size_t i = 0; i < n; ++i) {  // creates state (first step): on this thread
       const sdk::Entry& e = *list[i];
       const at::Tensor& p = e.param;
@@ -371,8 +375,12 @@ sdk::Launch FusedAdamImpl<Base, Options, State, kDecoupled>::prepare_list(const 
       }
       this->prepare_device_step(e, state);
       k.states[i] = &state;
+      // The 32-bit plan takes the others; a coded tensor has numel 0 there.
+      k.coded[i] = state.exp_avg_8bit().defined() ? 1 : 0;
+      (k.coded[i] != 0 ? numels8[i] : k.numels[i]) = p.numel();
+      any_coded = any_coded || k.coded[i] != 0;
     }
-    k.numels.resize(n);
+    if (any_coded) k.numels8 = std::move(numels8);
     if (!on_cuda) k.ptrs.assign(fused::kAdamCpuLists, std::vector<void*>(n, nullptr));
     kept = std::make_shared<AdamKept<State>>(std::move(k));
   }
@@ -392,20 +400,11 @@ sdk::Launch FusedAdamImpl<Base, Options, State, kDecoupled>::prepare_list(const 
     auto list_ptrs = [&](AdamList l) -> std::vector<void*>& { return ptrs[list_index(l)]; };
     auto coded_ptrs = [&](Coded8List l) -> std::vector<void*>& { return kept->ptrs8[list_index(l)]; };
     if (fresh) {
-      kept->coded.assign(n, 0);
-      for (std::size_t i = 0; i < n; ++i) kept->coded[i] = kept->states[i]->exp_avg_8bit().defined() ? 1 : 0;
-      const bool any_coded = std::find(kept->coded.begin(), kept->coded.end(), 1) != kept->coded.end();
-      std::vector<std::int64_t> numels8;
-      if (any_coded) {
-        kept->ptrs8.assign(kCoded8Lists, std::vector<void*>(n, nullptr));
-        numels8.assign(n, 0);
-      }
+      const bool any_coded = !kept->numels8.empty();
+      if (any_coded) kept->ptrs8.assign(kCoded8Lists, std::vector<void*>(n, nullptr));
       sdk::parallel_entries(n, [&](std::size_t i) {
         const State& s = *kept->states[i];
-        const std::int64_t numel = list[i]->param.numel();
         if (kept->coded[i] != 0) {
-          kept->numels[i] = 0;  // not in the 32-bit plan
-          numels8[i] = numel;
           coded_ptrs(Coded8List::kParam)[i] = list[i]->param.data_ptr();
           coded_ptrs(Coded8List::kGrad)[i] = list[i]->grad.data_ptr();
           if (master) coded_ptrs(Coded8List::kMaster)[i] = s.master().data_ptr();
@@ -415,7 +414,6 @@ sdk::Launch FusedAdamImpl<Base, Options, State, kDecoupled>::prepare_list(const 
           coded_ptrs(Coded8List::kExpAvgSqAbsmax)[i] = s.exp_avg_sq_absmax().data_ptr();
           return;
         }
-        kept->numels[i] = numel;
         list_ptrs(AdamList::kParam)[i] = list[i]->param.data_ptr();
         list_ptrs(AdamList::kGrad)[i] = list[i]->grad.data_ptr();
         list_ptrs(AdamList::kExpAvg)[i] = s.exp_avg().data_ptr();
@@ -424,7 +422,7 @@ sdk::Launch FusedAdamImpl<Base, Options, State, kDecoupled>::prepare_list(const 
         if (master) list_ptrs(AdamList::kMaster)[i] = s.master().data_ptr();
       });
       kept->plan = std::make_shared<const Plan>(kept->numels, sdk::cpu::kChunkSize);
-      if (any_coded) kept->plan8 = std::make_shared<const Plan>(numels8, sdk::cpu::kChunkSize);
+      if (any_coded) kept->plan8 = std::make_shared<const Plan>(kept->numels8, sdk::cpu::kChunkSize);
     } else if (pl.grads_moved) {
       sdk::parallel_entries(n, [&](std::size_t i) {
         (kept->coded[i] != 0 ? coded_ptrs(Coded8List::kGrad) : list_ptrs(AdamList::kGrad))[i] = list[i]->grad.data_ptr();
@@ -474,27 +472,19 @@ sdk::Launch FusedAdamImpl<Base, Options, State, kDecoupled>::prepare_list(const 
 #if defined(AMPFUSE_WITH_CUDA)
   const c10::cuda::CUDAGuard guard(device);
   using fused::cuda::Adam8List;
-  std::vector<std::int64_t> numels8;
   if (fresh) {
     TensorListsView& views = kept->views;
     views.lists.assign(fused::kAdamLists, std::vector<TensorView>(n));
     auto set = [&](AdamList l, std::size_t i, void* data, std::int64_t numel, ScalarType t) {
       views.lists[list_index(l)][i] = {data, numel, t};
     };
-    kept->coded.assign(n, 0);
-    for (std::size_t i = 0; i < n; ++i) kept->coded[i] = kept->states[i]->exp_avg_8bit().defined() ? 1 : 0;
-    if (std::find(kept->coded.begin(), kept->coded.end(), 1) != kept->coded.end()) {
-      kept->views8.lists.assign(fused::cuda::kAdam8Lists, std::vector<TensorView>(n));
-      numels8.assign(n, 0);
-    }
+    if (!kept->numels8.empty()) kept->views8.lists.assign(fused::cuda::kAdam8Lists, std::vector<TensorView>(n));
     for (std::size_t i = 0; i < n; ++i) {
       const at::Tensor& p = list[i]->param;
       State& s = *kept->states[i];
       const std::int64_t numel = p.numel();
       if (kept->coded[i] != 0) {
         // Left out of the 32-bit launch (numel 0 there), in the 8-bit one.
-        kept->numels[i] = 0;
-        numels8[i] = numel;
         auto set8 = [&](Adam8List l, void* data, ScalarType t) {
           kept->views8.lists[list_index(l)][i] = {data, numel, t};
         };
@@ -509,7 +499,6 @@ sdk::Launch FusedAdamImpl<Base, Options, State, kDecoupled>::prepare_list(const 
         set8(Adam8List::kStep, s.device_step().data_ptr(), ScalarType::Float32);
         continue;
       }
-      kept->numels[i] = numel;
       if (numel == 0) kept->empty_steps.push_back(s.device_step());
       set(AdamList::kParam, i, p.data_ptr(), numel, st);
       set(AdamList::kGrad, i, list[i]->grad.data_ptr(), numel, st);
@@ -529,10 +518,8 @@ sdk::Launch FusedAdamImpl<Base, Options, State, kDecoupled>::prepare_list(const 
   if (fresh || pl.grads_moved) {
     const Plan plan(kept->numels, sdk::cuda::kChunkSize);
     kept->meta = sdk::make_launch_meta(kept->views, plan, device);
-    if (!kept->views8.lists.empty()) {
-      if (numels8.empty())
-        for (const TensorView& view : kept->views8.lists[list_index(Adam8List::kParam)]) numels8.push_back(view.numel);
-      const Plan plan8(numels8, fused::kQuantBlock);
+    if (!kept->numels8.empty()) {
+      const Plan plan8(kept->numels8, fused::kQuantBlock);
       kept->meta8 = sdk::make_launch_meta(kept->views8, plan8, device);
     }
   } else {
