@@ -4,7 +4,6 @@
 
 #include "ampfuse/zero.h"
 
-#include "ampfuse/fused_adam.h"
 #include "ampfuse/sdk/optimizer.h"
 
 #include <ATen/ATen.h>
@@ -26,8 +25,29 @@ constexpr const char* kWhere = "ampfuse::distributed::ZeroOptimizer: ";
 // Every parameter starts on a 64-byte boundary of its bucket, and shards are
 // whole multiples of it, so that pieces start aligned wherever they can.
 constexpr std::int64_t kAlignBytes = 64;
+// A parameter of at least kBlockFrom elements starts on a kBlockElements
+// boundary of its bucket, and a bucket holding one has shards of whole
+// kBlockElements: its pieces then start at multiples of kBlockElements from
+// the parameter's first element, so that blockwise state (FusedAdam's 8-bit
+// moments, 256-element blocks for tensors of 4096 elements or more) is cut
+// into the whole parameter's blocks at every world size.
+constexpr std::int64_t kBlockFrom = 4096;
+constexpr std::int64_t kBlockElements = 256;
+// Folded into the layout hash: sharded checkpoints of an earlier layout rule
+// (no block alignment) are refused rather than read at the wrong offsets.
+constexpr std::int64_t kLayoutRule = 2;
 
 std::int64_t round_up(std::int64_t n, std::int64_t m) { return (n + m - 1) / m * m; }
+
+// Where a parameter of `numel` elements of `element_size` bytes starts in its bucket, after `end`.
+std::int64_t start_of(std::int64_t end, std::int64_t numel, std::int64_t element_size) {
+  return round_up(end, numel >= kBlockFrom ? kBlockElements : kAlignBytes / element_size);
+}
+
+// The elements of each of `world` shards of a bucket of `total` elements.
+std::int64_t shard_of(std::int64_t total, int world, std::int64_t element_size, bool has_blocks) {
+  return round_up((total + world - 1) / world, has_blocks ? kBlockElements : kAlignBytes / element_size);
+}
 
 std::uint64_t fnv(std::uint64_t h, std::int64_t v) {
   for (int i = 0; i < 8; ++i) {
@@ -113,6 +133,11 @@ struct Place {
   std::size_t index;
 };
 
+// Whether a bucket holds a parameter whose pieces are cut at block boundaries.
+bool has_blocks(const ZeroOptimizer::Bucket& b, const std::vector<at::Tensor>& params) {
+  return std::any_of(b.members.begin(), b.members.end(), [&](std::size_t i) { return params[i].numel() >= kBlockFrom; });
+}
+
 std::string name_of(const Place& place) {
   return "group " + std::to_string(place.group) + ", parameter " + std::to_string(place.index);
 }
@@ -141,7 +166,7 @@ std::int64_t check_same_parameters(c10d::ProcessGroup& group, const std::vector<
                 counts_cpu[2 * r + 1].item<std::int64_t>(),
                 ": every rank must pass parameters of the same shapes, dtypes and devices in the same order");
   std::vector<std::int64_t> hashes;
-  std::uint64_t whole = 1469598103934665603ull;
+  std::uint64_t whole = fnv(1469598103934665603ull, kLayoutRule);
   std::size_t k = 0;
   for (std::size_t g = 0; g < groups.size(); ++g) {
     whole = fnv(whole, static_cast<std::int64_t>(groups[g].size()));
@@ -238,9 +263,8 @@ std::shared_ptr<ZeroOptimizer::Layout> ZeroOptimizer::build(std::vector<torch::o
       layout->buckets.emplace_back();
     }
     Bucket& b = layout->buckets[it->second];
-    const std::int64_t align = kAlignBytes / static_cast<std::int64_t>(params[i].element_size());
     const std::int64_t end = b.members.empty() ? 0 : b.offsets.back() + params[b.members.back()].numel();
-    b.offsets.push_back(round_up(end, align));
+    b.offsets.push_back(start_of(end, params[i].numel(), static_cast<std::int64_t>(params[i].element_size())));
     b.members.push_back(i);
     param_bucket[i] = it->second;
   }
@@ -250,9 +274,8 @@ std::shared_ptr<ZeroOptimizer::Layout> ZeroOptimizer::build(std::vector<torch::o
   const at::NoGradGuard no_grad;
   for (Bucket& b : layout->buckets) {
     const at::Tensor& first = params[b.members.front()];
-    const std::int64_t align = kAlignBytes / static_cast<std::int64_t>(first.element_size());
-    const std::int64_t total = b.offsets.back() + params[b.members.back()].numel();
-    b.shard = round_up((total + world - 1) / world, align);
+    b.shard = shard_of(b.offsets.back() + params[b.members.back()].numel(), world,
+                       static_cast<std::int64_t>(first.element_size()), has_blocks(b, params));
     const auto opts = first.options();
     b.flat_param = at::zeros({b.shard * world}, opts);
     b.flat_grad = at::zeros({b.shard * world}, opts);
@@ -308,14 +331,19 @@ std::shared_ptr<ZeroOptimizer::Layout> ZeroOptimizer::build(std::vector<torch::o
   TORCH_CHECK(layout->inner, kWhere, "the factory returned no optimizer");
   TORCH_CHECK(layout->inner->param_groups().size() == groups.size(), kWhere, "the wrapped optimizer has ",
               layout->inner->param_groups().size(), " parameter groups, expected ", groups.size());
-  // 8-bit moments decide per parameter on its whole numel and code blocks of
-  // it; on pieces both would depend on the sharding.
-  const FusedAdamOptions* adam = nullptr;
-  if (auto* a = dynamic_cast<const FusedAdam*>(layout->inner.get())) adam = &a->fused_options();
-  if (auto* a = dynamic_cast<const FusedAdamW*>(layout->inner.get())) adam = &a->fused_options();
-  TORCH_CHECK(adam == nullptr || !adam->moments_8bit(), kWhere,
-              "FusedAdam with moments_8bit is not supported under ZeroOptimizer yet (its blocks would follow the "
-              "shards); use 32-bit moments, or moments_8bit without sharding");
+  // State that depends on the whole tensor (FusedAdam's 8-bit moments: the
+  // 4096 rule on the whole numel, blocks counted from its first element).
+  if (auto* knows = dynamic_cast<sdk::KnowsWholeTensors*>(layout->inner.get())) {
+    const auto& inner_groups = layout->inner->param_groups();
+    for (const Piece& piece : layout->pieces) {
+      const Bucket& b = layout->buckets[param_bucket[piece.param]];
+      const auto m = static_cast<std::size_t>(
+          std::find(b.members.begin(), b.members.end(), piece.param) - b.members.begin());
+      const std::int64_t lo = std::max(b.offsets[m], rank * b.shard);
+      knows->set_whole_tensor(inner_groups.at(piece.group).params().at(piece.index), params[piece.param].numel(),
+                              lo - b.offsets[m]);
+    }
+  }
   // Nothing can fail from here: each parameter becomes a view of its bucket
   // (same TensorImpl, autograd identity and version counter).
   for (Bucket& b : layout->buckets)
@@ -537,7 +565,7 @@ void ZeroOptimizer::copy_options_to_inner() {
 
 void ZeroOptimizer::gather_params() {
   const at::NoGradGuard no_grad;
-  const int rank = process_group_->getRank(), world = process_group_->getSize();
+  const int world = process_group_->getSize();
   for (Bucket& b : buckets_) {
     if (!b.all_reduce) {
       collective(*process_group_, "all-gathering the parameters",
@@ -634,11 +662,9 @@ void ZeroOptimizer::load(torch::serialize::InputArchive& archive) {
 std::vector<std::vector<ZeroOptimizer::Span>> ZeroOptimizer::spans_of_rank(int rank, int world) const {
   // Each bucket's shard at that world size, as build() computes it.
   std::vector<std::int64_t> shards;
-  for (const Bucket& b : buckets_) {
-    const std::int64_t align = kAlignBytes / static_cast<std::int64_t>(b.flat_param.element_size());
-    const std::int64_t total = b.offsets.back() + params_[b.members.back()].numel();
-    shards.push_back(round_up((total + world - 1) / world, align));
-  }
+  for (const Bucket& b : buckets_)
+    shards.push_back(shard_of(b.offsets.back() + params_[b.members.back()].numel(), world,
+                              static_cast<std::int64_t>(b.flat_param.element_size()), has_blocks(b, params_)));
   std::vector<std::vector<Span>> spans(group_sizes_.size());
   std::size_t k = 0;
   for (std::size_t g = 0; g < group_sizes_.size(); ++g)
@@ -737,6 +763,14 @@ void ZeroOptimizer::save_consolidated(torch::serialize::OutputArchive& archive, 
   consolidate(parts, archive);
 }
 
+// Elements per entry of a saved per-block state tensor (the wrapped
+// optimizer says which keys are), 0 for anything else.
+std::int64_t ZeroOptimizer::saved_per_block(const std::string& key, const c10::IValue& v) const {
+  const auto* knows = dynamic_cast<const sdk::KnowsWholeTensors*>(inner_.get());
+  if (knows == nullptr || !v.isTensor() || !v.toTensor().defined()) return 0;
+  return knows->saved_elements_per_entry(key);
+}
+
 // The one-process checkpoint of the whole parameters, from every rank's own
 // checkpoint of its pieces at a world size of parts.size().
 void ZeroOptimizer::consolidate(std::vector<torch::serialize::InputArchive>& parts,
@@ -769,7 +803,8 @@ void ZeroOptimizer::consolidate(std::vector<torch::serialize::InputArchive>& par
                 "consolidating: parameter ", k, " has state on some of its pieces only");
     torch::serialize::OutputArchive whole(archive.compilation_unit());
     copy_fields(pieces.front().archive, whole, [&](const std::string& key, c10::IValue v) -> c10::IValue {
-      if (!per_element(key, v, pieces.front().hi - pieces.front().lo)) return v;
+      const bool per_block = saved_per_block(key, v) > 0;
+      if (!per_block && !per_element(key, v, pieces.front().hi - pieces.front().lo)) return v;
       std::vector<at::Tensor> parts;
       for (auto& piece : pieces) {
         c10::IValue part;
@@ -777,7 +812,8 @@ void ZeroOptimizer::consolidate(std::vector<torch::serialize::InputArchive>& par
                     ": a piece has no ", key);
         parts.push_back(part.toTensor().reshape({-1}));
       }
-      return at::cat(parts).view(params_[k].sizes());
+      // Blocks: every piece but the last holds whole blocks (pieces start at block boundaries).
+      return per_block ? at::cat(parts) : at::cat(parts).view(params_[k].sizes());
     });
     states.emplace_back(key_of(params_[k].unsafeGetTensorImpl()), std::move(whole));
   }
@@ -809,7 +845,20 @@ void ZeroOptimizer::load_consolidated(torch::serialize::InputArchive& archive) {
       if (!whole) continue;
       torch::serialize::OutputArchive part;
       copy_fields(*whole, part, [&](const std::string& key, c10::IValue v) -> c10::IValue {
-        if (!per_element(key, v, params_[span.param].numel())) return v;
+        const std::int64_t numel = params_[span.param].numel();
+        if (const std::int64_t block = saved_per_block(key, v)) {
+          const at::Tensor t = v.toTensor();
+          const std::int64_t blocks = (numel + block - 1) / block;
+          TORCH_CHECK(t.dim() == 1 && t.numel() == blocks, kWhere, "load_consolidated: parameter ", span.param,
+                      ": state ", key, " has shape ", t.sizes(), ", expected [", blocks, "] (one entry per ", block,
+                      " of its ", numel, " elements; a damaged checkpoint?)");
+          TORCH_CHECK(span.lo % block == 0, kWhere, "load_consolidated: parameter ", span.param, " (", numel,
+                      " elements): state ", key, " holds one entry per ", block,
+                      " elements, but this rank's piece starts at element ", span.lo,
+                      "; ZeroOptimizer cuts parameters at block boundaries from ", kBlockFrom, " elements on");
+          return t.narrow(0, span.lo / block, (span.hi + block - 1) / block - span.lo / block).clone();
+        }
+        if (!per_element(key, v, numel)) return v;
         return v.toTensor().reshape({-1}).narrow(0, span.lo, span.hi - span.lo).clone();
       });
       states.emplace_back(keys[g][i], std::move(part));

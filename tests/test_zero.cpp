@@ -39,6 +39,8 @@ using ampfuse_test::on_ranks;
 using Group = c10::intrusive_ptr<c10d::ProcessGroup>;
 using Groups = std::vector<torch::optim::OptimizerParamGroup>;
 
+struct Model;
+
 // How to build the optimizer under test, over the whole model (the
 // reference) or wrapped in a ZeroOptimizer. `lr2` is group 1's learning rate.
 struct Kind {
@@ -49,6 +51,7 @@ struct Kind {
   // Bit for bit unless the math sums over whole tensors across the shards
   // (LAMB's norms: the same fp64 sums in another order).
   bool exact = true;
+  const Model* model = nullptr;  // the parameters it steps; null: kModel
 };
 
 template <class Opt, class Options>
@@ -59,6 +62,20 @@ Kind kind(std::string name, Options defaults, Options group1) {
             return ZeroOptimizer::make<Opt>(std::move(g), defaults, pg, o);
           },
           [group1] { return std::unique_ptr<torch::optim::OptimizerOptions>(std::make_unique<Options>(group1)); }};
+}
+
+// FusedAdam / FusedAdamW with FusedAdamOptions (8-bit moments, master weights).
+template <class Opt, class Options>
+Kind kind(std::string name, Options defaults, Options group1, ampfuse::FusedAdamOptions fused, const Model* model) {
+  return {std::move(name),
+          [defaults, fused](Groups g) {
+            return std::unique_ptr<torch::optim::Optimizer>(std::make_unique<Opt>(std::move(g), defaults, fused));
+          },
+          [defaults, fused](Groups g, const Group& pg, ampfuse::distributed::ZeroOptions o) {
+            return ZeroOptimizer::make<Opt>(std::move(g), defaults, pg, o, fused);
+          },
+          [group1] { return std::unique_ptr<torch::optim::OptimizerOptions>(std::make_unique<Options>(group1)); },
+          true, model};
 }
 
 std::vector<Kind> kinds() {
@@ -76,10 +93,26 @@ std::vector<Kind> kinds() {
   };
 }
 
-// The model: uneven sizes (a zero-element one too), two groups, an fp32 and
-// an fp64 bucket. Grads are whole multiples of 1/64 below 2 in magnitude,
-// times the scale, so that the ranks' sum is exact in any order.
-const std::vector<std::vector<std::int64_t>> kShapes = {{7, 3}, {130}, {1}, {0}, {33, 5}, {2, 2, 2}, {19}};
+// The parameters' shapes and dtypes. Grads are whole multiples of 1/64
+// below grad_bound / 64 in magnitude, times the scale, so that the ranks'
+// sum is exact in any order (in bf16 too with grad_bound 32).
+struct Model {
+  std::vector<std::vector<std::int64_t>> shapes;
+  std::vector<torch::Dtype> dtypes;
+  int grad_bound = 128;
+};
+// Uneven sizes (a zero-element one too), two groups, an fp32 and an fp64 bucket.
+const Model kModel = {{{7, 3}, {130}, {1}, {0}, {33, 5}, {2, 2, 2}, {19}},
+                      {torch::kFloat, torch::kFloat, torch::kFloat, torch::kFloat, torch::kFloat, torch::kFloat,
+                       torch::kDouble}};
+// For 8-bit moments: parameters 1 (the inf), 2 (no grad at a step), 4 (a
+// last block of one element) and 6 have 4096 elements or more and are
+// coded; the others keep 32-bit moments in the same bucket.
+Model model_8bit(torch::Dtype dtype, int grad_bound) {
+  return {{{7, 3}, {4096}, {64, 80}, {0}, {4097}, {2, 2, 2}, {70, 100}}, std::vector<torch::Dtype>(7, dtype), grad_bound};
+}
+const Model kModel8 = model_8bit(torch::kFloat, 128);
+const Model kModel8Bf16 = model_8bit(torch::kBFloat16, 32);
 constexpr std::size_t kGroup1From = 4;  // parameters 4.. are group 1
 constexpr double kScale = 1024.0;
 
@@ -94,21 +127,21 @@ struct Scenario {
   std::vector<std::vector<std::vector<torch::Tensor>>> grads;  // [step][rank][param], undefined: none
 };
 
-torch::Dtype dtype_of(std::size_t i) { return i == 6 ? torch::kDouble : torch::kFloat; }
-
-Scenario make_scenario(std::uint64_t seed, int world, int inf_step = 3, int steps = 6) {
+Scenario make_scenario(std::uint64_t seed, int world, int inf_step = 3, int steps = 6, const Model& model = kModel) {
   Scenario s;
   s.world = world;
   s.inf_step = inf_step;
   s.steps = steps;
   torch::manual_seed(seed);
-  for (std::size_t i = 0; i < kShapes.size(); ++i) s.init.push_back(torch::randn(kShapes[i], dtype_of(i)));
+  const auto& shapes = model.shapes;
+  for (std::size_t i = 0; i < shapes.size(); ++i) s.init.push_back(torch::randn(shapes[i], model.dtypes[i]));
   for (int step = 0; step < s.steps; ++step) {
     std::vector<std::vector<torch::Tensor>> per_rank;
     for (int r = 0; r < world; ++r) {
       std::vector<torch::Tensor> g;
-      for (std::size_t i = 0; i < kShapes.size(); ++i) {
-        torch::Tensor t = torch::randint(-127, 128, kShapes[i], torch::TensorOptions().dtype(dtype_of(i))) *
+      for (std::size_t i = 0; i < shapes.size(); ++i) {
+        torch::Tensor t = torch::randint(1 - model.grad_bound, model.grad_bound, shapes[i],
+                                         torch::TensorOptions().dtype(model.dtypes[i])) *
                           (kScale / 64.0);
         if (i == 2 && step == s.none_step) t = torch::Tensor();
         if (i == 5 && step == s.rank0_step && r != 0) t = torch::Tensor();
@@ -172,7 +205,7 @@ std::vector<std::vector<torch::Tensor>> reference(const Scenario& s, const Kind&
 
 void expect_zero_matches_one_process(const Kind& k, int world, std::uint64_t seed, std::vector<int> clip_steps,
                                      ampfuse::distributed::ZeroOptions options = {}, int steps = 6) {
-  Scenario s = make_scenario(seed, world, /*inf_step=*/3, steps);
+  Scenario s = make_scenario(seed, world, /*inf_step=*/3, steps, k.model ? *k.model : kModel);
   s.clip_steps = std::move(clip_steps);
   const auto expected = reference(s, k);
   std::mutex mutex;
@@ -248,6 +281,81 @@ TEST(ZeroOptimizer, ClipsByTheGlobalNorm) {
       SCOPED_TRACE(k->name + ", world " + std::to_string(world));
       expect_zero_matches_one_process(*k, world, seed, {0, 4});
     }
+}
+
+// 8-bit moments (FusedAdam and FusedAdamW, fp32, and bf16 with fp32 master
+// weights), world sizes 1 to 4, both ways of reducing and gathering: bit for
+// bit one process. The 4096 rule is decided on the whole parameter and
+// every piece's blocks are the parameter's (pieces start at 256-element
+// boundaries), so each coded element sees the same absmax as on one process.
+std::vector<Kind> kinds_8bit() {
+  using namespace torch::optim;
+  const auto fused = ampfuse::FusedAdamOptions().moments_8bit(true);
+  return {
+      kind<ampfuse::FusedAdam>("FusedAdam 8-bit", AdamOptions(0.01).weight_decay(0.01), AdamOptions(0.003), fused,
+                               &kModel8),
+      kind<ampfuse::FusedAdamW>("FusedAdamW 8-bit", AdamWOptions(0.01), AdamWOptions(0.02).weight_decay(0.1), fused,
+                                &kModel8),
+      kind<ampfuse::FusedAdam>("FusedAdam 8-bit, bf16 with master weights", AdamOptions(0.01), AdamOptions(0.003),
+                               ampfuse::FusedAdamOptions().moments_8bit(true).master_weights(true), &kModel8Bf16),
+  };
+}
+
+TEST(ZeroOptimizer, EightBitMomentsStepAsOneProcess) {
+  const auto seed = ampfuse_test::seed_for_test();
+  using ampfuse::distributed::ZeroCollectives;
+  for (const auto collectives : {ZeroCollectives::kReduceScatter, ZeroCollectives::kAllReduceBroadcast})
+    for (const Kind& k : kinds_8bit())
+      for (int world = 1; world <= 4; ++world) {
+        SCOPED_TRACE(k.name + ", world " + std::to_string(world) +
+                     (collectives == ZeroCollectives::kAllReduceBroadcast ? ", all-reduce + broadcast" : ", reduce-scatter"));
+        expect_zero_matches_one_process(k, world, seed, {},
+                                        ampfuse::distributed::ZeroOptions().collectives(collectives));
+      }
+  // Clipped by the global norm (summed in another order): within 1e-6.
+  const Kind k = kinds_8bit()[0];
+  for (int world : {2, 3}) {
+    SCOPED_TRACE(k.name + ", clipped, world " + std::to_string(world));
+    expect_zero_matches_one_process(k, world, seed, {0, 4});
+  }
+}
+
+// Each rank holds codes for its pieces only, and one absmax per block of the
+// whole parameter across the ranks: no block is split between two ranks.
+// About 2.03 bytes of state per coded element, over all ranks together.
+TEST(ZeroOptimizer, EightBitBlocksAreTheWholeParametersBlocks) {
+  const auto seed = ampfuse_test::seed_for_test();
+  const Kind k = kinds_8bit()[0];
+  for (int world : {2, 3, 4}) {
+    const Scenario s = make_scenario(seed, world, /*inf_step=*/-1, /*steps=*/1, kModel8);
+    std::int64_t codes = 0, blocks = 0, want_codes = 0, want_blocks = 0, bytes = 0;
+    for (const auto& t : s.init)
+      if (t.numel() >= 4096) {
+        want_codes += t.numel();
+        want_blocks += (t.numel() + 255) / 256;
+      }
+    std::mutex mutex;
+    on_ranks(world, [&](int rank, const Group& pg) {
+      auto params = fresh_params(s);
+      auto opt = k.zero(groups_of(params, k), pg, {});
+      for (std::size_t i = 0; i < params.size(); ++i) params[i].mutable_grad() = torch::ones_like(params[i]);
+      opt->step();
+      const std::lock_guard<std::mutex> lock(mutex);
+      for (const auto& [key, state] : opt->inner().state()) {
+        const auto& st = static_cast<const ampfuse::FusedAdamParamState&>(*state);
+        if (!st.exp_avg_8bit().defined()) continue;
+        EXPECT_FALSE(st.exp_avg().defined()) << "rank " << rank;
+        codes += st.exp_avg_8bit().numel();
+        blocks += st.exp_avg_absmax().numel();
+        EXPECT_EQ(st.exp_avg_sq_absmax().numel(), st.exp_avg_absmax().numel());
+        bytes += st.exp_avg_8bit().nbytes() + st.exp_avg_absmax().nbytes() + st.exp_avg_sq_8bit().nbytes() +
+                 st.exp_avg_sq_absmax().nbytes();
+      }
+    });
+    EXPECT_EQ(codes, want_codes) << "world " << world;
+    EXPECT_EQ(blocks, want_blocks) << "world " << world << ": a block is split between ranks";
+    EXPECT_LE(static_cast<double>(bytes) / static_cast<double>(want_codes), 2.1) << "world " << world;
+  }
 }
 
 // bf16 parameters with FusedAdam's fp32 master weights: the master of each
@@ -471,13 +579,24 @@ TEST(ZeroOptimizer, RefusesBadInputOnEveryRank) {
     EXPECT_THAT(error_of([&] { ZeroOptimizer::make<ampfuse::FusedAdam>({a}, torch::optim::AdamOptions(-1.0), pg); }),
                 ::testing::HasSubstr("learning rate"));
     EXPECT_EQ(a.data_ptr(), before);  // nothing moved
-    // 8-bit moments would code blocks of the shards: refused, before anything moved.
-    EXPECT_THAT(error_of([&] {
-                  ZeroOptimizer::make<ampfuse::FusedAdamW>({a}, torch::optim::AdamWOptions(0.1), pg, {},
-                                                           ampfuse::FusedAdamOptions().moments_8bit(true));
-                }),
-                ::testing::HasSubstr("FusedAdam with moments_8bit is not supported under ZeroOptimizer"));
-    EXPECT_EQ(a.data_ptr(), before);
+    // 8-bit moments over a piece that does not start on a block boundary of
+    // its tensor (a sharder other than ZeroOptimizer's) are refused, as is
+    // telling a parameter's tensor after it has state.
+    {
+      auto w = torch::zeros({5000}).requires_grad_();
+      ampfuse::FusedAdamW adam8({w}, torch::optim::AdamWOptions(0.1), ampfuse::FusedAdamOptions().moments_8bit(true));
+      EXPECT_THAT(error_of([&] { adam8.set_whole_tensor(w, 20000, 100); }),
+                  ::testing::HasSubstr("param group 0, param 0: moments_8bit on a piece that starts at element 100 of "
+                                       "its tensor; it must start at a multiple of 256"));
+      EXPECT_THAT(error_of([&] { adam8.set_whole_tensor(w, 5100, 256); }),
+                  ::testing::HasSubstr("elements [256, 5256) are not part of a tensor of 5100 elements"));
+      EXPECT_THAT(error_of([&] { adam8.set_whole_tensor(torch::zeros({3}), 3, 0); }),
+                  ::testing::HasSubstr("is not one of this optimizer's parameters"));
+      w.mutable_grad() = torch::ones({5000});
+      adam8.step();
+      EXPECT_THAT(error_of([&] { adam8.set_whole_tensor(w, 20000, 256); }),
+                  ::testing::HasSubstr("set_whole_tensor after the parameter has state"));
+    }
     auto opt = ZeroOptimizer::make<ampfuse::FusedAdam>({a}, torch::optim::AdamOptions(0.1), pg);
     a.mutable_grad() = torch::ones({8}).to_sparse();
     EXPECT_THAT(error_of([&] { opt->step(); }), ::testing::HasSubstr("parameter 0: its grad is Sparse"));
@@ -585,17 +704,20 @@ torch::serialize::InputArchive from_bytes(const std::string& bytes) {
   return archive;
 }
 
-// Checkpoints reshard: FusedAdam (amsgrad in group 1) steps at 4 ranks, is
-// consolidated and loaded at 2 (and its 4 sharded parts at 3), steps, is
-// consolidated again;
-// a one-process checkpoint loads at 3 ranks; the 2-rank one loads into
-// FusedAdam on one process and into torch::optim::Adam. Every rank's grads
-// are the same, so the mean is exact and every run must be bit for bit the
-// one-process run.
-TEST(ZeroOptimizer, ConsolidatedCheckpointsReshardFourToTwoToThree) {
-  const auto seed = ampfuse_test::seed_for_test();
-  const Kind k = kinds()[0];
-  const Scenario s = make_scenario(seed, /*world=*/1, /*inf_step=*/-1);
+// What a resharding run leaves for further checks: the parameters after
+// step 3 and the 2-rank consolidated checkpoint of them.
+struct Resharded {
+  std::vector<torch::Tensor> after_3;
+  std::string at2;
+};
+
+// Checkpoints reshard: the optimizer steps at 4 ranks, is consolidated and
+// loaded at 2 (and its 4 sharded parts at 3), steps, is consolidated again;
+// a one-process checkpoint loads at 3 ranks; the 2-rank one loads into the
+// optimizer on one process. Every rank's grads are the same, so the mean is
+// exact and every run must be bit for bit the one-process run.
+Resharded expect_checkpoints_reshard(const Kind& k, std::uint64_t seed) {
+  const Scenario s = make_scenario(seed, /*world=*/1, /*inf_step=*/-1, /*steps=*/6, k.model ? *k.model : kModel);
   const auto grads_of = [&](int step) { return s.grads[step][0]; };
   const auto step_with = [&](std::vector<torch::Tensor>& params, torch::optim::Optimizer& opt, int step) {
     for (std::size_t i = 0; i < params.size(); ++i) params[i].mutable_grad() = grads_of(step)[i];
@@ -682,7 +804,18 @@ TEST(ZeroOptimizer, ConsolidatedCheckpointsReshardFourToTwoToThree) {
   opt->load(archive);
   for (int step = 4; step < 6; ++step) step_with(params, *opt, step);
   for (std::size_t i = 0; i < params.size(); ++i) EXPECT_TRUE(bitwise_equal(params[i].detach(), ref[5][i]));
-  auto plain = params_from(ref[3]);
+  return {ref[3], at2};
+}
+
+// FusedAdam with amsgrad in group 1; the 2-rank checkpoint also loads into
+// torch::optim::Adam, and a checkpoint of other parameters is refused.
+TEST(ZeroOptimizer, ConsolidatedCheckpointsReshardFourToTwoToThree) {
+  const auto seed = ampfuse_test::seed_for_test();
+  const Kind k = kinds()[0];
+  const Resharded done = expect_checkpoints_reshard(k, seed);
+  const std::string& at2 = done.at2;
+  std::vector<torch::Tensor> plain;
+  for (const auto& t : done.after_3) plain.push_back(t.clone().requires_grad_());
   torch::optim::Adam adam(groups_of(plain, k), torch::optim::AdamOptions(0.01));
   auto again = from_bytes(at2);
   adam.load(again);
@@ -696,6 +829,50 @@ TEST(ZeroOptimizer, ConsolidatedCheckpointsReshardFourToTwoToThree) {
     auto z = ZeroOptimizer::make<ampfuse::FusedAdam>({p}, torch::optim::AdamOptions(0.01), pg);
     auto wrong = from_bytes(at2);
     EXPECT_THAT(error_of([&] { z->load_consolidated(wrong); }), ::testing::HasSubstr("param group"));
+  });
+}
+
+// 8-bit moments reshard as 32-bit ones do (the codes per element, the
+// absmax per block), and a one-process 32-bit checkpoint loads into 8-bit
+// pieces, coded on load with the whole parameter's blocks: bit for bit
+// what one process with 8-bit moments makes of it.
+TEST(ZeroOptimizer, EightBitCheckpointsReshardAndCodeOnLoad) {
+  const auto seed = ampfuse_test::seed_for_test();
+  const Kind k = kinds_8bit()[1];
+  expect_checkpoints_reshard(k, seed);
+  const Scenario s = make_scenario(seed, /*world=*/1, /*inf_step=*/-1, /*steps=*/6, kModel8);
+  const auto step_with = [&](std::vector<torch::Tensor>& params, torch::optim::Optimizer& opt, int step) {
+    for (std::size_t i = 0; i < params.size(); ++i) params[i].mutable_grad() = s.grads[step][0][i];
+    opt.step();
+  };
+  const auto clone_params = [](const std::vector<torch::Tensor>& v) {
+    std::vector<torch::Tensor> p;
+    for (const auto& t : v) p.push_back(t.detach().clone().requires_grad_());
+    return p;
+  };
+  // 32-bit FusedAdamW for 3 steps: its checkpoint and parameters.
+  auto params32 = fresh_params(s);
+  ampfuse::FusedAdamW adam32(groups_of(params32, k), torch::optim::AdamWOptions(0.01));
+  for (int step = 0; step < 3; ++step) step_with(params32, adam32, step);
+  const std::string ckpt32 = to_bytes([&](auto& a) { adam32.save(a); });
+  // One process with 8-bit moments takes it, steps 3..5.
+  auto expected = clone_params(params32);
+  {
+    auto opt = k.whole(groups_of(expected, k));
+    auto archive = from_bytes(ckpt32);
+    opt->load(archive);
+    for (int step = 3; step < 6; ++step) step_with(expected, *opt, step);
+  }
+  std::mutex mutex;
+  on_ranks(3, [&](int rank, const Group& pg) {
+    auto params = clone_params(params32);
+    auto opt = k.zero(groups_of(params, k), pg, {});
+    auto archive = from_bytes(ckpt32);
+    opt->load_consolidated(archive);
+    for (int step = 3; step < 6; ++step) step_with(params, *opt, step);
+    const std::lock_guard<std::mutex> lock(mutex);
+    for (std::size_t i = 0; i < params.size(); ++i)
+      EXPECT_TRUE(bitwise_equal(params[i].detach(), expected[i])) << "rank " << rank << ", parameter " << i;
   });
 }
 

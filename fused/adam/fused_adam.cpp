@@ -82,12 +82,6 @@ c10::ScalarType state_dtype(const at::Tensor& p, const FusedAdamOptions& fused) 
 
 constexpr const char* optimizer_name(bool decoupled) { return decoupled ? "FusedAdamW" : "FusedAdam"; }
 
-// Whether a parameter's moments are 8-bit under these options: decided on
-// the parameter's numel alone.
-bool coded_8bit(const at::Tensor& p, const FusedAdamOptions& fused) {
-  return fused.moments_8bit() && p.numel() >= fused::kMin8bitNumel;
-}
-
 template <class State>
 bool holds_coded(const State& s) {
   return s.exp_avg_8bit().defined() || s.exp_avg_absmax().defined() || s.exp_avg_sq_8bit().defined() ||
@@ -257,7 +251,7 @@ void FusedAdamImpl<Base, Options, State, kDecoupled>::after_load(const at::Tenso
   // the parameter after this load (weights loaded next) refreshes it.
   state.master_version(param._version());
   // The moments as these options keep them: coded or decoded once, here.
-  const bool want = coded_8bit(param, fused_) && param.scalar_type() != at::kDouble;
+  const bool want = coded_8bit(param) && param.scalar_type() != at::kDouble;
   if (want && !holds_coded(state)) code_moments(state);
   else if (!want && holds_coded(state)) decode_moments(state, state_dtype(param, fused_));
 }
@@ -342,7 +336,7 @@ sdk::Launch FusedAdamImpl<Base, Options, State, kDecoupled>::prepare_list(const 
       const sdk::Entry& e = *list[i];
       const at::Tensor& p = e.param;
       const auto zeros = [&] { return at::zeros_like(p, p.options().dtype(state_st_torch), at::MemoryFormat::Preserve); };
-      const bool coded = coded_8bit(p, fused_);
+      const bool coded = coded_8bit(p);
       State& state = this->state_for(e, [&](State& s) {
         s.step(0);
         if (coded) {
@@ -575,6 +569,42 @@ FusedAdamImpl<Base, Options, State, kDecoupled>::FusedAdamImpl(std::vector<at::T
 
 template <class Base, class Options, class State, bool kDecoupled>
 FusedAdamImpl<Base, Options, State, kDecoupled>::~FusedAdamImpl() = default;
+
+template <class Base, class Options, class State, bool kDecoupled>
+bool FusedAdamImpl<Base, Options, State, kDecoupled>::coded_8bit(const at::Tensor& p) const {
+  if (!fused_.moments_8bit()) return false;
+  const auto it = whole_numel_.find(p.unsafeGetTensorImpl());
+  return (it == whole_numel_.end() ? p.numel() : it->second) >= fused::kMin8bitNumel;
+}
+
+template <class Base, class Options, class State, bool kDecoupled>
+void FusedAdamImpl<Base, Options, State, kDecoupled>::set_whole_tensor(const at::Tensor& piece, std::int64_t whole_numel,
+                                                                       std::int64_t offset) {
+  const auto& groups = this->param_groups();
+  std::size_t g = 0, i = 0;
+  const auto find = [&] {
+    for (g = 0; g < groups.size(); ++g)
+      for (i = 0; i < groups[g].params().size(); ++i)
+        if (groups[g].params()[i].is_same(piece)) return true;
+    return false;
+  };
+  TORCH_CHECK(find(), name(), ": set_whole_tensor: the tensor is not one of this optimizer's parameters");
+  TORCH_CHECK(offset >= 0 && offset + piece.numel() <= whole_numel, name(), ": param group ", g, ", param ", i,
+              ": set_whole_tensor: elements [", offset, ", ", offset + piece.numel(), ") are not part of a tensor of ",
+              whole_numel, " elements");
+  TORCH_CHECK(this->state().count(piece.unsafeGetTensorImpl()) == 0, name(), ": param group ", g, ", param ", i,
+              ": set_whole_tensor after the parameter has state (call it before the first step or load)");
+  TORCH_CHECK(!fused_.moments_8bit() || whole_numel < fused::kMin8bitNumel || offset % fused::kQuantBlock == 0, name(),
+              ": param group ", g, ", param ", i, ": moments_8bit on a piece that starts at element ", offset,
+              " of its tensor; it must start at a multiple of ", fused::kQuantBlock,
+              " so that its 8-bit blocks are the tensor's");
+  whole_numel_[piece.unsafeGetTensorImpl()] = whole_numel;
+}
+
+template <class Base, class Options, class State, bool kDecoupled>
+std::int64_t FusedAdamImpl<Base, Options, State, kDecoupled>::saved_elements_per_entry(const std::string& key) const {
+  return key == "exp_avg_absmax" || key == "exp_avg_sq_absmax" ? fused::kQuantBlock : 0;
+}
 
 template <class Base, class Options, class State, bool kDecoupled>
 at::Tensor FusedAdamImpl<Base, Options, State, kDecoupled>::lr_tensor(std::size_t group, c10::Device device) const {

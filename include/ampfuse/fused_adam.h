@@ -29,6 +29,7 @@
 
 #include <memory>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include "ampfuse/contract.h"
@@ -129,7 +130,7 @@ struct FusedAdamWorkspace;
 /// What FusedAdam and FusedAdamW share; Base is torch::optim::Adam or AdamW.
 /// Built on the SDK's optimizer base, as any third-party optimizer is.
 template <class Base, class Options, class State, bool kDecoupledWeightDecay>
-class FusedAdamImpl : public sdk::FusedOptimizer<Base, Options, State> {
+class FusedAdamImpl : public sdk::FusedOptimizer<Base, Options, State>, public sdk::KnowsWholeTensors {
  public:
   explicit FusedAdamImpl(const std::vector<torch::optim::OptimizerParamGroup>& param_groups, Options defaults = {},
                          FusedAdamOptions fused = {});
@@ -147,6 +148,14 @@ class FusedAdamImpl : public sdk::FusedOptimizer<Base, Options, State> {
   /// An index-less device means the current one.
   at::Tensor lr_tensor(std::size_t group, c10::Device device = c10::Device(c10::kCUDA)) const;
 
+  /// moments_8bit under a sharded optimizer: `piece` is part of a tensor of
+  /// `whole_numel` elements, from element `offset` (a multiple of 256 when
+  /// the whole tensor is coded): the 4096 rule is applied to the whole
+  /// tensor, and the piece's blocks are the whole tensor's.
+  void set_whole_tensor(const at::Tensor& piece, std::int64_t whole_numel, std::int64_t offset) override;
+  /// exp_avg_absmax and exp_avg_sq_absmax: one entry per 256 elements.
+  std::int64_t saved_elements_per_entry(const std::string& key) const override;
+
  protected:
   const char* name() const override;
   bool takes_float64() const override { return true; }
@@ -161,8 +170,14 @@ class FusedAdamImpl : public sdk::FusedOptimizer<Base, Options, State> {
   std::size_t state_stamp(const State& state) const override;
 
  private:
+  /// Whether a parameter's moments are 8-bit under these options (decided
+  /// on its whole tensor's numel).
+  bool coded_8bit(const at::Tensor& param) const;
+
   FusedAdamOptions fused_;
   std::unique_ptr<FusedAdamWorkspace> workspace_;
+  /// set_whole_tensor: a piece's whole tensor's numel.
+  std::unordered_map<const c10::TensorImpl*, std::int64_t> whole_numel_;
 };
 
 }  // namespace detail

@@ -26,6 +26,11 @@
 // FusedRMSprop, third-party ones like Lion, and torch::optim's Adam, AdamW,
 // SGD, Adagrad, RMSprop) step a piece exactly as they would step the whole
 // parameter; FusedLAMB's per-tensor norms are summed across the shards (CPU).
+// FusedAdam's 8-bit moments too: a parameter of 4096 elements or more starts
+// on a 256-element boundary of its bucket, and a bucket holding one has
+// shards of whole 256-element multiples, so that each piece's 8-bit blocks
+// are the parameter's own (sdk::KnowsWholeTensors tells the optimizer the
+// whole parameter's numel, on which the 4096 rule is decided).
 // docs/distributed.md has the rules: which ranks call what, what is refused,
 // checkpoints (sharded, and consolidated for any world size).
 
@@ -35,6 +40,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <string>
 #include <unordered_map>
 #include <vector>
 
@@ -213,6 +219,7 @@ class ZeroOptimizer : public torch::optim::Optimizer, public ScalerAware {
   void connect_tensor_sums();
   std::vector<std::vector<Span>> spans_of_rank(int rank, int world) const;
   void consolidate(std::vector<torch::serialize::InputArchive>& parts, torch::serialize::OutputArchive& archive) const;
+  std::int64_t saved_per_block(const std::string& key, const c10::IValue& v) const;
 
   c10::intrusive_ptr<c10d::ProcessGroup> process_group_;
   ZeroOptions options_;

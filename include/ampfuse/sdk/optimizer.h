@@ -309,6 +309,28 @@ class ReducesTensorSums {
   virtual void set_tensor_sums_reducer(TensorSumsReducer reducer) = 0;
 };
 
+/// Implemented by an optimizer whose state depends on the whole tensor a
+/// parameter belongs to: its form decided on the tensor's numel, or kept in
+/// blocks counted from the tensor's first element (FusedAdam's 8-bit
+/// moments: tensors of 4096 elements or more, 256-element blocks). A sharded
+/// optimizer (distributed::ZeroOptimizer) cuts such tensors at multiples of
+/// 256 elements from their start (see zero.h) and, right after making the
+/// optimizer over its pieces, tells it which tensor each piece is part of,
+/// so that it steps and saves each piece exactly as that part of the whole.
+class KnowsWholeTensors {
+ public:
+  virtual ~KnowsWholeTensors() = default;
+  /// `piece`, one of this optimizer's parameters without state yet, is
+  /// elements [offset, offset + piece.numel()) of a tensor of `whole_numel`
+  /// elements (flattened). Throws, changing nothing, when the optimizer
+  /// cannot step it so (a block that would straddle the piece's start).
+  virtual void set_whole_tensor(const at::Tensor& piece, std::int64_t whole_numel, std::int64_t offset) = 0;
+  /// A saved state tensor under `key` holds one entry per this many
+  /// elements of its parameter (per block, concatenated in element order
+  /// across the pieces), or 0 when it does not (per element, or per tensor).
+  virtual std::int64_t saved_elements_per_entry(const std::string& key) const = 0;
+};
+
 /// True when a CPU signal's found_inf is set (reading a CPU tensor is no
 /// device sync): the CPU part of the step is then skipped on the host.
 bool cpu_step_skipped(const StepSignals* signals);
