@@ -333,14 +333,51 @@ void GradScaler::unscale_(torch::optim::Optimizer& optimizer) {
   state.stage = Stage::kUnscaled;
 }
 
+namespace {
+
+// A disabled scaler's clip_grad_norm_ under a sharded optimizer: each rank's
+// sum of squares (fp64) of its pieces' grads, all-reduced over the
+// optimizer's group; the grads multiplied by torch::nn::utils::
+// clip_grad_norm_'s coefficient, clamp(max_norm / (norm + 1e-6), max 1).
+at::Tensor clip_sharded_grads(const std::vector<at::Tensor>& params, double max_norm, c10d::ProcessGroup& group) {
+  const at::NoGradGuard no_grad;
+  const c10::Device device = params.empty() ? c10::Device(c10::kCPU) : params.front().device();
+  at::Tensor sum_sq = at::zeros({1}, at::TensorOptions().dtype(at::kDouble).device(device));
+  for (const at::Tensor& p : params)
+    if (p.grad().defined() && p.grad().numel() > 0) sum_sq.add_(p.grad().to(at::kDouble).square().sum().to(device));
+  std::vector<at::Tensor> buffer{sum_sq};
+  try {
+    group.allreduce(buffer)->wait();
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, "GradScaler::clip_grad_norm_: rank ", group.getRank(), " of ", group.getSize(),
+                ": the all-reduce of the grads' sum of squares across the sharded optimizer's group failed (every "
+                "rank must call clip_grad_norm_() for the same optimizers in the same order): ",
+                e.what());
+  }
+  const at::Tensor norm = buffer[0].sqrt().to(at::kFloat).reshape({});
+  const at::Tensor clip_coef = at::clamp(max_norm / (norm + 1e-6), c10::nullopt, 1.0);
+  for (const at::Tensor& p : params)
+    if (p.grad().defined()) p.grad().mul_(to_device(clip_coef, p.grad().device()));
+  return norm;
+}
+
+}  // namespace
+
 at::Tensor GradScaler::clip_grad_norm_(torch::optim::Optimizer& optimizer, double max_norm, double norm_type) {
   TORCH_CHECK(norm_type == 2.0, "GradScaler::clip_grad_norm_: only norm_type 2 is fused, got ", norm_type,
               "; for other norms call unscale_(optimizer) and then torch::nn::utils::clip_grad_norm_");
   if (!options_.enabled()) {
+    // torch::nn::utils::clip_grad_norm_ over the grads the step reads: a
+    // sharded optimizer's reduced shard (prepare_grads), with the squares
+    // summed across its ranks.
+    auto* aware = dynamic_cast<ScalerAware*>(&optimizer);
+    if (aware) aware->prepare_grads();
     std::vector<at::Tensor> params;
     for (auto& group : optimizer.param_groups())
       for (auto& p : group.params()) params.push_back(p);
-    return at::full({}, torch::nn::utils::clip_grad_norm_(params, max_norm, norm_type), at::kFloat);
+    c10d::ProcessGroup* sharded = aware ? aware->grads_sharded_over() : nullptr;
+    if (!sharded) return at::full({}, torch::nn::utils::clip_grad_norm_(params, max_norm, norm_type), at::kFloat);
+    return clip_sharded_grads(params, max_norm, *sharded);
   }
   require_scale("clip_grad_norm_");
   OptimizerState& state = state_of(optimizer);

@@ -283,6 +283,56 @@ TEST(ZeroOptimizer, ClipsByTheGlobalNorm) {
     }
 }
 
+// A disabled GradScaler's clip_grad_norm_ (torch::nn::utils::
+// clip_grad_norm_ on one process) under ZeroOptimizer: the grads are reduced
+// into the shard first and the squares summed across the ranks, so every
+// rank gets the one-process norm and steps as one process (within 1e-6).
+TEST(ZeroOptimizer, DisabledScalerClipsByTheGlobalNorm) {
+  const auto seed = ampfuse_test::seed_for_test();
+  const Kind k = kinds()[0];
+  for (int world : {2, 3}) {
+    SCOPED_TRACE("world " + std::to_string(world));
+    const Scenario s = make_scenario(seed, world, /*inf_step=*/-1, /*steps=*/3);
+    ampfuse::GradScaler off(ampfuse::GradScalerOptions().enabled(false));
+    std::vector<std::vector<torch::Tensor>> expected;
+    std::vector<double> norms;
+    {
+      auto params = fresh_params(s);
+      auto opt = k.whole(groups_of(params, k));
+      for (int step = 0; step < s.steps; ++step) {
+        for (std::size_t i = 0; i < params.size(); ++i) {
+          torch::Tensor sum;
+          for (int r = 0; r < world; ++r)
+            if (s.grads[step][r][i].defined()) sum = sum.defined() ? sum + s.grads[step][r][i] : s.grads[step][r][i].clone();
+          params[i].mutable_grad() = sum.defined() ? sum.div_(world) : sum;
+        }
+        norms.push_back(off.clip_grad_norm_(*opt, 0.5).item<double>());
+        off.step(*opt);
+        std::vector<torch::Tensor> now;
+        for (const auto& p : params) now.push_back(p.detach().clone());
+        expected.push_back(std::move(now));
+      }
+    }
+    std::mutex mutex;
+    on_ranks(world, [&](int rank, const Group& pg) {
+      auto params = fresh_params(s);
+      auto opt = k.zero(groups_of(params, k), pg, {});
+      ampfuse::GradScaler scaler(ampfuse::GradScalerOptions().enabled(false));
+      for (int step = 0; step < s.steps; ++step) {
+        opt->zero_grad();
+        for (std::size_t i = 0; i < params.size(); ++i) params[i].mutable_grad() = s.grads[step][rank][i];
+        const double norm = scaler.clip_grad_norm_(*opt, 0.5).item<double>();
+        scaler.step(*opt);
+        const std::lock_guard<std::mutex> lock(mutex);
+        EXPECT_NEAR(norm, norms[step], 1e-6 * norms[step]) << "rank " << rank << ", step " << step;
+        for (std::size_t i = 0; i < params.size(); ++i)
+          EXPECT_TRUE(close_or_equal(params[i].detach(), expected[step][i], /*exact=*/false))
+              << "rank " << rank << ", step " << step << ", parameter " << i;
+      }
+    });
+  }
+}
+
 // 8-bit moments (FusedAdam and FusedAdamW, fp32, and bf16 with fp32 master
 // weights), world sizes 1 to 4, both ways of reducing and gathering: bit for
 // bit one process. The 4096 rule is decided on the whole parameter and

@@ -91,7 +91,9 @@ class GradScaler {
   /// min(1, max_norm / (norm + 1e-6)) on the device; step() applies it. Grads
   /// are not rewritten. Returns the norm as a device tensor (no host sync).
   /// Only norm_type 2 is fused; for another norm, unscale_ and use
-  /// torch::nn::utils::clip_grad_norm_.
+  /// torch::nn::utils::clip_grad_norm_. A disabled scaler clips as
+  /// torch::nn::utils::clip_grad_norm_ does, in place (under a sharded
+  /// optimizer: its reduced shard's grads, the squares summed across its ranks).
   at::Tensor clip_grad_norm_(torch::optim::Optimizer& optimizer, double max_norm, double norm_type = 2.0);
 
   /// Steps the optimizer unless its grads hold inf/NaN. A ScalerAware
