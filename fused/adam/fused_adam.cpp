@@ -12,6 +12,7 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <cmath>
 #include <memory>
 #include <tuple>
 
@@ -31,6 +32,46 @@
 
 namespace ampfuse {
 
+namespace {
+
+// The version of the 8-bit code a checkpoint's bytes are in, saved under
+// "code_8bit" beside them. 2: the tapered maps of fused/adam/adam8_math.h.
+// 1 (no "code_8bit" key: ampfuse before December 2026): plain minifloats,
+// exp_avg a sign, a 4-bit exponent and 3 mantissa bits, exp_avg_sq a 5-bit
+// exponent and 3 mantissa bits, subnormals, 1.0 the largest value.
+constexpr std::int64_t kCode8Version = 2;
+
+// value(magnitude code) of version 1's maps, exact.
+float version1_value(std::uint32_t mag, bool is_signed) {
+  const int bias = is_signed ? 15 : 31, e = static_cast<int>(mag >> 3), f = static_cast<int>(mag & 7u);
+  return e == 0 ? std::ldexp(static_cast<float>(f), -bias - 2) : std::ldexp(1.0f + static_cast<float>(f) / 8.0f, e - bias);
+}
+
+// Version 1 bytes, decoded by its map and coded again by today's (the
+// moments then carry one more rounding). Left alone when they are not well
+// formed: the load's checks refuse them, naming the key.
+void recode_version1(at::Tensor& codes, at::Tensor& absmax, Moment8 which) {
+  if (!codes.defined() || !absmax.defined() || codes.scalar_type() != at::kByte || !codes.is_non_overlapping_and_dense() ||
+      absmax.scalar_type() != at::kFloat || absmax.dim() != 1 || absmax.numel() != fused::quant_blocks(codes.numel()))
+    return;
+  const bool is_signed = which == Moment8::kExpAvg;
+  const at::Tensor c = codes.cpu(), a = absmax.cpu().contiguous();
+  at::Tensor values = at::empty_like(c, c.options().dtype(at::kFloat), at::MemoryFormat::Preserve);
+  const std::uint8_t* cp = c.data_ptr<std::uint8_t>();
+  const float* ap = a.data_ptr<float>();
+  float* vp = values.data_ptr<float>();
+  for (std::int64_t k = 0; k < c.numel(); ++k) {  // storage order, as the blocks are
+    const std::uint32_t mag = is_signed ? cp[k] & 0x7Fu : cp[k];
+    const float v = version1_value(mag, is_signed) * ap[k / fused::kQuantBlock];
+    vp[k] = is_signed && (cp[k] & 0x80u) != 0 ? -v : v;
+  }
+  Coded8 again = quantize_8bit(values, which);
+  codes = again.codes.to(codes.device());
+  absmax = again.absmax.to(absmax.device());
+}
+
+}  // namespace
+
 template <class BaseState>
 void FusedAdamParamStateT<BaseState>::serialize(torch::serialize::OutputArchive& archive) const {
   sdk::save_counted<BaseState>(*this, archive);
@@ -40,6 +81,7 @@ void FusedAdamParamStateT<BaseState>::serialize(torch::serialize::OutputArchive&
                                 {"exp_avg_sq_8bit", &exp_avg_sq_8bit()},
                                 {"exp_avg_sq_absmax", &exp_avg_sq_absmax()}})
     if (t->defined()) archive.write(key, *t);
+  if (exp_avg_8bit().defined() || exp_avg_sq_8bit().defined()) archive.write("code_8bit", c10::IValue(kCode8Version));
 }
 
 template <class BaseState>
@@ -52,10 +94,21 @@ void FusedAdamParamStateT<BaseState>::serialize(torch::serialize::InputArchive& 
     return saved;
   };
   if (at::Tensor t = read("master"); t.defined()) master(t);
-  exp_avg_8bit(read("exp_avg_8bit"));
-  exp_avg_absmax(read("exp_avg_absmax"));
-  exp_avg_sq_8bit(read("exp_avg_sq_8bit"));
-  exp_avg_sq_absmax(read("exp_avg_sq_absmax"));
+  at::Tensor m = read("exp_avg_8bit"), m_absmax = read("exp_avg_absmax");
+  at::Tensor v = read("exp_avg_sq_8bit"), v_absmax = read("exp_avg_sq_absmax");
+  c10::IValue version;
+  if (!archive.try_read("code_8bit", version)) {
+    recode_version1(m, m_absmax, Moment8::kExpAvg);
+    recode_version1(v, v_absmax, Moment8::kExpAvgSq);
+  } else {
+    TORCH_CHECK(version.isInt() && version.toInt() == kCode8Version, "code_8bit is ", version,
+                ": 8-bit moments of a code this ampfuse does not know (it reads ", kCode8Version,
+                ", and checkpoints without the key as 1)");
+  }
+  exp_avg_8bit(m);
+  exp_avg_absmax(m_absmax);
+  exp_avg_sq_8bit(v);
+  exp_avg_sq_absmax(v_absmax);
 }
 
 template struct FusedAdamParamStateT<torch::optim::AdamParamState>;
@@ -242,7 +295,7 @@ void FusedAdamImpl<Base, Options, State, kDecoupled>::load_extra(torch::serializ
 template <class Base, class Options, class State, bool kDecoupled>
 std::vector<std::string> FusedAdamImpl<Base, Options, State, kDecoupled>::saved_state_keys() const {
   return {"step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master",
-          "exp_avg_8bit", "exp_avg_absmax", "exp_avg_sq_8bit", "exp_avg_sq_absmax"};
+          "exp_avg_8bit", "exp_avg_absmax", "exp_avg_sq_8bit", "exp_avg_sq_absmax", "code_8bit"};
 }
 
 template <class Base, class Options, class State, bool kDecoupled>

@@ -107,7 +107,7 @@ using FusedAdamParamState = FusedAdamParamStateT<torch::optim::AdamParamState>;
 using FusedAdamWParamState = FusedAdamParamStateT<torch::optim::AdamWParamState>;
 
 /// Which of moments_8bit's two codes: exp_avg's is signed (magnitudes down
-/// to 2^-17 of the block's absmax), exp_avg_sq's unsigned (down to 2^-33).
+/// to 2^-22 of the block's absmax), exp_avg_sq's unsigned (down to 2^-58).
 enum class Moment8 { kExpAvg, kExpAvgSq };
 
 /// moments_8bit's code of a tensor of any floating dtype, layout and device:
