@@ -1,5 +1,5 @@
 // Sparse grads (an Embedding with sparse=true) in FusedAdagrad and FusedSGD
-// (without momentum), as torch::optim::Adagrad and SGD take them: alone and beside dense parameters in one
+// (with a sparse momentum buffer), as torch::optim::Adagrad and SGD take them: alone and beside dense parameters in one
 // optimizer, with duplicate indices, empty grads and grads that turn dense,
 // without a scaler and under GradScaler (which steps such an optimizer on
 // PyTorch's path), on CPU and CUDA (skipped without a device). Sparse rows
@@ -10,6 +10,7 @@
 #include <ampfuse/ampfuse.h>
 
 #include <limits>
+#include <sstream>
 
 #include "tests/common.h"
 
@@ -237,31 +238,117 @@ TEST_P(SparseGradTest, SgdStepsSparseGradsAsTorchOptim) {
   }
 }
 
-// FusedSGD refuses a sparse grad with momentum (LibTorch would keep a sparse
-// momentum buffer) or weight decay (ATen cannot add a dense term to a sparse
-// grad), naming the group and the parameter, before anything is written.
-TEST_P(SparseGradTest, SgdRefusesSparseGradsWithMomentumOrWeightDecay) {
-  const auto opts = torch::TensorOptions().device(device_);
-  for (const bool momentum : {true, false}) {
-    auto dense = torch::randn({9}, opts).requires_grad_(), table = torch::randn({10, 2}, opts).requires_grad_();
-    dense.mutable_grad() = torch::randn_like(dense);
-    table.mutable_grad() = sparse_grad(table, 4, torch::kFloat);
-    std::vector<torch::optim::OptimizerParamGroup> groups;
-    groups.emplace_back(std::vector<torch::Tensor>{dense});
-    auto o = torch::optim::SGDOptions(0.1);
-    if (momentum) o.momentum(0.9);
-    else o.weight_decay(0.01);
-    groups.emplace_back(std::vector<torch::Tensor>{table}, std::make_unique<torch::optim::SGDOptions>(o));
-    ampfuse::FusedSGD opt(groups, torch::optim::SGDOptions(0.1).momentum(0.9));
-    const auto before = dense.detach().clone(), table_before = table.detach().clone();
-    ampfuse_test::expect_step_refused(opt, momentum ? "FusedSGD: param group 1, param 0: the grad is sparse and the "
-                                                      "group's momentum is 0.9"
-                                                    : "FusedSGD: param group 1, param 0: the grad is sparse and the "
-                                                      "group's weight_decay is 0.01");
-    EXPECT_TRUE(bitwise_equal(dense.detach(), before));
-    EXPECT_TRUE(bitwise_equal(table.detach(), table_before));
-    EXPECT_TRUE(opt.state().empty());
+// FusedSGD with momentum (Nesterov, dampening) and sparse grads: the buffer
+// is kept sparse as torch::optim::SGD keeps it, and every step of the sparse
+// parameter is LibTorch's bit for bit, under GradScaler with an inf at step 2 (the first applied
+// step makes the buffer); a checkpoint with the sparse buffer resumes bit for
+// bit and loads into torch::optim::SGD.
+TEST_P(SparseGradTest, SgdWithMomentumKeepsASparseBufferAsTorchOptim) {
+  for (const bool nesterov : {false, true}) {
+    for (const bool maximize : {false, true}) {
+      SCOPED_TRACE(std::string(nesterov ? "nesterov" : "dampening 0.1") + (maximize ? ", maximize" : ""));
+      const auto opts = torch::TensorOptions().device(device_);
+      std::vector<torch::Tensor> ours = {torch::randn({30, 5}, opts).requires_grad_(),
+                                         torch::randn({11}, opts).requires_grad_()};
+      const auto ref = copies(ours);
+      const auto options = nesterov ? torch::optim::SGDOptions(0.1).momentum(0.9).nesterov(true)
+                                    : torch::optim::SGDOptions(0.1).momentum(0.8).dampening(0.1);
+      ampfuse::FusedSGD opt(ours, options, ampfuse::FusedSGDOptions().maximize(maximize));
+      torch::optim::SGD ref_opt(ref, options);
+      ampfuse::GradScaler scaler(ampfuse::GradScalerOptions().init_scale(64.0)),
+          ref_scaler(ampfuse::GradScalerOptions().init_scale(64.0));
+      ampfuse::FusedSGD* active = &opt;
+      const auto run = [&](int from, int to) {
+        for (int step = from; step < to; ++step) {
+          SCOPED_TRACE("step " + std::to_string(step));
+          const float scale = static_cast<float>(scaler.get_scale());
+          auto sparse = sparse_grad(ours[0], 9, torch::kFloat);
+          sparse = torch::sparse_coo_tensor(sparse._indices(), sparse._values() * scale, sparse.sizes());
+          if (step == 0) sparse._values()[0][0] = std::numeric_limits<float>::infinity();
+          const auto dense = torch::randn_like(ours[1]) * scale;
+          ours[0].mutable_grad() = sparse;
+          ours[1].mutable_grad() = dense.clone();
+          ref[0].mutable_grad() = maximize ? -sparse : sparse.clone();
+          ref[1].mutable_grad() = maximize ? -dense : dense.clone();
+          scaler.scale(torch::ones({}, opts));
+          ref_scaler.scale(torch::ones({}, opts));
+          scaler.step(*active);
+          ref_scaler.step(ref_opt);
+          scaler.update();
+          ref_scaler.update();
+          EXPECT_EQ(scaler.last_step_skipped(*active), step == 0);
+          ASSERT_TRUE(bitwise_equal(ours[0].detach(), ref[0].detach()));
+        }
+      };
+      run(0, 4);
+      const auto& buf = static_cast<const ampfuse::FusedSGDParamState&>(*opt.state().at(ours[0].unsafeGetTensorImpl()))
+                            .momentum_buffer();
+      ASSERT_TRUE(buf.is_sparse());
+      // Saved with its sparse buffer, loaded into a fresh FusedSGD and into torch::optim::SGD.
+      std::stringstream bytes;
+      {
+        torch::serialize::OutputArchive archive;
+        opt.save(archive);
+        archive.save_to(bytes);
+      }
+      const std::string saved = bytes.str();
+      ampfuse::FusedSGD resumed(ours, options, ampfuse::FusedSGDOptions().maximize(maximize));
+      {
+        std::istringstream in(saved);
+        torch::serialize::InputArchive archive;
+        archive.load_from(in);
+        resumed.load(archive);
+      }
+      auto plain = copies(ours);
+      torch::optim::SGD plain_opt(plain, options);
+      {
+        std::istringstream in(saved);
+        torch::serialize::InputArchive archive;
+        archive.load_from(in);
+        plain_opt.load(archive);
+      }
+      const auto& plain_buf = static_cast<const torch::optim::SGDParamState&>(
+                                  *plain_opt.state().at(plain[0].unsafeGetTensorImpl()))
+                                  .momentum_buffer();
+      EXPECT_TRUE(bitwise_equal(plain_buf.to_dense(), buf.to_dense()));
+      active = &resumed;
+      run(4, 8);
+      expect_close(ours, ref, 1e-6, "after 8 steps");  // the dense parameter: the fused kernel's rounding
+    }
   }
+}
+
+// FusedSGD refuses a sparse grad with weight decay (ATen cannot add a dense
+// term to a sparse grad, nor can torch::optim::SGD), and a dense grad for a
+// parameter whose momentum buffer sparse grads made (sparse += dense: it
+// cannot either), naming the group and the parameter, before anything is
+// written.
+TEST_P(SparseGradTest, SgdRefusesSparseGradsWithWeightDecayAndDenseGradsOnASparseBuffer) {
+  const auto opts = torch::TensorOptions().device(device_);
+  auto dense = torch::randn({9}, opts).requires_grad_(), table = torch::randn({10, 2}, opts).requires_grad_();
+  dense.mutable_grad() = torch::randn_like(dense);
+  table.mutable_grad() = sparse_grad(table, 4, torch::kFloat);
+  std::vector<torch::optim::OptimizerParamGroup> groups;
+  groups.emplace_back(std::vector<torch::Tensor>{dense});
+  groups.emplace_back(std::vector<torch::Tensor>{table},
+                      std::make_unique<torch::optim::SGDOptions>(torch::optim::SGDOptions(0.1).weight_decay(0.01)));
+  ampfuse::FusedSGD opt(groups, torch::optim::SGDOptions(0.1).momentum(0.9));
+  auto before = dense.detach().clone(), table_before = table.detach().clone();
+  ampfuse_test::expect_step_refused(opt, "FusedSGD: param group 1, param 0: the grad is sparse and the group's "
+                                         "weight_decay is 0.01");
+  EXPECT_TRUE(bitwise_equal(dense.detach(), before));
+  EXPECT_TRUE(bitwise_equal(table.detach(), table_before));
+  EXPECT_TRUE(opt.state().empty());
+  // A sparse momentum buffer, then a dense grad for it.
+  ampfuse::FusedSGD momentum({dense, table}, torch::optim::SGDOptions(0.1).momentum(0.9));
+  momentum.step();
+  table.mutable_grad() = torch::randn_like(table);
+  before = dense.detach().clone();
+  table_before = table.detach().clone();
+  ampfuse_test::expect_step_refused(momentum, "FusedSGD: param group 0, param 1: the grad is dense but the momentum "
+                                              "buffer is sparse");
+  EXPECT_TRUE(bitwise_equal(dense.detach(), before));
+  EXPECT_TRUE(bitwise_equal(table.detach(), table_before));
 }
 
 INSTANTIATE_TEST_SUITE_P(All, SparseGradTest, ::testing::Values(SparseCase{"cpu", ""}, SparseCase{"cuda", ""}),

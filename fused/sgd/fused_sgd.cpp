@@ -46,7 +46,16 @@ FusedSGD::FusedSGD(std::vector<at::Tensor> params, torch::optim::SGDOptions defa
 FusedSGD::~FusedSGD() = default;
 
 void FusedSGD::check_state(const at::Tensor& p, const FusedSGDParamState& st, std::size_t g, std::size_t i) const {
-  sdk::check_state_tensor(st.momentum_buffer(), p, p.scalar_type(), name(), "momentum_buffer", g, i);
+  const at::Tensor& buf = st.momentum_buffer();
+  if (buf.defined() && buf.is_sparse()) {
+    // Kept by sparse grads, as torch::optim::SGD keeps it (a sparse grad's clone, updated by sparse ops).
+    TORCH_CHECK(buf.sizes() == p.sizes() && buf.scalar_type() == p.scalar_type() && buf.device() == p.device(), name(),
+                ": param group ", g, ", param ", i, ": state momentum_buffer (sparse) has shape ", buf.sizes(),
+                ", dtype ", buf.scalar_type(), " on ", buf.device(), " but the parameter is ", p.sizes(), ", ",
+                p.scalar_type(), " on ", p.device(), " (a checkpoint of another model?)");
+  } else {
+    sdk::check_state_tensor(buf, p, p.scalar_type(), name(), "momentum_buffer", g, i);
+  }
   const at::Tensor& flag = st.momentum_initialized();
   TORCH_CHECK(!flag.defined() || (flag.numel() == 1 && flag.scalar_type() == at::kFloat && flag.device() == p.device()),
               name(), ": param group ", g, ", param ", i,
@@ -77,6 +86,10 @@ sdk::Launch FusedSGD::prepare_list(const sdk::ParamList& pl) {
       const sdk::Entry& e = *list[i];
       const at::Tensor& p = e.param;
       FusedSGDParamState& s = state_for(e, [](FusedSGDParamState&) {});
+      TORCH_CHECK(!s.momentum_buffer().defined() || !s.momentum_buffer().is_sparse(), name(), ": param group ", e.group,
+                  ", param ", e.index,
+                  ": the grad is dense but the momentum buffer is sparse (kept by earlier sparse grads); "
+                  "torch::optim::SGD cannot add a dense grad to it either (sparse += dense)");
       const bool fresh = !s.momentum_buffer().defined();
       if (fresh) {
         sdk::refuse_under_capture(e, name(), "its momentum buffer");
@@ -143,24 +156,43 @@ sdk::Launch FusedSGD::prepare_list(const sdk::ParamList& pl) {
 #endif
 }
 
-// A parameter whose grad is sparse, stepped as torch::optim::SGD steps it
-// without momentum: the parameter gains -lr times the grad at its nonzeros
-// (ATen's dense += sparse, LibTorch's numbers bit for bit). Weight decay
-// cannot add a dense term to a sparse grad (ATen refuses it, and so does
-// LibTorch's SGD); momentum would keep a sparse buffer, which the fused
-// state does not hold.
+// A parameter whose grad is sparse, stepped with the ATen ops
+// torch::optim::SGD runs, in its order, so its numbers bit for bit: the
+// parameter gains -lr times the grad at its nonzeros (dense += sparse);
+// with momentum, the first applied step keeps a clone of the (sparse) grad
+// as the buffer and later ones scale it and add the grad (sparse ops, or
+// dense += sparse on a dense buffer). Weight decay cannot add a dense term
+// to a sparse grad (ATen refuses it, and so does LibTorch's SGD).
 sdk::Launch FusedSGD::prepare_sparse(const sdk::Entry& e) {
   const auto& o = options_of(e.group);
   TORCH_CHECK(o.weight_decay() == 0, name(), ": param group ", e.group, ", param ", e.index,
               ": the grad is sparse and the group's weight_decay is ", o.weight_decay(),
               "; weight decay is not compatible with sparse gradients (as in torch::optim::SGD)");
-  TORCH_CHECK(o.momentum() == 0, name(), ": param group ", e.group, ", param ", e.index,
-              ": the grad is sparse and the group's momentum is ", o.momentum(),
-              "; FusedSGD steps sparse grads without momentum only (torch::optim::SGD would keep a sparse "
-              "momentum buffer; use it for that parameter)");
+  FusedSGDParamState* state = nullptr;
+  bool first = false;
+  if (o.momentum() != 0) {
+    state = &state_for(e, [](FusedSGDParamState&) {});
+    const at::Tensor& flag = state->momentum_initialized();
+    // A dense buffer that no step has filled yet (CUDA) counts as none: this step makes it.
+    first = !state->momentum_buffer().defined() || (flag.defined() && flag.item<float>() == 0.f);
+  }
   const sdk::Entry* entry = &e;  // the step's entries outlive its launches
-  return [entry, lr = o.lr(), maximize = fused_.maximize()] {
-    entry->param.add_(maximize ? entry->grad.neg() : entry->grad, -1 * lr);
+  return [entry, state, first, lr = o.lr(), momentum = o.momentum(), dampening = o.dampening(),
+          nesterov = o.nesterov(), maximize = fused_.maximize()] {
+    at::Tensor d_p = maximize ? entry->grad.neg() : entry->grad;
+    if (state != nullptr) {
+      at::Tensor buf;
+      if (first) {
+        buf = d_p.clone().detach();
+        state->momentum_buffer(buf);
+        state->momentum_initialized(at::Tensor());
+      } else {
+        buf = state->momentum_buffer();
+        buf.mul_(momentum).add_(d_p, 1 - dampening);
+      }
+      d_p = nesterov ? d_p.add(buf, momentum) : buf;
+    }
+    entry->param.add_(d_p, -1 * lr);
   };
 }
 

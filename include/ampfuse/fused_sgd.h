@@ -12,10 +12,13 @@
 // from a GPU), so a checkpoint never holds an unfilled buffer.
 //
 // Sparse grads (an Embedding with sparse=true) are stepped as
-// torch::optim::SGD steps them without momentum or weight decay (p += -lr *
-// grad at the grad's nonzeros, bit for bit), on the classic path under
-// GradScaler; with momentum they are refused (a parity gap: LibTorch keeps a
-// sparse momentum buffer).
+// torch::optim::SGD steps them, with the same ATen ops in its order (bit for
+// bit), on the classic path under GradScaler: p += -lr * grad at the grad's
+// nonzeros; with momentum the buffer is, as LibTorch keeps it, a sparse
+// clone of the first grad, scaled and added to by the later ones. Weight
+// decay with a sparse grad is refused (as LibTorch refuses it), and so is a
+// dense grad after a sparse buffer (sparse += dense, which LibTorch cannot
+// do either).
 
 #include <torch/arg.h>
 #include <torch/optim/sgd.h>
