@@ -33,8 +33,9 @@ constexpr std::int64_t kAlignBytes = 64;
 // into the whole parameter's blocks at every world size.
 constexpr std::int64_t kBlockFrom = 4096;
 constexpr std::int64_t kBlockElements = 256;
-// Folded into the layout hash: sharded checkpoints of an earlier layout rule
-// (no block alignment) are refused rather than read at the wrong offsets.
+// Folded into the layout hash when a parameter has kBlockFrom elements or
+// more: sharded checkpoints of the earlier layout rule (no block alignment)
+// are then refused rather than read at the wrong offsets.
 constexpr std::int64_t kLayoutRule = 2;
 
 std::int64_t round_up(std::int64_t n, std::int64_t m) { return (n + m - 1) / m * m; }
@@ -166,7 +167,7 @@ std::int64_t check_same_parameters(c10d::ProcessGroup& group, const std::vector<
                 counts_cpu[2 * r + 1].item<std::int64_t>(),
                 ": every rank must pass parameters of the same shapes, dtypes and devices in the same order");
   std::vector<std::int64_t> hashes;
-  std::uint64_t whole = fnv(1469598103934665603ull, kLayoutRule);
+  std::uint64_t whole = 1469598103934665603ull;
   std::size_t k = 0;
   for (std::size_t g = 0; g < groups.size(); ++g) {
     whole = fnv(whole, static_cast<std::int64_t>(groups[g].size()));
@@ -251,6 +252,9 @@ std::shared_ptr<ZeroOptimizer::Layout> ZeroOptimizer::build(std::vector<torch::o
   }
   const c10::Device check_device = params.empty() ? c10::Device(c10::kCPU) : params.front().device();
   layout->layout_hash = check_same_parameters(*process_group, groups, places, params, check_device);
+  // Layouts that the block rule moved are not those of earlier sharded checkpoints.
+  if (std::any_of(params.begin(), params.end(), [](const at::Tensor& p) { return p.numel() >= kBlockFrom; }))
+    layout->layout_hash = static_cast<std::int64_t>(fnv(static_cast<std::uint64_t>(layout->layout_hash), kLayoutRule));
 
   // Buckets per (dtype, device), in the order of first appearance.
   std::map<std::pair<int, std::string>, std::size_t> bucket_of;
@@ -700,6 +704,13 @@ bool per_element(const std::string& key, const c10::IValue& v, std::int64_t nume
 
 std::string key_of(const void* p) { return std::to_string(reinterpret_cast<std::size_t>(p)); }
 
+// "group g, parameter j" of the k-th parameter in group order.
+std::string param_name(const std::vector<std::size_t>& group_sizes, std::size_t k) {
+  std::size_t g = 0;
+  while (g + 1 < group_sizes.size() && k >= group_sizes[g]) k -= group_sizes[g++];
+  return name_of(Place{g, k});
+}
+
 // LibTorch's optimizer format around `states` (key -> archive) and groups of
 // `keys` with their options.
 void write_optimizer_archive(torch::serialize::OutputArchive& archive,
@@ -799,17 +810,23 @@ void ZeroOptimizer::consolidate(std::vector<torch::serialize::InputArchive>& par
     auto& pieces = of_param[k];
     if (pieces.empty()) continue;
     std::sort(pieces.begin(), pieces.end(), [](const PieceState& a, const PieceState& b) { return a.lo < b.lo; });
-    TORCH_CHECK(pieces.front().lo == 0 && pieces.back().hi == params_[k].numel(), kWhere,
-                "consolidating: parameter ", k, " has state on some of its pieces only");
+    const std::string name = param_name(group_sizes_, k);
+    TORCH_CHECK(pieces.front().lo == 0 && pieces.back().hi == params_[k].numel(), kWhere, "consolidating: ", name,
+                " has state on some of its pieces only");
     torch::serialize::OutputArchive whole(archive.compilation_unit());
     copy_fields(pieces.front().archive, whole, [&](const std::string& key, c10::IValue v) -> c10::IValue {
-      const bool per_block = saved_per_block(key, v) > 0;
+      const std::int64_t block = saved_per_block(key, v);
+      const bool per_block = block > 0;
       if (!per_block && !per_element(key, v, pieces.front().hi - pieces.front().lo)) return v;
       std::vector<at::Tensor> parts;
       for (auto& piece : pieces) {
         c10::IValue part;
-        TORCH_CHECK(piece.archive.try_read(key, part) && part.isTensor(), kWhere, "consolidating: parameter ", k,
+        TORCH_CHECK(piece.archive.try_read(key, part) && part.isTensor(), kWhere, "consolidating: ", name,
                     ": a piece has no ", key);
+        const std::int64_t entries = per_block ? (piece.hi - piece.lo + block - 1) / block : piece.hi - piece.lo;
+        TORCH_CHECK(part.toTensor().numel() == entries, kWhere, "consolidating: ", name, ": the piece of elements [",
+                    piece.lo, ", ", piece.hi, ") holds ", part.toTensor().numel(), " entries of ", key, ", expected ",
+                    entries, " (a damaged part?)");
         parts.push_back(part.toTensor().reshape({-1}));
       }
       // Blocks: every piece but the last holds whole blocks (pieces start at block boundaries).
@@ -843,22 +860,35 @@ void ZeroOptimizer::load_consolidated(torch::serialize::InputArchive& archive) {
       const Span& span = spans[g][i];
       torch::serialize::InputArchive* whole = state_of[span.param];
       if (!whole) continue;
+      const std::string name = param_name(group_sizes_, span.param);
+      // Per-block state counts its blocks in the storage order of the per-element state beside it.
+      bool has_blocks = false;
+      for (const std::string& key : whole->keys()) {
+        c10::IValue v;
+        whole->read(key, v);
+        has_blocks = has_blocks || saved_per_block(key, v) > 0;
+      }
       torch::serialize::OutputArchive part;
       copy_fields(*whole, part, [&](const std::string& key, c10::IValue v) -> c10::IValue {
         const std::int64_t numel = params_[span.param].numel();
         if (const std::int64_t block = saved_per_block(key, v)) {
           const at::Tensor t = v.toTensor();
           const std::int64_t blocks = (numel + block - 1) / block;
-          TORCH_CHECK(t.dim() == 1 && t.numel() == blocks, kWhere, "load_consolidated: parameter ", span.param,
-                      ": state ", key, " has shape ", t.sizes(), ", expected [", blocks, "] (one entry per ", block,
-                      " of its ", numel, " elements; a damaged checkpoint?)");
-          TORCH_CHECK(span.lo % block == 0, kWhere, "load_consolidated: parameter ", span.param, " (", numel,
-                      " elements): state ", key, " holds one entry per ", block,
-                      " elements, but this rank's piece starts at element ", span.lo,
-                      "; ZeroOptimizer cuts parameters at block boundaries from ", kBlockFrom, " elements on");
+          TORCH_CHECK(t.dim() == 1 && t.numel() == blocks, kWhere, "load_consolidated: ", name, ": state ", key,
+                      " has shape ", t.sizes(), ", expected [", blocks, "] (one entry per ", block, " of its ", numel,
+                      " elements; a damaged checkpoint?)");
+          TORCH_CHECK(span.lo % block == 0, kWhere, "load_consolidated: ", name, " (", numel, " elements): state ",
+                      key, " holds one entry per ", block, " elements, but this rank's piece starts at element ",
+                      span.lo, "; ZeroOptimizer cuts parameters at block boundaries from ", kBlockFrom,
+                      " elements on");
           return t.narrow(0, span.lo / block, (span.hi + block - 1) / block - span.lo / block).clone();
         }
         if (!per_element(key, v, numel)) return v;
+        TORCH_CHECK(!has_blocks || v.toTensor().is_contiguous(), kWhere, "load_consolidated: ", name, ": state ", key,
+                    " has strides ", v.toTensor().strides(),
+                    " (saved from a parameter of another memory format, such as channels_last) and blockwise state "
+                    "beside it counts its blocks in that order; load the checkpoint into the optimizer over a "
+                    "contiguous copy of the parameter and save it again");
         return v.toTensor().reshape({-1}).narrow(0, span.lo, span.hi - span.lo).clone();
       });
       states.emplace_back(keys[g][i], std::move(part));

@@ -354,11 +354,12 @@ at::Tensor clip_sharded_grads(const std::vector<at::Tensor>& params, double max_
                 "rank must call clip_grad_norm_() for the same optimizers in the same order): ",
                 e.what());
   }
-  const at::Tensor norm = buffer[0].sqrt().to(at::kFloat).reshape({});
+  // In fp64, as LibTorch's stacked norms are once an fp64 grad is among them.
+  const at::Tensor norm = buffer[0].sqrt().reshape({});
   const at::Tensor clip_coef = at::clamp(max_norm / (norm + 1e-6), c10::nullopt, 1.0);
   for (const at::Tensor& p : params)
     if (p.grad().defined()) p.grad().mul_(to_device(clip_coef, p.grad().device()));
-  return norm;
+  return norm.to(at::kFloat);
 }
 
 }  // namespace

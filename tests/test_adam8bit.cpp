@@ -821,6 +821,15 @@ TEST(Adam8Checkpoints, BytesOfTheEarlierMinifloatCodeAreCodedAgainOnLoad) {
     ASSERT_LE(std::fabs(back_m[i] - m[i]), kRefSigned.max_error(std::fabs(m[i]) / want_m.absmax[i / 256].item<float>()) *
                                                   want_m.absmax[i / 256].item<float>() * (1 + 1e-5))
         << "element " << i;
+  // Damaged bytes of version 1 (a negative absmax) are left as they are, for the load's checks to refuse.
+  now.exp_avg_absmax(absmax_m.clone().index_fill_(0, torch::tensor({2}), -1.0f));
+  written = torch::serialize::OutputArchive();
+  now.serialize(written);
+  auto damaged = rewritten(c10::nullopt);
+  ampfuse::FusedAdamParamState kept;
+  kept.serialize(damaged);
+  EXPECT_TRUE(bitwise_equal(kept.exp_avg_absmax(), now.exp_avg_absmax()));
+  EXPECT_TRUE(bitwise_equal(kept.exp_avg_8bit(), codes_m));
   auto unknown = rewritten(3);
   ampfuse::FusedAdamParamState refused;
   EXPECT_THAT(error_of([&] { refused.serialize(unknown); }),

@@ -636,12 +636,15 @@ TEST(ZeroOptimizer, RefusesBadInputOnEveryRank) {
       auto w = torch::zeros({5000}).requires_grad_();
       ampfuse::FusedAdamW adam8({w}, torch::optim::AdamWOptions(0.1), ampfuse::FusedAdamOptions().moments_8bit(true));
       EXPECT_THAT(error_of([&] { adam8.set_whole_tensor(w, 20000, 100); }),
-                  ::testing::HasSubstr("param group 0, param 0: moments_8bit on a piece that starts at element 100 of "
-                                       "its tensor; it must start at a multiple of 256"));
+                  ::testing::HasSubstr("param group 0, param 0: moments_8bit on elements [100, 5100) of a tensor of "
+                                       "20000; a piece must start at a multiple of 256"));
+      EXPECT_THAT(error_of([&] { adam8.set_whole_tensor(w, 20000, 256); }),
+                  ::testing::HasSubstr("moments_8bit on elements [256, 5256) of a tensor of 20000"));
       EXPECT_THAT(error_of([&] { adam8.set_whole_tensor(w, 5100, 256); }),
                   ::testing::HasSubstr("elements [256, 5256) are not part of a tensor of 5100 elements"));
       EXPECT_THAT(error_of([&] { adam8.set_whole_tensor(torch::zeros({3}), 3, 0); }),
                   ::testing::HasSubstr("is not one of this optimizer's parameters"));
+      adam8.set_whole_tensor(w, 5256, 256);  // ends at the tensor's end: taken
       w.mutable_grad() = torch::ones({5000});
       adam8.step();
       EXPECT_THAT(error_of([&] { adam8.set_whole_tensor(w, 20000, 256); }),
@@ -913,6 +916,24 @@ TEST(ZeroOptimizer, EightBitCheckpointsReshardAndCodeOnLoad) {
     opt->load(archive);
     for (int step = 3; step < 6; ++step) step_with(expected, *opt, step);
   }
+  // An 8-bit checkpoint of a channels_last parameter counts its blocks in that storage order: refused.
+  std::string channels_last;
+  {
+    auto p = torch::randn({2, 8, 16, 32}).contiguous(torch::MemoryFormat::ChannelsLast).requires_grad_();
+    ampfuse::FusedAdamW adam8({p}, torch::optim::AdamWOptions(0.01), ampfuse::FusedAdamOptions().moments_8bit(true));
+    p.mutable_grad() = torch::randn_like(p);
+    adam8.step();
+    channels_last = to_bytes([&](auto& a) { adam8.save(a); });
+  }
+  on_ranks(2, [&](int, const Group& pg) {
+    auto p = torch::randn({2, 8, 16, 32}).requires_grad_();
+    auto opt = ZeroOptimizer::make<ampfuse::FusedAdamW>({p}, torch::optim::AdamWOptions(0.01), pg, {},
+                                                        ampfuse::FusedAdamOptions().moments_8bit(true));
+    auto archive = from_bytes(channels_last);
+    EXPECT_THAT(error_of([&] { opt->load_consolidated(archive); }),
+                ::testing::HasSubstr("load_consolidated: group 0, parameter 0: state exp_avg_8bit has strides"));
+    EXPECT_TRUE(opt->inner().state().empty());
+  });
   std::mutex mutex;
   on_ranks(3, [&](int rank, const Group& pg) {
     auto params = clone_params(params32);

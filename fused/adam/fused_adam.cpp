@@ -56,6 +56,7 @@ void recode_version1(at::Tensor& codes, at::Tensor& absmax, Moment8 which) {
     return;
   const bool is_signed = which == Moment8::kExpAvg;
   const at::Tensor c = codes.cpu(), a = absmax.cpu().contiguous();
+  if ((a < 0).any().item<bool>()) return;  // damaged: check_codes refuses it
   at::Tensor values = at::empty_like(c, c.options().dtype(at::kFloat), at::MemoryFormat::Preserve);
   const std::uint8_t* cp = c.data_ptr<std::uint8_t>();
   const float* ap = a.data_ptr<float>();
@@ -633,24 +634,29 @@ bool FusedAdamImpl<Base, Options, State, kDecoupled>::coded_8bit(const at::Tenso
 template <class Base, class Options, class State, bool kDecoupled>
 void FusedAdamImpl<Base, Options, State, kDecoupled>::set_whole_tensor(const at::Tensor& piece, std::int64_t whole_numel,
                                                                        std::int64_t offset) {
-  const auto& groups = this->param_groups();
-  std::size_t g = 0, i = 0;
-  const auto find = [&] {
-    for (g = 0; g < groups.size(); ++g)
-      for (i = 0; i < groups[g].params().size(); ++i)
-        if (groups[g].params()[i].is_same(piece)) return true;
-    return false;
-  };
-  TORCH_CHECK(find(), name(), ": set_whole_tensor: the tensor is not one of this optimizer's parameters");
-  TORCH_CHECK(offset >= 0 && offset + piece.numel() <= whole_numel, name(), ": param group ", g, ", param ", i,
-              ": set_whole_tensor: elements [", offset, ", ", offset + piece.numel(), ") are not part of a tensor of ",
-              whole_numel, " elements");
+  // (group, index) of each parameter, made again when the piece is not in it (groups added since).
+  auto it = place_of_.find(piece.unsafeGetTensorImpl());
+  if (it == place_of_.end()) {
+    place_of_.clear();
+    const auto& groups = this->param_groups();
+    for (std::size_t g = 0; g < groups.size(); ++g)
+      for (std::size_t i = 0; i < groups[g].params().size(); ++i)
+        place_of_[groups[g].params()[i].unsafeGetTensorImpl()] = {g, i};
+    it = place_of_.find(piece.unsafeGetTensorImpl());
+  }
+  TORCH_CHECK(it != place_of_.end(), name(), ": set_whole_tensor: the tensor is not one of this optimizer's parameters");
+  const auto [g, i] = it->second;
+  const std::int64_t end = offset + piece.numel();
+  TORCH_CHECK(offset >= 0 && end <= whole_numel, name(), ": param group ", g, ", param ", i,
+              ": set_whole_tensor: elements [", offset, ", ", end, ") are not part of a tensor of ", whole_numel,
+              " elements");
   TORCH_CHECK(this->state().count(piece.unsafeGetTensorImpl()) == 0, name(), ": param group ", g, ", param ", i,
               ": set_whole_tensor after the parameter has state (call it before the first step or load)");
-  TORCH_CHECK(!fused_.moments_8bit() || whole_numel < fused::kMin8bitNumel || offset % fused::kQuantBlock == 0, name(),
-              ": param group ", g, ", param ", i, ": moments_8bit on a piece that starts at element ", offset,
-              " of its tensor; it must start at a multiple of ", fused::kQuantBlock,
-              " so that its 8-bit blocks are the tensor's");
+  TORCH_CHECK(!fused_.moments_8bit() || whole_numel < fused::kMin8bitNumel ||
+                  (offset % fused::kQuantBlock == 0 && (end % fused::kQuantBlock == 0 || end == whole_numel)),
+              name(), ": param group ", g, ", param ", i, ": moments_8bit on elements [", offset, ", ", end,
+              ") of a tensor of ", whole_numel, "; a piece must start at a multiple of ", fused::kQuantBlock,
+              " and end at one or at the tensor's end, so that its 8-bit blocks are the tensor's");
   whole_numel_[piece.unsafeGetTensorImpl()] = whole_numel;
 }
 

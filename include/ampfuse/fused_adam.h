@@ -30,6 +30,7 @@
 #include <memory>
 #include <string>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "ampfuse/contract.h"
@@ -178,6 +179,8 @@ class FusedAdamImpl : public sdk::FusedOptimizer<Base, Options, State>, public s
   std::unique_ptr<FusedAdamWorkspace> workspace_;
   /// set_whole_tensor: a piece's whole tensor's numel.
   std::unordered_map<const c10::TensorImpl*, std::int64_t> whole_numel_;
+  /// set_whole_tensor: each parameter's (group, index).
+  std::unordered_map<const c10::TensorImpl*, std::pair<std::size_t, std::size_t>> place_of_;
 };
 
 }  // namespace detail
