@@ -309,10 +309,9 @@ std::shared_ptr<ZeroOptimizer::Layout> ZeroOptimizer::build(std::vector<torch::o
     std::vector<at::Tensor> pieces;
     for (std::size_t j = 0; j < groups[g].size(); ++j, ++k) {
       const Bucket& b = layout->buckets[param_bucket[k]];
-      const auto m = static_cast<std::size_t>(
-          std::find(b.members.begin(), b.members.end(), k) - b.members.begin());
-      const std::int64_t lo = std::max(b.offsets[m], rank * b.shard);
-      const std::int64_t hi = std::min(b.offsets[m] + params[k].numel(), (rank + 1) * b.shard);
+      const std::int64_t offset = layout->param_offset[k];
+      const std::int64_t lo = std::max(offset, rank * b.shard);
+      const std::int64_t hi = std::min(offset + params[k].numel(), (rank + 1) * b.shard);
       if (hi <= lo) continue;
       layout->pieces.push_back({g, pieces.size(), k, b.shard_grad.narrow(0, lo - rank * b.shard, hi - lo)});
       // The bucket's memory, but a version counter of its own (a view would
@@ -340,12 +339,10 @@ std::shared_ptr<ZeroOptimizer::Layout> ZeroOptimizer::build(std::vector<torch::o
   if (auto* knows = dynamic_cast<sdk::KnowsWholeTensors*>(layout->inner.get())) {
     const auto& inner_groups = layout->inner->param_groups();
     for (const Piece& piece : layout->pieces) {
-      const Bucket& b = layout->buckets[param_bucket[piece.param]];
-      const auto m = static_cast<std::size_t>(
-          std::find(b.members.begin(), b.members.end(), piece.param) - b.members.begin());
-      const std::int64_t lo = std::max(b.offsets[m], rank * b.shard);
+      const std::int64_t offset = layout->param_offset[piece.param];
+      const std::int64_t lo = std::max(offset, rank * layout->buckets[param_bucket[piece.param]].shard);
       knows->set_whole_tensor(inner_groups.at(piece.group).params().at(piece.index), params[piece.param].numel(),
-                              lo - b.offsets[m]);
+                              lo - offset);
     }
   }
   // Nothing can fail from here: each parameter becomes a view of its bucket

@@ -46,6 +46,20 @@ class SparseGradTest : public ampfuse_test::DeviceIsaTest<SparseCase> {
     const auto values = torch::randn({rows, table.size(1)}, opts).to(dtype);
     return torch::sparse_coo_tensor(indices, values, table.sizes(), opts.dtype(dtype));
   }
+  // Two groups: `dense` (9 elements, a dense grad) and `table` ([10, 2], a
+  // sparse grad) with `table_options`.
+  std::vector<torch::optim::OptimizerParamGroup> dense_and_sparse(
+      torch::Tensor& dense, torch::Tensor& table, std::unique_ptr<torch::optim::OptimizerOptions> table_options) {
+    const auto opts = torch::TensorOptions().device(device_);
+    dense = torch::randn({9}, opts).requires_grad_();
+    table = torch::randn({10, 2}, opts).requires_grad_();
+    dense.mutable_grad() = torch::randn_like(dense);
+    table.mutable_grad() = sparse_grad(table, 4, torch::kFloat);
+    std::vector<torch::optim::OptimizerParamGroup> groups;
+    groups.emplace_back(std::vector<torch::Tensor>{dense});
+    groups.emplace_back(std::vector<torch::Tensor>{table}, std::move(table_options));
+    return groups;
+  }
 };
 
 // 20 steps of two groups: an embedding with sparse grads beside a dense
@@ -145,14 +159,9 @@ TEST_P(SparseGradTest, UnderGradScalerAsTorchOptimAdagrad) {
 // written: the dense parameter stepped in the same call and its state stay
 // as they were.
 TEST_P(SparseGradTest, WeightDecayWithASparseGradIsRefusedAndChangesNothing) {
-  const auto opts = torch::TensorOptions().device(device_);
-  auto dense = torch::randn({9}, opts).requires_grad_(), table = torch::randn({10, 2}, opts).requires_grad_();
-  dense.mutable_grad() = torch::randn_like(dense);
-  table.mutable_grad() = sparse_grad(table, 4, torch::kFloat);
-  std::vector<torch::optim::OptimizerParamGroup> groups;
-  groups.emplace_back(std::vector<torch::Tensor>{dense});
-  groups.emplace_back(std::vector<torch::Tensor>{table},
-                      std::make_unique<torch::optim::AdagradOptions>(torch::optim::AdagradOptions(0.1).weight_decay(0.01)));
+  torch::Tensor dense, table;
+  const auto groups = dense_and_sparse(
+      dense, table, std::make_unique<torch::optim::AdagradOptions>(torch::optim::AdagradOptions(0.1).weight_decay(0.01)));
   ampfuse::FusedAdagrad opt(groups, torch::optim::AdagradOptions(0.1));
   const auto before = dense.detach().clone(), table_before = table.detach().clone();
   ampfuse_test::expect_step_refused(
@@ -324,14 +333,9 @@ TEST_P(SparseGradTest, SgdWithMomentumKeepsASparseBufferAsTorchOptim) {
 // cannot either), naming the group and the parameter, before anything is
 // written.
 TEST_P(SparseGradTest, SgdRefusesSparseGradsWithWeightDecayAndDenseGradsOnASparseBuffer) {
-  const auto opts = torch::TensorOptions().device(device_);
-  auto dense = torch::randn({9}, opts).requires_grad_(), table = torch::randn({10, 2}, opts).requires_grad_();
-  dense.mutable_grad() = torch::randn_like(dense);
-  table.mutable_grad() = sparse_grad(table, 4, torch::kFloat);
-  std::vector<torch::optim::OptimizerParamGroup> groups;
-  groups.emplace_back(std::vector<torch::Tensor>{dense});
-  groups.emplace_back(std::vector<torch::Tensor>{table},
-                      std::make_unique<torch::optim::SGDOptions>(torch::optim::SGDOptions(0.1).weight_decay(0.01)));
+  torch::Tensor dense, table;
+  const auto groups = dense_and_sparse(
+      dense, table, std::make_unique<torch::optim::SGDOptions>(torch::optim::SGDOptions(0.1).weight_decay(0.01)));
   ampfuse::FusedSGD opt(groups, torch::optim::SGDOptions(0.1).momentum(0.9));
   auto before = dense.detach().clone(), table_before = table.detach().clone();
   ampfuse_test::expect_step_refused(opt, "FusedSGD: param group 1, param 0: the grad is sparse and the group's "
