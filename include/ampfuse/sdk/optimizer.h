@@ -103,11 +103,14 @@ struct Entry {
 constexpr std::size_t kNoStamp = 0;
 
 /// Folds a tensor into a state stamp (FusedOptimizer::state_stamp): its
-/// TensorImpl's address, numel and dtype (read from the TensorImpl; its
-/// storage is not read). A tensor made where a freed one was can have the
-/// same address: a prepare_list that keeps data pointers of state tensors
-/// in its ListSlot keeps references to those tensors too, so that they are
-/// not freed while kept. Start from seed 1; never kNoStamp.
+/// TensorImpl's address, and nothing read through it, so that a step over
+/// many small parameters does not wait on a cache miss per state tensor. A
+/// state tensor is told apart by identity: one replaced (the state's
+/// setters, load(), state().clear()) is seen, one resized or re-pointed in
+/// place (resize_, set_) is not. A tensor made where a freed one was can
+/// have the same address: a prepare_list that keeps data pointers of state
+/// tensors in its ListSlot keeps references to those tensors too, so that
+/// they are not freed while kept. Start from seed 1; never kNoStamp.
 inline std::size_t stamp_of(std::size_t seed, const at::Tensor& t) {
   std::size_t h = seed;
   auto fold = [&h](std::uintptr_t v) {
@@ -115,10 +118,6 @@ inline std::size_t stamp_of(std::size_t seed, const at::Tensor& t) {
   };
   const c10::TensorImpl* impl = t.unsafeGetTensorImpl();
   fold(reinterpret_cast<std::uintptr_t>(impl));
-  if (t.defined()) {
-    fold(static_cast<std::uintptr_t>(impl->numel()));
-    fold(static_cast<std::uintptr_t>(t.scalar_type()));
-  }
   return h == kNoStamp ? 1 : h;
 }
 
