@@ -8,6 +8,7 @@
 #include <ampfuse/ampfuse.h>
 
 #include <functional>
+#include <limits>
 
 #include "tests/common.h"
 
@@ -127,6 +128,200 @@ TEST_P(GradLayoutTest, ScaledStepsWithStridedGradsFollowTheClassicPath) {
     ref_scaler.update();
   }
   ampfuse_test::expect_close(ours, ref, 1e-5, "after 10 scaled steps");
+}
+
+// A parameter that is a view with gaps of a wider tensor `base`: 0 every
+// other column, 1 the leading columns, 2 a transposed view of every other
+// row (a permuted stride order). Its values are those of `values`; base's
+// other elements are 7.
+torch::Tensor view_of(const torch::Tensor& base, int kind, std::int64_t cols) {
+  switch (kind) {
+    case 0: return base.slice(1, 0, 2 * cols, 2);
+    case 1: return base.slice(1, 0, cols);
+    default: return base.slice(0, 0, 2 * cols, 2).t();
+  }
+}
+
+torch::Tensor view_with_gaps(const torch::Tensor& values, int kind, torch::Tensor& base) {
+  const auto rows = values.size(0), cols = values.size(1);
+  torch::NoGradGuard no_grad;
+  const std::vector<std::int64_t> shape =
+      kind == 0 ? std::vector<std::int64_t>{rows, 2 * cols}
+                : kind == 1 ? std::vector<std::int64_t>{rows, cols + 3} : std::vector<std::int64_t>{2 * cols, rows};
+  base = torch::full(shape, 7.0, values.options());
+  return view_of(base, kind, cols).copy_(values);
+}
+
+// Whether every element of `base` outside its view (the gaps) still holds 7.
+bool gaps_untouched(const torch::Tensor& base, int kind, std::int64_t cols) {
+  torch::NoGradGuard no_grad;
+  auto probe = base.detach().clone();
+  view_of(probe, kind, cols).fill_(7);
+  return (probe == 7).all().item<bool>();
+}
+
+// Parameters that are views with gaps (which torch::optim updates in place)
+// step through dense copies: bit for bit as dense parameters of the same
+// values, leaving the gaps untouched, across steps that reuse the plan and
+// grads of any layout. Master copies of bf16 views follow the views' own
+// versions: not refreshed by the write-back (the twin would differ), but by
+// a write from outside.
+TEST_P(GradLayoutTest, ParametersWithGapsStepAsDenseParameters) {
+  for (const auto& [name, make] : optimizers()) {
+    SCOPED_TRACE(name);
+    for (const auto dtype : {torch::kFloat, torch::kDouble, torch::kBFloat16}) {
+      SCOPED_TRACE(ampfuse_test::dtype_name(dtype));
+      const auto twin = make_params({{33, 17}, {8, 65}, {1, 5}, {4, 4}}, dtype);
+      std::vector<torch::Tensor> bases(twin.size()), ours;
+      for (std::size_t i = 0; i < twin.size(); ++i) {
+        ours.push_back(view_with_gaps(twin[i].detach(), static_cast<int>(i % 3), bases[i]).requires_grad_());
+        ASSERT_FALSE(ours[i].is_non_overlapping_and_dense());
+      }
+      auto opt = make(ours);
+      auto twin_opt = make(twin);
+      for (int step = 0; step < 8; ++step) {
+        for (std::size_t i = 0; i < ours.size(); ++i) {
+          const auto values = torch::randn_like(twin[i]);
+          twin[i].mutable_grad() = values.clone();
+          if (step % 3 == 2) ours[i].mutable_grad().copy_(values);  // same grads: the plan is reused
+          else ours[i].mutable_grad() = laid_out(values, static_cast<int>(rng_() % 3));
+        }
+        opt->step();
+        twin_opt->step();
+        for (std::size_t i = 0; i < ours.size(); ++i) {
+          ASSERT_TRUE(bitwise_equal(ours[i].detach(), twin[i].detach())) << "step " << step << ", param " << i;
+          ASSERT_TRUE(gaps_untouched(bases[i], static_cast<int>(i % 3), twin[i].size(1)))
+              << "a step wrote into the gaps of param " << i;
+        }
+      }
+    }
+  }
+}
+
+TEST_P(GradLayoutTest, MasterCopiesOfViewsWithGapsFollowTheirParameters) {
+  const auto twin = make_params({{33, 17}, {8, 65}}, torch::kBFloat16);
+  std::vector<torch::Tensor> bases(twin.size()), ours;
+  for (std::size_t i = 0; i < twin.size(); ++i)
+    ours.push_back(view_with_gaps(twin[i].detach(), static_cast<int>(i), bases[i]).requires_grad_());
+  const auto options = ampfuse::FusedAdamOptions().master_weights(true);
+  ampfuse::FusedAdamW opt(ours, torch::optim::AdamWOptions(1e-3), options);
+  ampfuse::FusedAdamW twin_opt(twin, torch::optim::AdamWOptions(1e-3), options);
+  for (int step = 0; step < 6; ++step) {
+    if (step == 4) {  // a write from outside, into both
+      torch::NoGradGuard no_grad;
+      ours[0].fill_(0.5);
+      twin[0].fill_(0.5);
+    }
+    for (std::size_t i = 0; i < ours.size(); ++i) {
+      const auto values = torch::randn_like(twin[i]);
+      twin[i].mutable_grad() = values.clone();
+      ours[i].mutable_grad() = values.clone();
+    }
+    opt.step();
+    twin_opt.step();
+    for (std::size_t i = 0; i < ours.size(); ++i)
+      ASSERT_TRUE(bitwise_equal(ours[i].detach(), twin[i].detach())) << "step " << step << ", param " << i;
+  }
+  EXPECT_LT((ours[0].detach().to(torch::kFloat) - 0.5).abs().max().item<float>(), 0.05f);
+}
+
+// Against torch::optim::Adam on the same views, under GradScaler (contract
+// path against classic path), and checkpoints both ways: the state of a view
+// is laid out as torch::optim lays it out (zeros_like, Preserve).
+TEST_P(GradLayoutTest, ViewsWithGapsMatchTorchOptimAndShareItsCheckpoints) {
+  const auto values = make_params({{33, 17}, {8, 65}, {6, 5}}, torch::kDouble);
+  std::vector<torch::Tensor> bases(values.size()), ref_bases(values.size()), ours, ref;
+  for (std::size_t i = 0; i < values.size(); ++i) {
+    ours.push_back(view_with_gaps(values[i].detach(), static_cast<int>(i), bases[i]).requires_grad_());
+    ref.push_back(view_with_gaps(values[i].detach(), static_cast<int>(i), ref_bases[i]).requires_grad_());
+  }
+  const auto options = torch::optim::AdamOptions(1e-2).weight_decay(0.01);
+  ampfuse::FusedAdam opt(ours, options);
+  torch::optim::Adam ref_opt(ref, options);
+  ampfuse::GradScaler scaler(ampfuse::GradScalerOptions().init_scale(1024.0));
+  ampfuse::GradScaler ref_scaler(ampfuse::GradScalerOptions().init_scale(1024.0));
+  for (int step = 0; step < 10; ++step) {
+    scaler.scale(torch::ones({}, torch::TensorOptions().device(device_)));
+    ref_scaler.scale(torch::ones({}, torch::TensorOptions().device(device_)));
+    for (std::size_t i = 0; i < ours.size(); ++i) {
+      auto g = torch::randn_like(values[i]) * 1024.0;
+      if (step == 3 && i == 1) g[0][0] = std::numeric_limits<double>::infinity();  // a skipped step
+      ref[i].mutable_grad() = g.clone();
+      ours[i].mutable_grad() = g.clone();
+    }
+    scaler.step(opt);
+    ref_scaler.step(ref_opt);
+    scaler.update();
+    ref_scaler.update();
+  }
+  ampfuse_test::expect_close(ours, ref, 1e-12, "after 10 scaled steps");
+  for (std::size_t i = 0; i < values.size(); ++i)
+    EXPECT_TRUE(gaps_untouched(bases[i], static_cast<int>(i), values[i].size(1))) << "the gaps of param " << i;
+
+  // Ours into torch::optim::Adam, and torch::optim's into ours: the next
+  // steps agree.
+  const std::string path = ampfuse_test::temp_path("gaps_ours.pt"), ref_path = ampfuse_test::temp_path("gaps_ref.pt");
+  torch::save(opt, path);
+  torch::save(ref_opt, ref_path);
+  std::vector<torch::Tensor> b2(values.size()), b3(values.size()), from_ours, from_ref;
+  for (std::size_t i = 0; i < values.size(); ++i) {
+    from_ours.push_back(view_with_gaps(ours[i].detach(), static_cast<int>(i), b2[i]).requires_grad_());
+    from_ref.push_back(view_with_gaps(ref[i].detach(), static_cast<int>(i), b3[i]).requires_grad_());
+  }
+  torch::optim::Adam ref_loaded(from_ours, options);
+  ampfuse::FusedAdam ours_loaded(from_ref, options);
+  torch::load(ref_loaded, path);
+  torch::load(ours_loaded, ref_path);
+  for (int step = 0; step < 3; ++step) {
+    for (std::size_t i = 0; i < values.size(); ++i) {
+      const auto g = torch::randn_like(values[i]);
+      from_ours[i].mutable_grad() = g.clone();
+      from_ref[i].mutable_grad() = g.clone();
+    }
+    ref_loaded.step();
+    ours_loaded.step();
+  }
+  ampfuse_test::expect_close(from_ref, from_ours, 1e-12, "3 steps after loading each other's checkpoints");
+  std::remove(path.c_str());
+  std::remove(ref_path.c_str());
+}
+
+// Views that overlap are refused, naming them, and nothing is written: a
+// view overlapping itself (expanded), and two views with gaps sharing
+// elements. Interleaved views (even and odd columns of one matrix) do not
+// overlap: taken, and stepped as dense parameters.
+TEST_P(GradLayoutTest, OverlappingViewsAreRefusedAndInterleavedOnesTaken) {
+  const auto opts = torch::TensorOptions().device(device_);
+  {
+    auto row = torch::randn({1, 6}, opts);
+    auto expanded = row.expand({4, 6}).requires_grad_();
+    expanded.mutable_grad() = torch::ones({4, 6}, opts);
+    ampfuse::FusedAdam opt({expanded}, torch::optim::AdamOptions(1e-2));
+    const auto before = row.clone();
+    ampfuse_test::expect_step_refused(opt, "FusedAdam: param group 0, param 0 overlaps itself");
+    EXPECT_TRUE(bitwise_equal(row, before));
+  }
+  auto base = torch::randn({5, 12}, opts);
+  const auto before = base.clone();
+  auto a = base.slice(1, 0, 6, 2).requires_grad_();  // columns 0 2 4
+  auto b = base.slice(1, 4, 12, 2).requires_grad_();  // columns 4 6 8 10
+  auto c = base.slice(1, 1, 12, 2).requires_grad_();  // columns 1 3 5 7 9 11
+  for (auto* p : {&a, &b, &c}) p->mutable_grad() = torch::randn_like(*p);
+  {
+    ampfuse::FusedSGD opt({a, c, b}, torch::optim::SGDOptions(0.1));
+    ampfuse_test::expect_step_refused(opt, "FusedSGD: param group 0, param 2 shares memory with param group 0, param 0");
+    EXPECT_TRUE(bitwise_equal(base, before));
+  }
+  auto d = base.slice(1, 8, 12, 2).requires_grad_();  // columns 8 10: meets a's extent, shares nothing
+  d.mutable_grad() = torch::randn_like(d);
+  ampfuse::FusedSGD opt({a, c, d}, torch::optim::SGDOptions(0.1));
+  opt.step();
+  torch::NoGradGuard no_grad;
+  ampfuse_test::expect_close({a, c, d},
+                             {before.slice(1, 0, 6, 2) - 0.1 * a.grad(), before.slice(1, 1, 12, 2) - 0.1 * c.grad(),
+                              before.slice(1, 8, 12, 2) - 0.1 * d.grad()},
+                             1e-6, "interleaved views after one SGD step");
+  EXPECT_TRUE(bitwise_equal(base.slice(1, 6, 7), before.slice(1, 6, 7))) << "column 6 belongs to no parameter";
 }
 
 INSTANTIATE_TEST_SUITE_P(All, GradLayoutTest,

@@ -3,7 +3,11 @@
 
 #include "ampfuse/sdk/optimizer.h"
 
+#include <ATen/ExpandUtils.h>
+#include <ATen/MemoryOverlap.h>
 #include <ATen/ops/_foreach_add.h>
+#include <ATen/ops/arange.h>
+#include <ATen/ops/isin.h>
 #include <ATen/ops/full.h>
 #include <ATen/ops/zeros.h>
 #include <c10/util/Exception.h>
@@ -41,7 +45,8 @@ void check_state_tensor(const at::Tensor& s, const at::Tensor& p, c10::ScalarTyp
                         const char* what, std::size_t g, std::size_t i) {
   if (!s.defined()) return;
   TORCH_CHECK(s.sizes() == p.sizes() && s.scalar_type() == dtype && s.device() == p.device() &&
-                  s.strides() == p.strides(),
+                  (p.is_non_overlapping_and_dense() ? s.strides() == p.strides()
+                                                    : s.strides() == c10::IntArrayRef(kernel_strides(p))),
               name, ": param group ", g, ", param ", i, ": state ", what, " has shape ", s.sizes(), ", dtype ",
               s.scalar_type(), " on ", s.device(), " but ", name, " keeps it with shape ", p.sizes(), ", dtype ", dtype,
               " on ", p.device(), " (a checkpoint of another model, or of other options?)");
@@ -114,10 +119,12 @@ class ImplSet {
 };
 
 // A grad the kernels cannot read in place: laid out otherwise than its
-// parameter (other strides, or a view with gaps), read through a copy in the
-// parameter's layout.
+// parameter's dense layout (other strides, or a view with gaps), read
+// through a copy in that layout.
 bool grad_needs_staging(const at::Tensor& p, const at::Tensor& grad) {
-  return grad.defined() && grad.strides() != p.strides();
+  if (!grad.defined()) return false;
+  if (p.is_non_overlapping_and_dense()) return grad.strides() != p.strides();
+  return grad.strides() != c10::IntArrayRef(kernel_strides(p));
 }
 
 enum class GradKind { kNone, kInPlace, kStaged, kSparse };
@@ -127,13 +134,21 @@ enum class GradKind { kNone, kInPlace, kStaged, kSparse };
 // out otherwise than its parameter is kStaged when `stage_grads`, else
 // refused; a sparse grad is kSparse when `sparse_grads`, else refused.
 GradKind check_param(const at::Tensor& p, std::size_t g, std::size_t i, const char* name,
-                     const StepSignals* signals, bool float64, bool stage_grads, bool sparse_grads = false) {
+                     const StepSignals* signals, bool float64, bool stage_grads, bool sparse_grads = false,
+                     bool stage_params = false) {
   TORCH_CHECK(p.defined(), name, ": param group ", g, ", param ", i, " is undefined");
   TORCH_CHECK(supported_dtype(p.scalar_type(), float64), name, ": param group ", g, ", param ", i, ": dtype ",
               p.scalar_type(), " is not supported (expected Float, Half, BFloat16",
               float64 ? " or Double)" : "; this optimizer's kernels have no Double path)");
-  TORCH_CHECK(p.layout() == c10::kStrided && p.is_non_overlapping_and_dense(), name, ": param group ", g, ", param ",
-              i, " is not a dense tensor");
+  TORCH_CHECK(p.layout() == c10::kStrided, name, ": param group ", g, ", param ", i, " has layout ", p.layout(),
+              "; parameters are strided tensors");
+  if (!p.is_non_overlapping_and_dense()) {
+    TORCH_CHECK(at::has_internal_overlap(p) != at::MemOverlap::Yes, name, ": param group ", g, ", param ", i,
+                " overlaps itself (an expanded or broadcast view, strides ", p.strides(),
+                "): a step would write one element several times");
+    TORCH_CHECK(stage_params, name, ": param group ", g, ", param ", i, " is not dense (a view with gaps, strides ",
+                p.strides(), "); this optimizer updates dense parameters only");
+  }
   const at::Tensor& grad = p.grad();
   if (!grad.defined()) return GradKind::kNone;
   TORCH_CHECK(!grad.is_sparse() || sparse_grads, name, ": param group ", g, ", param ", i,
@@ -151,7 +166,7 @@ GradKind check_param(const at::Tensor& p, std::size_t g, std::size_t i, const ch
                 "steps an optimizer with sparse grads on the classic path: unscale in place, then step() or skip)");
     return GradKind::kSparse;
   }
-  TORCH_CHECK(stage_grads || grad.strides() == p.strides(), name, ": param group ", g, ", param ", i,
+  TORCH_CHECK(stage_grads || !grad_needs_staging(p, grad), name, ": param group ", g, ", param ", i,
               ": grad strides ", grad.strides(), " differ from the parameter's ", p.strides());
   TORCH_CHECK(p.device().is_cpu() || p.device().is_cuda(), name, ": param group ", g, ", param ", i, " is on ",
               p.device(), "; only CPU and CUDA are supported");
@@ -169,12 +184,39 @@ struct Place {
   std::size_t group, index;
 };
 
+// The byte addresses of every element of a strided tensor (its start, in
+// the tensor's own order), for telling whether two views with gaps share an
+// element. O(numel); only for views whose extents meet.
+at::Tensor element_addresses(const at::Tensor& t) {
+  const auto opts = at::TensorOptions().dtype(at::kLong);
+  at::Tensor at = at::full({}, static_cast<std::int64_t>(reinterpret_cast<std::uintptr_t>(t.const_data_ptr())), opts);
+  for (std::int64_t d = 0; d < t.dim(); ++d) {
+    std::vector<std::int64_t> shape(static_cast<std::size_t>(t.dim()), 1);
+    shape[static_cast<std::size_t>(d)] = t.size(d);
+    at = at + (at::arange(t.size(d), opts) * (t.stride(d) * static_cast<std::int64_t>(t.itemsize()))).view(shape);
+  }
+  return at.reshape({-1});
+}
+
+// Whether two strided tensors whose extents meet share a byte: exact for
+// dense tensors (their extents are their elements) and for views of one
+// element size (their elements' addresses are compared); a pair of views
+// with gaps and different element sizes counts as sharing.
+bool elements_meet(const at::Tensor& a, const at::Tensor& b) {
+  if (a.is_non_overlapping_and_dense() && b.is_non_overlapping_and_dense()) return true;
+  if (a.itemsize() != b.itemsize()) return true;
+  return at::isin(element_addresses(a.cpu()), element_addresses(b.cpu())).any().item<bool>();
+}
+
 // Parameters whose memory overlaps (views of one tensor, or tensors made
 // over one buffer) would be written by two threads or blocks of a step at
 // once, and twice per step: refused, naming both. Sorted by address, so
-// O(n log n); only when a step validates from scratch (a reused step plan
-// compares the parameters' data addresses instead). The parameters were
-// checked dense, so each covers [data, data + numel * itemsize) exactly.
+// O(n log n) when extents do not meet; only when a step validates from
+// scratch (a reused step plan compares the parameters' data addresses
+// instead). A dense parameter covers [data, data + numel * itemsize)
+// exactly; a view with gaps covers part of its extent, so two whose
+// extents meet are compared element by element (interleaved views, such as
+// the even and odd columns of one matrix, do not overlap).
 void check_no_shared_memory(const std::vector<Place>& places, const char* name) {
   struct Extent {
     c10::Device device;
@@ -187,30 +229,35 @@ void check_no_shared_memory(const std::vector<Place>& places, const char* name) 
   for (std::size_t k = 0; k < places.size(); ++k) {
     const at::Tensor& p = *places[k].param;
     if (!p.defined() || p.numel() == 0) continue;
+    std::int64_t last = 0;  // the offset of the last element, in elements (strides are not negative)
+    for (std::int64_t d = 0; d < p.dim(); ++d) last += (p.size(d) - 1) * p.stride(d);
     const auto begin = reinterpret_cast<std::uintptr_t>(p.const_data_ptr());
-    extents.push_back({p.device(), begin, begin + static_cast<std::uintptr_t>(p.numel()) * p.itemsize(), k});
+    extents.push_back({p.device(), begin, begin + static_cast<std::uintptr_t>(last + 1) * p.itemsize(), k});
   }
   auto key = [](const Extent& e) {
     return std::make_tuple(static_cast<int>(e.device.type()), static_cast<int>(e.device.index()), e.begin, e.place);
   };
   std::sort(extents.begin(), extents.end(), [&](const Extent& a, const Extent& b) { return key(a) < key(b); });
-  // The extent reaching furthest so far on the same device; an extent that
-  // begins before its end overlaps it.
-  std::size_t furthest = 0;
-  for (std::size_t j = 1; j < extents.size(); ++j) {
-    if (extents[j].device != extents[furthest].device) {
-      furthest = j;
-      continue;
-    }
-    if (extents[j].begin < extents[furthest].end) {
-      const Place& a = places[std::min(extents[j].place, extents[furthest].place)];
-      const Place& b = places[std::max(extents[j].place, extents[furthest].place)];
-      TORCH_CHECK(false, name, ": param group ", b.group, ", param ", b.index, " shares memory with param group ",
-                  a.group, ", param ", a.index,
+  // The extents still open at the current begin, on the current device: each
+  // new extent is compared with every one of them (none, or one, unless
+  // views with gaps interleave).
+  std::vector<std::size_t> open;
+  for (std::size_t j = 0; j < extents.size(); ++j) {
+    const Extent& e = extents[j];
+    open.erase(std::remove_if(open.begin(), open.end(),
+                              [&](std::size_t o) {
+                                return extents[o].device != e.device || extents[o].end <= e.begin;
+                              }),
+               open.end());
+    for (const std::size_t o : open) {
+      const Place& a = places[std::min(e.place, extents[o].place)];
+      const Place& b = places[std::max(e.place, extents[o].place)];
+      TORCH_CHECK(!elements_meet(*a.param, *b.param), name, ": param group ", b.group, ", param ", b.index,
+                  " shares memory with param group ", a.group, ", param ", a.index,
                   " (overlapping views of one tensor): a step would write both at once; give the optimizer tensors "
                   "that do not overlap");
     }
-    if (extents[j].end > extents[furthest].end) furthest = j;
+    open.push_back(j);
   }
 }
 
@@ -222,7 +269,7 @@ void check_signals(const StepSignals& signals, const char* name) {
 
 std::vector<Entry> validate_params(torch::optim::Optimizer& opt, const char* name, const StepSignals* signals,
                                    const CheckState& check_state, bool float64, std::deque<StagedGrad>* staged,
-                                   std::vector<Entry>* sparse) {
+                                   std::vector<Entry>* sparse, std::deque<StagedParam>* staged_params) {
   if (signals) check_signals(*signals, name);
   auto& groups = opt.param_groups();
   // Kept per thread between steps (no allocation); a plain reference for the
@@ -259,9 +306,11 @@ std::vector<Entry> validate_params(torch::optim::Optimizer& opt, const char* nam
       const at::Tensor& p = *place.param;
       try {
         const GradKind kind =
-            check_param(p, place.group, place.index, name, signals, float64, staged != nullptr, sparse != nullptr);
+            check_param(p, place.group, place.index, name, signals, float64, staged != nullptr, sparse != nullptr,
+                        staged_params != nullptr);
         if (kind == GradKind::kNone) continue;
-        if (kind == GradKind::kStaged) any_staged.store(true, std::memory_order_relaxed);
+        if (kind == GradKind::kStaged || (kind != GradKind::kSparse && !p.is_non_overlapping_and_dense()))
+          any_staged.store(true, std::memory_order_relaxed);
         torch::optim::OptimizerParamState* state = check_state(p, place.group, place.index);
         (kind == GradKind::kSparse ? local_sparse : local)
             .push_back({place.group, place.index, p, p.grad(), p.device(), p.scalar_type(), state});
@@ -301,13 +350,27 @@ std::vector<Entry> validate_params(torch::optim::Optimizer& opt, const char* nam
   entries.reserve(places.size());
   for (const auto& part : parts)
     for (const Entry& e : part.second) {  // Entry holds references: not assignable
-      if (!grad_needs_staging(e.param, e.grad)) {
+      const bool stage_grad = grad_needs_staging(e.param, e.grad);
+      const bool stage_param = !e.param.is_non_overlapping_and_dense();
+      if (!stage_grad && !stage_param) {
         entries.push_back(e);
         continue;
       }
-      // Allocated here, not on the checking threads; filled by refresh_staged_grads.
-      staged->push_back({&e.param, at::empty_like(e.param, at::MemoryFormat::Preserve)});
-      entries.push_back({e.group, e.index, e.param, staged->back().buffer, e.device, e.dtype, e.state});
+      // Allocated here, not on the checking threads; filled by
+      // refresh_staged_grads and refresh_staged_params.
+      const at::Tensor* grad = &e.grad;
+      if (stage_grad) {
+        staged->push_back({&e.param, at::empty_like(e.param, at::MemoryFormat::Preserve)});
+        grad = &staged->back().buffer;
+      }
+      const at::Tensor* param = &e.param;
+      const at::Tensor* owner = nullptr;
+      if (stage_param) {
+        staged_params->push_back({&e.param, at::empty_like(e.param, at::MemoryFormat::Preserve)});
+        param = &staged_params->back().buffer;
+        owner = &e.param;
+      }
+      entries.push_back({e.group, e.index, *param, *grad, e.device, e.dtype, e.state, owner});
     }
   return entries;
 }
@@ -526,6 +589,21 @@ void refresh_staged_grads(std::deque<StagedGrad>& staged) {
   for (StagedGrad& s : staged) s.buffer.copy_(s.param->grad());
 }
 
+void refresh_staged_params(std::deque<StagedParam>& staged, bool cpu) {
+  for (StagedParam& s : staged)
+    if (cpu || !s.buffer.is_cpu()) s.buffer.copy_(*s.param);
+}
+
+void write_back_staged_params(std::deque<StagedParam>& staged, bool cpu) {
+  for (StagedParam& s : staged)
+    if (cpu || !s.buffer.is_cpu()) s.param->copy_(s.buffer);
+}
+
+std::vector<std::int64_t> kernel_strides(const at::Tensor& p) {
+  if (p.is_non_overlapping_and_dense()) return p.strides().vec();
+  return at::infer_dense_strides(p.sizes(), p.strides());
+}
+
 PlanMatch match_plan(torch::optim::Optimizer& opt, const StateStamp& stamp, const char* name,
                      const StepSignals* signals, PlanKeys& keys, bool float64, bool stage_grads) {
   const auto& groups = opt.param_groups();
@@ -571,7 +649,8 @@ PlanMatch match_plan(torch::optim::Optimizer& opt, const StateStamp& stamp, cons
       if (now.grad != kept.grad || now.grad_data != kept.grad_data || now.grad_numel != kept.grad_numel ||
           now.grad_dtype != kept.grad_dtype) {
         try {
-          if ((check_param(p, g, i, name, signals, float64, stage_grads) == GradKind::kStaged) != kept.grad_staged) {
+          if ((check_param(p, g, i, name, signals, float64, stage_grads, false, stage_grads) == GradKind::kStaged) !=
+              kept.grad_staged) {
             changed = true;  // a grad now read through a copy, or no longer: its Entry changes
             break;
           }

@@ -83,7 +83,12 @@ namespace ampfuse::sdk {
 /// A parameter with a grad, by its place in the optimizer. param and grad
 /// refer to the optimizer's parameter and its grad, valid for the step (no
 /// reference count is taken: a step over 10,000 parameters would spend more
-/// on the atomic increments than on some kernels).
+/// on the atomic increments than on some kernels). A parameter that is not
+/// dense (a strided view with gaps) is stepped through a dense copy: then
+/// param is that copy (what the kernels read and write, laid out as
+/// at::empty_like lays out the parameter, as the state is), and `owner` the
+/// optimizer's parameter, by which the state is keyed and whose version a
+/// master copy follows; the copy is written back after the step.
 struct Entry {
   std::size_t group;
   std::size_t index;
@@ -96,6 +101,9 @@ struct Entry {
   /// so check_entries, begin_step and prepare_list must not replace or erase a
   /// stepped parameter's state (creating state for one that had none is fine).
   torch::optim::OptimizerParamState* state;
+  const at::Tensor* owner = nullptr;  ///< the optimizer's parameter when param is its dense copy
+  /// The optimizer's parameter: owner when staged, else param.
+  const at::Tensor& user_param() const { return owner != nullptr ? *owner : param; }
 };
 
 /// The state stamp of an optimizer that does not stamp its states
@@ -123,9 +131,11 @@ inline std::size_t stamp_of(std::size_t seed, const at::Tensor& t) {
 
 /// Validates every parameter of every group of `opt` (and the signals) and
 /// returns those with grads. Accepted: fp32, fp16 and bf16 (and fp64 when
-/// `float64`: the optimizer's kernels have a Double path) dense parameters
-/// on CPU or CUDA, in one group only, with a dense grad of the same dtype,
-/// device, shape and strides. check_state is called for each parameter with
+/// `float64`: the optimizer's kernels have a Double path) strided parameters
+/// on CPU or CUDA, in one group only, that do not overlap themselves or each
+/// other (dense ones; with `staged_params`, strided views with gaps too),
+/// with a grad of the same dtype, device and shape laid out as the
+/// parameter's dense layout (kernel_strides; with `staged`, any layout). check_state is called for each parameter with
 /// a grad, to validate its existing state; it returns that state (null when
 /// the parameter has none), kept in Entry::state. Throws c10::Error naming
 /// `name`, the group and the parameter: of several bad parameters, the first
@@ -144,6 +154,20 @@ struct StagedGrad {
   at::Tensor buffer;
 };
 
+/// A parameter that is not dense (a strided view with gaps), which the
+/// kernels update through `buffer`, a dense copy laid out as
+/// at::empty_like(*param) (the state's layout): refresh_staged_params fills
+/// it before each step, write_back_staged_params copies it back after.
+struct StagedParam {
+  const at::Tensor* param;
+  at::Tensor buffer;
+};
+
+/// The strides the kernels walk a parameter's grad and state in: the
+/// parameter's own when it is dense, else those at::empty_like gives it
+/// (dense, in the order of its strides).
+std::vector<std::int64_t> kernel_strides(const at::Tensor& p);
+
 /// With `staged` (not null), a grad laid out otherwise than its parameter is
 /// accepted, as torch::optim accepts it: a StagedGrad is appended for it and
 /// its Entry's grad is the buffer. Without, such a grad is refused.
@@ -151,13 +175,23 @@ struct StagedGrad {
 /// and shape is accepted without signals (the scaler steps such optimizers
 /// on the classic path): its Entry goes into *sparse (replaced, in group
 /// order), not into the returned entries. Without, sparse grads are refused.
+/// With `staged_params` (not null), a parameter with gaps is accepted: a
+/// StagedParam is appended for it and its Entry's param is the buffer
+/// (Entry::owner the parameter). Without, it is refused.
 std::vector<Entry> validate_params(torch::optim::Optimizer& opt, const char* name, const StepSignals* signals,
                                    const CheckState& check_state, bool float64 = false,
-                                   std::deque<StagedGrad>* staged = nullptr, std::vector<Entry>* sparse = nullptr);
+                                   std::deque<StagedGrad>* staged = nullptr, std::vector<Entry>* sparse = nullptr,
+                                   std::deque<StagedParam>* staged_params = nullptr);
 
 /// Copies every staged grad's current values into its buffer (one copy per
 /// such grad; grads laid out as their parameters cost nothing).
 void refresh_staged_grads(std::deque<StagedGrad>& staged);
+
+/// Copies every staged parameter into its buffer (before a step's kernels),
+/// and the buffers back into the parameters (after them), those on CPU only
+/// when `cpu` (a step skipped on CPU leaves them as they were).
+void refresh_staged_params(std::deque<StagedParam>& staged, bool cpu);
+void write_back_staged_params(std::deque<StagedParam>& staged, bool cpu);
 
 /// Throws unless every signal's tensors are float32 one-element tensors on
 /// the signal's device (contract rule 0), naming `name`.
@@ -742,6 +776,7 @@ class FusedOptimizer : public Base, public ScalerAware {
     plan_entries_.clear();  // they may refer to the staged grads' buffers
     plan_sparse_.clear();
     staged_grads_.clear();
+    staged_params_.clear();
   }
 
   /// In prepare_list: how to take back a change made to state that existed
@@ -776,7 +811,7 @@ class FusedOptimizer : public Base, public ScalerAware {
       if (created) *created = false;
       return static_cast<State&>(*e.state);
     }
-    return state_for(e.param, std::forward<Init>(init), created);
+    return state_for(e.user_param(), std::forward<Init>(init), created);
   }
 
   /// In prepare_list, on CUDA: state.device_step (an fp64 counter of one
@@ -804,18 +839,26 @@ class FusedOptimizer : public Base, public ScalerAware {
   /// under CUDA graph capture.
   template <class S>
   void prepare_master(const Entry& e, S& state) {
+    const at::Tensor& followed = e.user_param();  // whose version counter the master follows
+    if (e.owner != nullptr)  // the write-back moves the parameter's version: the master stays in step with it
+      after_write_back_.emplace_back([&state, owner = e.owner] { state.master_version(owner->_version()); });
     if (!state.master().defined()) {
       refuse_under_capture(e, name(), "its fp32 master copy");
       undo_on_failure([&state] { state.master(at::Tensor()); });
       state.master(e.param.detach().to(at::kFloat, /*non_blocking=*/false, /*copy=*/true, at::MemoryFormat::Preserve));
-      state.master_version(e.param._version());
+      state.master_version(followed._version());
       return;
     }
-    if (state.master_version() == e.param._version()) return;
+    if (state.master_version() == followed._version()) return;
     refuse_under_capture(e, name(), "the refresh of its fp32 master copy (the parameter was written from outside "
                                     "since the last step)");
-    const at::Tensor& param = e.param;  // the step's entries outlive its launch phase
-    stale_masters_.emplace_back([&param, &state] { refresh_master(param, state); });
+    // The step's entries outlive its launch phase; a staged parameter's
+    // buffer holds its values by now.
+    const at::Tensor& param = e.param;
+    stale_masters_.emplace_back([&param, &followed, &state] {
+      refresh_master(param, state);
+      state.master_version(followed._version());
+    });
   }
 
  private:
@@ -841,7 +884,9 @@ class FusedOptimizer : public Base, public ScalerAware {
     std::vector<Launch> launches;
     undo_.clear();
     stale_masters_.clear();
+    after_write_back_.clear();
     PlanMatch match = PlanMatch::kChanged;
+    bool skip_cpu = false;  // found_inf set on CPU: no CPU list runs
     // Anything that throws from here on forgets the plan (match_plan may
     // have recorded moved grads that no list was prepared for) and takes
     // back the state made so far: nothing was written.
@@ -866,7 +911,7 @@ class FusedOptimizer : public Base, public ScalerAware {
               check_state(p, *st, g, i);
               return st;
             },
-            takes_float64(), &staged_grads_, takes_sparse_grads() ? &plan_sparse_ : nullptr);
+            takes_float64(), &staged_grads_, takes_sparse_grads() ? &plan_sparse_ : nullptr, &staged_params_);
         check_entries(plan_entries_);
         std::vector<const Entry*> all;
         all.reserve(plan_entries_.size());
@@ -882,7 +927,8 @@ class FusedOptimizer : public Base, public ScalerAware {
       // Grads laid out otherwise than their parameters: this step's values,
       // in the parameters' layout, before anything reads them.
       refresh_staged_grads(staged_grads_);
-      const bool skip_cpu = cpu_step_skipped(signals);
+      skip_cpu = cpu_step_skipped(signals);
+      refresh_staged_params(staged_params_, !skip_cpu);
       std::vector<const Entry*> stepped;
       stepped.reserve(plan_entries_.size());
       for (const Entry& e : plan_entries_)
@@ -905,6 +951,7 @@ class FusedOptimizer : public Base, public ScalerAware {
       for (auto it = undo_.rbegin(); it != undo_.rend(); ++it) (*it)();
       undo_.clear();
       stale_masters_.clear();
+      after_write_back_.clear();
       forget_plan();
       throw;
     }
@@ -913,11 +960,14 @@ class FusedOptimizer : public Base, public ScalerAware {
     stale_masters_.clear();
     for (const Launch& launch : launches)
       if (launch) launch();
+    write_back_staged_params(staged_params_, !skip_cpu);
+    for (const auto& follow : after_write_back_) follow();
+    after_write_back_.clear();
     end_step(signals);
     if (match == PlanMatch::kChanged) {
       record_plan(*this, stamp, plan_keys_);
       for (Entry& e : plan_entries_)
-        if (e.state == nullptr) e.state = find_state(e.param);
+        if (e.state == nullptr) e.state = find_state(e.user_param());
     }
     plan_valid_ = true;
     last_match_ = match;
@@ -925,6 +975,7 @@ class FusedOptimizer : public Base, public ScalerAware {
 
   std::vector<std::function<void()>> undo_;
   std::vector<std::function<void()>> stale_masters_;  ///< the refreshes prepare_master asked for
+  std::vector<std::function<void()>> after_write_back_;  ///< master versions to move with staged parameters' write-back
   // The step plan (see the top of this file).
   bool plan_valid_ = false;
   PlanMatch last_match_ = PlanMatch::kChanged;
@@ -934,6 +985,7 @@ class FusedOptimizer : public Base, public ScalerAware {
   Lists plan_lists_;
   std::vector<ListSlot> plan_slots_;
   std::deque<StagedGrad> staged_grads_;  ///< grads read through copies (see validate_params)
+  std::deque<StagedParam> staged_params_;  ///< parameters with gaps, stepped through dense copies
 };
 
 }  // namespace ampfuse::sdk
