@@ -46,7 +46,10 @@ TARGETS = [
      "the speed of the same scaled step on normal grads (at most 1.3x its time)"),
     ("AdamF64", "8x1M", "torch_optim_adam", 3.0, "the speed of torch::optim::Adam on fp64 params"),
     ("AdamF64", "8x1M", "aten_fused_adam", 1.0, "the speed of at::_fused_adam_ on fp64 params"),
-    ("SGDF64", "8x1M", "torch_optim_sgd", 2.0, "the speed of torch::optim::SGD on fp64 params"),
+    # torch::optim::SGD's momentum step is three ATen passes (mul_, add_ on the
+    # buffer, add_ on the parameter) moving 64 bytes per fp64 parameter against
+    # the fused step's 40: 1.6x at equal bandwidth is the most it can show.
+    ("SGDF64", "8x1M", "torch_optim_sgd", 1.4, "the speed of torch::optim::SGD on fp64 params"),
 ]
 
 

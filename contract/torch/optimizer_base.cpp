@@ -185,8 +185,10 @@ struct Place {
 };
 
 // The byte addresses of every element of a strided tensor (its start, in
-// the tensor's own order), for telling whether two views with gaps share an
-// element. O(numel); only for views whose extents meet.
+// the tensor's own order), on the CPU for a tensor on any device (from its
+// data pointer and strides; no element is read), for telling whether two
+// views with gaps share an element. O(numel); only for views whose extents
+// meet.
 at::Tensor element_addresses(const at::Tensor& t) {
   const auto opts = at::TensorOptions().dtype(at::kLong);
   at::Tensor at = at::full({}, static_cast<std::int64_t>(reinterpret_cast<std::uintptr_t>(t.const_data_ptr())), opts);
@@ -205,7 +207,7 @@ at::Tensor element_addresses(const at::Tensor& t) {
 bool elements_meet(const at::Tensor& a, const at::Tensor& b) {
   if (a.is_non_overlapping_and_dense() && b.is_non_overlapping_and_dense()) return true;
   if (a.itemsize() != b.itemsize()) return true;
-  return at::isin(element_addresses(a.cpu()), element_addresses(b.cpu())).any().item<bool>();
+  return at::isin(element_addresses(a), element_addresses(b)).any().item<bool>();
 }
 
 // Parameters whose memory overlaps (views of one tensor, or tensors made
