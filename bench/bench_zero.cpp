@@ -129,24 +129,30 @@ std::vector<torch::Tensor> make_params(int rank) {
 std::int64_t state_bytes(const torch::optim::Optimizer& opt) {
   std::int64_t n = 0;
   for (const auto& [key, state] : opt.state()) {
-    const auto& s = static_cast<const torch::optim::AdamParamState&>(*state);
-    n += s.exp_avg().nbytes() + s.exp_avg_sq().nbytes();
+    const auto& s = static_cast<const ampfuse::FusedAdamParamState&>(*state);
+    for (const at::Tensor* t : {&s.exp_avg(), &s.exp_avg_sq(), &s.exp_avg_8bit(), &s.exp_avg_absmax(),
+                                &s.exp_avg_sq_8bit(), &s.exp_avg_sq_absmax()})
+      if (t->defined()) n += static_cast<std::int64_t>(t->nbytes());
   }
   return n;
 }
 
-void register_world(int world) {
+// ZeroAdam (32-bit moments) or ZeroAdam8 (moments_8bit, sharded on whole
+// 256-element blocks) at `world` ranks.
+void register_world(int world, bool eight_bit) {
   const std::string set = "8x1M-" + std::to_string(world) + "ranks";
+  const std::string op = eight_bit ? "ZeroAdam8" : "ZeroAdam";
+  const auto fused = ampfuse::FusedAdamOptions().moments_8bit(eight_bit);
   const std::int64_t grad_bytes = kTensors * kNumel * 4;
   const double sent = 2.0 * (world - 1) / world * static_cast<double>(grad_bytes);  // ring all-reduce
   const auto torch_opts = torch::optim::AdamOptions(1e-4);
 
-  auto* zero = benchmark::RegisterBenchmark(("ZeroAdam/ours/" + set).c_str(), [=](benchmark::State& state) {
+  auto* zero = benchmark::RegisterBenchmark((op + "/ours/" + set).c_str(), [=](benchmark::State& state) {
     std::vector<std::int64_t> state_per_rank(world), sent_per_rank(world);
     Ranks ranks(world, [&](int rank, const c10::intrusive_ptr<c10d::ProcessGroup>& group) {
       auto params = std::make_shared<std::vector<torch::Tensor>>(make_params(rank));
       std::shared_ptr<ampfuse::distributed::ZeroOptimizer> opt =
-          ampfuse::distributed::ZeroOptimizer::make<ampfuse::FusedAdam>(*params, torch_opts, group);
+          ampfuse::distributed::ZeroOptimizer::make<ampfuse::FusedAdam>(*params, torch_opts, group, {}, fused);
       // The grads become views of the optimizer's bucket (as after
       // zero_grad(false) and a backward): nothing to copy at each step.
       std::vector<torch::Tensor> values;
@@ -162,7 +168,7 @@ void register_world(int world) {
     state.counters["sent_bytes_per_rank"] = static_cast<double>(sent_per_rank[0]);
     state.counters["state_bytes_per_rank"] = static_cast<double>(state_per_rank[0]);
   });
-  auto* replicated = benchmark::RegisterBenchmark(("ZeroAdam/replicated/" + set).c_str(), [=](benchmark::State& state) {
+  auto* replicated = benchmark::RegisterBenchmark((op + "/replicated/" + set).c_str(), [=](benchmark::State& state) {
     std::vector<std::int64_t> state_per_rank(world);
     Ranks ranks(world, [&](int rank, const c10::intrusive_ptr<c10d::ProcessGroup>& group) {
       auto params = std::make_shared<std::vector<torch::Tensor>>(make_params(rank));
@@ -173,7 +179,7 @@ void register_world(int world) {
         view.copy_((*params)[i].grad());
         (*params)[i].mutable_grad() = view;
       }
-      auto opt = std::make_shared<ampfuse::FusedAdam>(*params, torch_opts);
+      auto opt = std::make_shared<ampfuse::FusedAdam>(*params, torch_opts, fused);
       opt->step();
       state_per_rank[rank] = state_bytes(*opt);
       return Fn([opt, params, flat, group, world] {
@@ -194,7 +200,8 @@ void register_world(int world) {
 
 void register_zero(torch::Device device) {
   if (!device.is_cpu()) return;  // Gloo on CPU; NCCL rows belong to a GPU check
-  for (int world : {2, 4}) register_world(world);
+  for (const bool eight_bit : {false, true})
+    for (int world : {2, 4}) register_world(world, eight_bit);
 }
 
 }  // namespace ampfuse_bench

@@ -81,7 +81,7 @@ def load(path):
 
 OP_ORDER = ["Check", "CheckNorm", "Scale", "Scaler", "ScalerClip", "Adam", "AdamScaled", "AdamClip", "Adam8", "SGD", "LAMB",
             "Adagrad", "RMSprop", "AdamSubnormal", "AdamScaledTiny", "AdamF64", "SGDF64", "Host", "HostScaler",
-            "ZeroAdam"]
+            "ZeroAdam", "ZeroAdam8"]
 
 # (operation, parameter set, most nanoseconds per parameter, what is timed): host-path budgets.
 TIME_TARGETS = [
@@ -170,8 +170,8 @@ def markdown(context, table, title, setup=None):
         if op.startswith("Host") and num_params(pset):
             md.append(f"ampfuse: {ours['seconds'] * 1e9 / num_params(pset):.0f} ns per parameter.")
             md.append("")
-        if op == "ZeroAdam":
-            md += zero_lines(ours, lines) + [""]
+        if op.startswith("ZeroAdam"):
+            md += zero_lines(op, ours, lines) + [""]
         if op == "Adam8" and adam8_state(ours, lines):
             m = adam8_state(ours, lines)
             md += [f"Optimizer state: {m[0]:.3f} bytes per parameter with 8-bit moments against {m[1]:.3f} with "
@@ -197,12 +197,13 @@ def adam8_state(ours, lines):
     return ours["state_bytes_per_param"], ref[0][5]["state_bytes_per_param"]
 
 
-def zero_lines(ours, lines):
+def zero_lines(op, ours, lines):
     m = zero_memory(ours, lines)
     if m is None:
         return []
+    adam = "FusedAdam with 8-bit moments" if op == "ZeroAdam8" else "FusedAdam"
     return [f"Ranks are threads of one process over Gloo (loopback), one intra-op thread each. Optimizer state "
-            f"per rank: {m[0]:.1f} MB (ZeroOptimizer(FusedAdam)) against {m[1]:.1f} MB (replicated FusedAdam). "
+            f"per rank: {m[0]:.1f} MB (ZeroOptimizer over {adam}) against {m[1]:.1f} MB (replicated {adam}). "
             f"Sent per rank per step (ring algorithms): {m[2]:.1f} MB against {m[3]:.1f} MB (on CPU ZeroOptimizer "
             f"all-reduces the grads and broadcasts the shards, Gloo's fastest collectives; with NCCL it "
             f"reduce-scatters and all-gathers, as much as one all-reduce)."]
@@ -243,7 +244,7 @@ def readme_rows(table):
         cells = []
         if op.startswith("Host") and num_params(pset):
             cells.append(f"{ours['seconds'] * 1e9 / num_params(pset):.0f} ns per parameter")
-        if op == "ZeroAdam" and zero_memory(ours, lines):
+        if op.startswith("ZeroAdam") and zero_memory(ours, lines):
             m = zero_memory(ours, lines)
             cells.append(f"optimizer state {m[0]:.0f} MB per rank (replicated: {m[1]:.0f} MB), sent {m[2]:.0f} MB "
                          f"per rank per step (replicated: {m[3]:.0f} MB)")
