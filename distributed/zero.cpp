@@ -587,8 +587,8 @@ void ZeroOptimizer::gather_params() {
 
 at::Tensor ZeroOptimizer::step(LossClosure closure) {
   TORCH_CHECK(!closure, kWhere, "step() takes no closure");
-  if (!grads_reduced_) reduce_grads();
-  adopt_moved_params();
+  if (!grads_reduced_) reduce_grads();  // which adopts moved parameters first
+  else adopt_moved_params();
   copy_options_to_inner();
   note_writes_from_outside();
   inner_->step();
