@@ -4,6 +4,7 @@
 // this is what bounds a step over many small tensors.
 //   Host        FusedAdam::step against at::_fused_adam_ on the same lists and
 //               torch::optim::Adam
+//   HostMovedGrads  the same with new grad tensors at every step
 //   HostScaler  scaler.step(FusedAdam) + scaler.update() against PyTorch's
 //               scaled fused path (_amp_foreach_non_finite_check_and_unscale_,
 //               _fused_adam_ with found_inf, _foreach_sub_ of the steps,
@@ -12,6 +13,8 @@
 
 #include <ampfuse/fused_adam.h>
 #include <ampfuse/grad_scaler.h>
+
+#include <array>
 
 #include "bench/common.h"
 
@@ -34,6 +37,23 @@ void register_host(torch::Device device) {
   register_one("Host/ours" + tail, device, [=] {
     auto opt = std::make_shared<ampfuse::FusedAdam>(data().params, torch::optim::AdamOptions(kLr));
     return Fn([=] { opt->step(); });
+  }, bytes);
+  // New grad tensors at every step, as after zero_grad() (which sets them to
+  // none) and a backward: the plan sees every grad moved and checks each. Two
+  // sets of grads take turns (swapping them costs a reference each).
+  register_one("HostMovedGrads/ours" + tail, device, [=] {
+    std::vector<torch::Tensor> params;
+    for (const auto& p : data().params) params.push_back(p.detach().clone().requires_grad_());
+    auto opt = std::make_shared<ampfuse::FusedAdam>(params, torch::optim::AdamOptions(kLr));
+    auto sets = std::make_shared<std::array<std::vector<torch::Tensor>, 2>>();
+    for (auto& set : *sets)
+      for (const auto& p : params) set.push_back(torch::randn_like(p));
+    auto turn = std::make_shared<int>(0);
+    return Fn([=] {
+      const auto& grads = (*sets)[static_cast<std::size_t>((*turn)++ & 1)];
+      for (std::size_t i = 0; i < params.size(); ++i) params[i].mutable_grad() = grads[i];
+      opt->step();
+    });
   }, bytes);
   register_one("Host/torch_optim_adam" + tail, device, [=] {
     auto opt = std::make_shared<torch::optim::Adam>(data().params, torch::optim::AdamOptions(kLr));
