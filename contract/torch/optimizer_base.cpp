@@ -7,7 +7,8 @@
 #include <ATen/MemoryOverlap.h>
 #include <ATen/ops/_foreach_add.h>
 #include <ATen/ops/arange.h>
-#include <ATen/ops/isin.h>
+#include <ATen/ops/cat.h>
+#include <ATen/ops/sort.h>
 #include <ATen/ops/full.h>
 #include <ATen/ops/zeros.h>
 #include <c10/util/Exception.h>
@@ -48,8 +49,9 @@ void check_state_tensor(const at::Tensor& s, const at::Tensor& p, c10::ScalarTyp
                   (p.is_non_overlapping_and_dense() ? s.strides() == p.strides()
                                                     : s.strides() == c10::IntArrayRef(kernel_strides(p))),
               name, ": param group ", g, ", param ", i, ": state ", what, " has shape ", s.sizes(), ", dtype ",
-              s.scalar_type(), " on ", s.device(), " but ", name, " keeps it with shape ", p.sizes(), ", dtype ", dtype,
-              " on ", p.device(), " (a checkpoint of another model, or of other options?)");
+              s.scalar_type(), " on ", s.device(), ", strides ", s.strides(), " but ", name, " keeps it with shape ",
+              p.sizes(), ", dtype ", dtype, " on ", p.device(), ", strides ", c10::IntArrayRef(kernel_strides(p)),
+              " (a checkpoint of another model, or of other options?)");
 }
 
 void check_required_state_tensor(const at::Tensor& s, const at::Tensor& p, c10::ScalarType dtype, const char* name,
@@ -167,7 +169,8 @@ GradKind check_param(const at::Tensor& p, std::size_t g, std::size_t i, const ch
     return GradKind::kSparse;
   }
   TORCH_CHECK(stage_grads || !grad_needs_staging(p, grad), name, ": param group ", g, ", param ", i,
-              ": grad strides ", grad.strides(), " differ from the parameter's ", p.strides());
+              ": grad strides ", grad.strides(), " differ from the parameter's dense layout ",
+              c10::IntArrayRef(kernel_strides(p)));
   TORCH_CHECK(p.device().is_cpu() || p.device().is_cuda(), name, ": param group ", g, ", param ", i, " is on ",
               p.device(), "; only CPU and CUDA are supported");
 #if !defined(AMPFUSE_WITH_CUDA)
@@ -200,25 +203,33 @@ at::Tensor element_addresses(const at::Tensor& t) {
   return at.reshape({-1});
 }
 
-// Whether two strided tensors whose extents meet share a byte: exact for
-// dense tensors (their extents are their elements) and for views of one
-// element size (their elements' addresses are compared); a pair of views
-// with gaps and different element sizes counts as sharing.
-bool elements_meet(const at::Tensor& a, const at::Tensor& b) {
-  if (a.is_non_overlapping_and_dense() && b.is_non_overlapping_and_dense()) return true;
-  if (a.itemsize() != b.itemsize()) return true;
-  return at::isin(element_addresses(a), element_addresses(b)).any().item<bool>();
+// Whether a strided tensor's strides alone show that no two of its elements
+// share memory: ordered by stride, each stride passes the furthest offset the
+// smaller ones reach (so every slice, transpose and permutation passes).
+bool strides_never_overlap(const at::Tensor& t) {
+  std::vector<std::pair<std::int64_t, std::int64_t>> dims;  // (stride, size) with size > 1
+  for (std::int64_t d = 0; d < t.dim(); ++d)
+    if (t.size(d) > 1) dims.emplace_back(t.stride(d), t.size(d));
+  std::sort(dims.begin(), dims.end());
+  std::int64_t reach = 0;  // the furthest offset of the dims so far, in elements
+  for (const auto& [stride, size] : dims) {
+    if (stride <= reach) return false;
+    reach += (size - 1) * stride;
+  }
+  return true;
 }
 
 // Parameters whose memory overlaps (views of one tensor, or tensors made
 // over one buffer) would be written by two threads or blocks of a step at
-// once, and twice per step: refused, naming both. Sorted by address, so
-// O(n log n) when extents do not meet; only when a step validates from
-// scratch (a reused step plan compares the parameters' data addresses
-// instead). A dense parameter covers [data, data + numel * itemsize)
-// exactly; a view with gaps covers part of its extent, so two whose
-// extents meet are compared element by element (interleaved views, such as
-// the even and odd columns of one matrix, do not overlap).
+// once, and twice per step: refused, naming both; and a parameter whose
+// elements share memory (as_strided, unfold windows) would have elements
+// written twice. Only when a step validates from scratch (a reused step plan
+// compares the parameters' data addresses instead). Extents sorted by
+// address, O(n log n), and where extents meet (a cluster), exact: a dense
+// parameter covers its extent, so two dense ones overlap when their extents
+// meet; views with gaps are compared element by element, their element
+// addresses sorted once per cluster (interleaved views, such as the even and
+// odd columns of one matrix, or the column blocks of one, do not overlap).
 void check_no_shared_memory(const std::vector<Place>& places, const char* name) {
   struct Extent {
     c10::Device device;
@@ -228,6 +239,17 @@ void check_no_shared_memory(const std::vector<Place>& places, const char* name) 
   thread_local std::vector<Extent> kept_extents;
   std::vector<Extent>& extents = kept_extents;
   extents.clear();
+  const auto shared = [&](std::size_t x, std::size_t y) {
+    const Place& a = places[std::min(x, y)];
+    const Place& b = places[std::max(x, y)];
+    if (x == y)
+      TORCH_CHECK(false, name, ": param group ", a.group, ", param ", a.index, " overlaps itself (strides ",
+                  a.param->strides(), "): a step would write one element several times");
+    TORCH_CHECK(false, name, ": param group ", b.group, ", param ", b.index, " shares memory with param group ", a.group,
+                ", param ", a.index,
+                " (overlapping views of one tensor): a step would write both at once; give the optimizer tensors "
+                "that do not overlap");
+  };
   for (std::size_t k = 0; k < places.size(); ++k) {
     const at::Tensor& p = *places[k].param;
     if (!p.defined() || p.numel() == 0) continue;
@@ -240,26 +262,55 @@ void check_no_shared_memory(const std::vector<Place>& places, const char* name) 
     return std::make_tuple(static_cast<int>(e.device.type()), static_cast<int>(e.device.index()), e.begin, e.place);
   };
   std::sort(extents.begin(), extents.end(), [&](const Extent& a, const Extent& b) { return key(a) < key(b); });
-  // The extents still open at the current begin, on the current device: each
-  // new extent is compared with every one of them (none, or one, unless
-  // views with gaps interleave).
-  std::vector<std::size_t> open;
-  for (std::size_t j = 0; j < extents.size(); ++j) {
-    const Extent& e = extents[j];
-    open.erase(std::remove_if(open.begin(), open.end(),
-                              [&](std::size_t o) {
-                                return extents[o].device != e.device || extents[o].end <= e.begin;
-                              }),
-               open.end());
-    for (const std::size_t o : open) {
-      const Place& a = places[std::min(e.place, extents[o].place)];
-      const Place& b = places[std::max(e.place, extents[o].place)];
-      TORCH_CHECK(!elements_meet(*a.param, *b.param), name, ": param group ", b.group, ", param ", b.index,
-                  " shares memory with param group ", a.group, ", param ", a.index,
-                  " (overlapping views of one tensor): a step would write both at once; give the optimizer tensors "
-                  "that do not overlap");
+  for (std::size_t j = 0; j < extents.size();) {
+    // The cluster [j, k): extents on one device, each beginning before the furthest end so far.
+    std::size_t k = j + 1;
+    std::uintptr_t end = extents[j].end;
+    while (k < extents.size() && extents[k].device == extents[j].device && extents[k].begin < end)
+      end = std::max(end, extents[k++].end);
+    // Dense against dense: their extents are their bytes.
+    std::size_t furthest = extents.size();
+    std::vector<std::size_t> views;
+    for (std::size_t i = j; i < k; ++i) {
+      if (!places[extents[i].place].param->is_non_overlapping_and_dense()) {
+        views.push_back(i);
+        continue;
+      }
+      if (furthest != extents.size() && extents[i].begin < extents[furthest].end)
+        shared(extents[i].place, extents[furthest].place);
+      if (furthest == extents.size() || extents[i].end > extents[furthest].end) furthest = i;
     }
-    open.push_back(j);
+    if (views.size() == 1 && k - j == 1 && strides_never_overlap(*places[extents[j].place].param)) views.clear();
+    if (!views.empty()) {
+      // Every element of the cluster's views, by address: an element that
+      // ends past the next one's start shares memory with it.
+      std::vector<at::Tensor> addresses, owners;
+      for (const std::size_t i : views) {
+        addresses.push_back(element_addresses(*places[extents[i].place].param));
+        owners.push_back(at::full({addresses.back().numel()}, static_cast<std::int64_t>(i), at::kLong));
+      }
+      const auto [sorted, order] = at::sort(at::cat(addresses));
+      const at::Tensor owner = at::cat(owners).index_select(0, order).contiguous();
+      const std::int64_t* a = sorted.contiguous().const_data_ptr<std::int64_t>();
+      const std::int64_t* o = owner.const_data_ptr<std::int64_t>();
+      const std::int64_t n = sorted.numel();
+      const auto size_of = [&](std::int64_t e) {
+        return static_cast<std::int64_t>(places[extents[static_cast<std::size_t>(o[e])].place].param->itemsize());
+      };
+      for (std::int64_t e = 0; e + 1 < n; ++e)
+        if (a[e + 1] < a[e] + size_of(e))
+          shared(extents[static_cast<std::size_t>(o[e])].place, extents[static_cast<std::size_t>(o[e + 1])].place);
+      // Views against dense parameters: any view element within a dense extent.
+      for (std::size_t i = j; i < k; ++i) {
+        if (std::find(views.begin(), views.end(), i) != views.end()) continue;
+        const auto lo = static_cast<std::int64_t>(extents[i].begin), hi = static_cast<std::int64_t>(extents[i].end);
+        // The first element starting at or past lo - 8 (no element is wider), then those before hi.
+        std::int64_t e = std::lower_bound(a, a + n, lo - 8) - a;
+        for (; e < n && a[e] < hi; ++e)
+          if (a[e] + size_of(e) > lo) shared(extents[i].place, extents[static_cast<std::size_t>(o[e])].place);
+      }
+    }
+    j = k;
   }
 }
 
@@ -368,7 +419,9 @@ std::vector<Entry> validate_params(torch::optim::Optimizer& opt, const char* nam
       const at::Tensor* param = &e.param;
       const at::Tensor* owner = nullptr;
       if (stage_param) {
-        staged_params->push_back({&e.param, at::empty_like(e.param, at::MemoryFormat::Preserve)});
+        at::Tensor alias = at::empty({0}, e.param.options());
+        alias.set_(e.param.storage(), e.param.storage_offset(), e.param.sizes(), e.param.strides());
+        staged_params->push_back({&e.param, at::empty_like(e.param, at::MemoryFormat::Preserve), std::move(alias)});
         param = &staged_params->back().buffer;
         owner = &e.param;
       }
@@ -598,7 +651,7 @@ void refresh_staged_params(std::deque<StagedParam>& staged, bool cpu) {
 
 void write_back_staged_params(std::deque<StagedParam>& staged, bool cpu) {
   for (StagedParam& s : staged)
-    if (cpu || !s.buffer.is_cpu()) s.param->copy_(s.buffer);
+    if (cpu || !s.buffer.is_cpu()) s.alias.copy_(s.buffer);
 }
 
 std::vector<std::int64_t> kernel_strides(const at::Tensor& p) {

@@ -54,7 +54,7 @@ class FusedLion : public ampfuse::sdk::FusedOptimizer<torch::optim::Optimizer, L
   void check_state(const torch::Tensor& param, const LionParamState& state, std::size_t group,
                    std::size_t index) const override;
   ampfuse::sdk::Launch prepare_list(const ampfuse::sdk::ParamList& list) override;
-  std::size_t state_stamp(const LionParamState& s) const override { return ampfuse::sdk::stamp_of(1, s.exp_avg()); }
+  std::size_t state_stamp(const LionParamState& s) const override { return stamp_tensors({&s.exp_avg()}); }
 };
 
 }  // namespace lion

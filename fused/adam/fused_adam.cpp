@@ -312,11 +312,8 @@ void FusedAdamImpl<Base, Options, State, kDecoupled>::after_load(const at::Tenso
 
 template <class Base, class Options, class State, bool kDecoupled>
 std::size_t FusedAdamImpl<Base, Options, State, kDecoupled>::state_stamp(const State& s) const {
-  std::size_t h = 1;
-  for (const at::Tensor* t : {&s.exp_avg(), &s.exp_avg_sq(), &s.max_exp_avg_sq(), &s.master(), &s.device_step(),
-                              &s.exp_avg_8bit(), &s.exp_avg_absmax(), &s.exp_avg_sq_8bit(), &s.exp_avg_sq_absmax()})
-    h = sdk::stamp_of(h, *t);
-  return h;
+  return this->stamp_tensors({&s.exp_avg(), &s.exp_avg_sq(), &s.max_exp_avg_sq(), &s.master(), &s.device_step(),
+                              &s.exp_avg_8bit(), &s.exp_avg_absmax(), &s.exp_avg_sq_8bit(), &s.exp_avg_sq_absmax()});
 }
 
 namespace {
@@ -390,7 +387,7 @@ sdk::Launch FusedAdamImpl<Base, Options, State, kDecoupled>::prepare_list(const 
       const sdk::Entry& e = *list[i];
       const at::Tensor& p = e.param;
       const auto zeros = [&] { return at::zeros_like(p, p.options().dtype(state_st_torch), at::MemoryFormat::Preserve); };
-      const bool coded = coded_8bit(p);
+      const bool coded = coded_8bit(e.user_param());
       State& state = this->state_for(e, [&](State& s) {
         s.step(0);
         if (coded) {

@@ -344,7 +344,7 @@ sdk::Launch FusedLAMB::prepare_list(const sdk::ParamList& pl) {
         return;
       }
       std::vector<at::Tensor> params;
-      for (const sdk::Entry* e : list) params.push_back(e->param);
+      for (const sdk::Entry* e : list) params.push_back(e->user_param());
       workspace->pending_sums.push_back({std::move(params), sums});
       workspace->pending_apply.push_back(std::move(apply_from_sums));
     };

@@ -78,7 +78,7 @@ class FusedAdagrad
   sdk::Launch prepare_sparse(const sdk::Entry& entry) override;
   std::vector<std::string> saved_state_keys() const override { return {"step", "sum"}; }
   std::size_t state_stamp(const FusedAdagradParamState& state) const override {
-    return sdk::stamp_of(sdk::stamp_of(1, state.sum()), state.device_step());
+    return stamp_tensors({&state.sum(), &state.device_step()});
   }
 
  private:

@@ -114,10 +114,7 @@ class FusedLAMB : public sdk::FusedOptimizer<torch::optim::Optimizer, FusedLAMBO
   void after_load(const at::Tensor& param, FusedLAMBParamState& state) override;
   std::vector<std::string> saved_state_keys() const override { return {"step", "exp_avg", "exp_avg_sq", "master"}; }
   std::size_t state_stamp(const FusedLAMBParamState& state) const override {
-    std::size_t h = 1;
-    for (const at::Tensor* t : {&state.step(), &state.exp_avg(), &state.exp_avg_sq(), &state.master()})
-      h = sdk::stamp_of(h, *t);
-    return h;
+    return stamp_tensors({&state.step(), &state.exp_avg(), &state.exp_avg_sq(), &state.master()});
   }
 
  private:

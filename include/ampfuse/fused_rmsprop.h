@@ -72,10 +72,7 @@ class FusedRMSprop
     return {"step", "square_avg", "momentum_buffer", "grad_avg"};
   }
   std::size_t state_stamp(const FusedRMSpropParamState& state) const override {
-    std::size_t h = 1;
-    for (const at::Tensor* t : {&state.square_avg(), &state.momentum_buffer(), &state.grad_avg(), &state.device_step()})
-      h = sdk::stamp_of(h, *t);
-    return h;
+    return stamp_tensors({&state.square_avg(), &state.momentum_buffer(), &state.grad_avg(), &state.device_step()});
   }
 
  private:

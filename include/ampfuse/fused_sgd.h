@@ -76,7 +76,7 @@ class FusedSGD : public sdk::FusedOptimizer<torch::optim::SGD, torch::optim::SGD
   bool has_saved_state(const FusedSGDParamState& state) const override;
   std::vector<std::string> saved_state_keys() const override { return {"momentum_buffer"}; }
   std::size_t state_stamp(const FusedSGDParamState& state) const override {
-    return sdk::stamp_of(sdk::stamp_of(1, state.momentum_buffer()), state.momentum_initialized());
+    return stamp_tensors({&state.momentum_buffer(), &state.momentum_initialized()});
   }
 
  private:

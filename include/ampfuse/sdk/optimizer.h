@@ -63,6 +63,7 @@
 #include <algorithm>
 #include <deque>
 #include <functional>
+#include <initializer_list>
 #include <iterator>
 #include <map>
 #include <memory>
@@ -110,15 +111,16 @@ struct Entry {
 /// (FusedOptimizer::state_stamp's default): its steps never reuse a plan.
 constexpr std::size_t kNoStamp = 0;
 
-/// Folds a tensor into a state stamp (FusedOptimizer::state_stamp): its
-/// TensorImpl's address, and nothing read through it, so that a step over
-/// many small parameters does not wait on a cache miss per state tensor. A
-/// state tensor is told apart by identity: one replaced (the state's
-/// setters, load(), state().clear()) is seen, one resized or re-pointed in
-/// place (resize_, set_) is not. A tensor made where a freed one was can
-/// have the same address: a prepare_list that keeps data pointers of state
-/// tensors in its ListSlot keeps references to those tensors too, so that
-/// they are not freed while kept. Start from seed 1; never kNoStamp.
+/// Folds a tensor into a state stamp: its TensorImpl's address, and nothing
+/// read through it, so that a step over many small parameters does not wait
+/// on a cache miss per state tensor. A state tensor is told apart by
+/// identity: one replaced (the state's setters, load(), state().clear()) is
+/// seen, one resized or re-pointed in place (resize_, set_) is not. A tensor
+/// made where a freed one was can have the same address, so whoever keeps a
+/// stamp must keep the tensors alive: FusedOptimizer::stamp_tensors (what a
+/// state_stamp override should call) folds with this and holds a reference
+/// to each tensor while the step plan holds. Start from seed 1; never
+/// kNoStamp.
 inline std::size_t stamp_of(std::size_t seed, const at::Tensor& t) {
   std::size_t h = seed;
   auto fold = [&h](std::uintptr_t v) {
@@ -157,10 +159,14 @@ struct StagedGrad {
 /// A parameter that is not dense (a strided view with gaps), which the
 /// kernels update through `buffer`, a dense copy laid out as
 /// at::empty_like(*param) (the state's layout): refresh_staged_params fills
-/// it before each step, write_back_staged_params copies it back after.
+/// it before each step, write_back_staged_params copies it back after,
+/// through `alias` (the parameter's elements, with a version counter of its
+/// own: a view shares its counter with its base and every other view of it,
+/// which a write-back would move, and master copies follow those counters).
 struct StagedParam {
   const at::Tensor* param;
   at::Tensor buffer;
+  at::Tensor alias;
 };
 
 /// The strides the kernels walk a parameter's grad and state in: the
@@ -767,6 +773,19 @@ class FusedOptimizer : public Base, public ScalerAware {
   /// validate and prepare from scratch.
   virtual std::size_t state_stamp(const State& /*state*/) const { return kNoStamp; }
 
+  /// For state_stamp: stamp_of over each of `tensors` from seed 1, and, when
+  /// the step plan is recorded, a reference to each kept with the plan, so
+  /// that no state tensor it compares by address is freed (and another made
+  /// at that address) while it holds.
+  std::size_t stamp_tensors(std::initializer_list<const at::Tensor*> tensors) const {
+    std::size_t h = 1;
+    for (const at::Tensor* t : tensors) {
+      h = stamp_of(h, *t);
+      if (holding_state_ && t->defined()) held_state_.push_back(*t);
+    }
+    return h;
+  }
+
   /// Forgets the step plan: the next step validates and prepares every list
   /// from scratch (load() calls it).
   void forget_plan() {
@@ -777,6 +796,7 @@ class FusedOptimizer : public Base, public ScalerAware {
     plan_sparse_.clear();
     staged_grads_.clear();
     staged_params_.clear();
+    held_state_.clear();
   }
 
   /// In prepare_list: how to take back a change made to state that existed
@@ -840,8 +860,6 @@ class FusedOptimizer : public Base, public ScalerAware {
   template <class S>
   void prepare_master(const Entry& e, S& state) {
     const at::Tensor& followed = e.user_param();  // whose version counter the master follows
-    if (e.owner != nullptr)  // the write-back moves the parameter's version: the master stays in step with it
-      after_write_back_.emplace_back([&state, owner = e.owner] { state.master_version(owner->_version()); });
     if (!state.master().defined()) {
       refuse_under_capture(e, name(), "its fp32 master copy");
       undo_on_failure([&state] { state.master(at::Tensor()); });
@@ -884,7 +902,6 @@ class FusedOptimizer : public Base, public ScalerAware {
     std::vector<Launch> launches;
     undo_.clear();
     stale_masters_.clear();
-    after_write_back_.clear();
     PlanMatch match = PlanMatch::kChanged;
     bool skip_cpu = false;  // found_inf set on CPU: no CPU list runs
     // Anything that throws from here on forgets the plan (match_plan may
@@ -951,7 +968,6 @@ class FusedOptimizer : public Base, public ScalerAware {
       for (auto it = undo_.rbegin(); it != undo_.rend(); ++it) (*it)();
       undo_.clear();
       stale_masters_.clear();
-      after_write_back_.clear();
       forget_plan();
       throw;
     }
@@ -960,12 +976,16 @@ class FusedOptimizer : public Base, public ScalerAware {
     stale_masters_.clear();
     for (const Launch& launch : launches)
       if (launch) launch();
-    write_back_staged_params(staged_params_, !skip_cpu);
-    for (const auto& follow : after_write_back_) follow();
-    after_write_back_.clear();
     end_step(signals);
+    write_back_staged_params(staged_params_, !skip_cpu);
     if (match == PlanMatch::kChanged) {
       record_plan(*this, stamp, plan_keys_);
+      // What the plan's stamps compare by address stays alive while it holds.
+      held_state_.clear();
+      holding_state_ = true;
+      for (const auto& kept : this->state())
+        if (typeid(*kept.second) == typeid(State)) state_stamp(static_cast<const State&>(*kept.second));
+      holding_state_ = false;
       for (Entry& e : plan_entries_)
         if (e.state == nullptr) e.state = find_state(e.user_param());
     }
@@ -975,7 +995,6 @@ class FusedOptimizer : public Base, public ScalerAware {
 
   std::vector<std::function<void()>> undo_;
   std::vector<std::function<void()>> stale_masters_;  ///< the refreshes prepare_master asked for
-  std::vector<std::function<void()>> after_write_back_;  ///< master versions to move with staged parameters' write-back
   // The step plan (see the top of this file).
   bool plan_valid_ = false;
   PlanMatch last_match_ = PlanMatch::kChanged;
@@ -986,6 +1005,8 @@ class FusedOptimizer : public Base, public ScalerAware {
   std::vector<ListSlot> plan_slots_;
   std::deque<StagedGrad> staged_grads_;  ///< grads read through copies (see validate_params)
   std::deque<StagedParam> staged_params_;  ///< parameters with gaps, stepped through dense copies
+  mutable bool holding_state_ = false;          ///< stamp_tensors keeps references (while recording)
+  mutable std::vector<at::Tensor> held_state_;  ///< the state tensors the plan's stamps compare
 };
 
 }  // namespace ampfuse::sdk
