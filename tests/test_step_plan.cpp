@@ -208,6 +208,27 @@ TEST_P(StepPlanTest, ChangesUnderAPlanAreValidated) {
   }
 }
 
+// A plan compares state tensors by address and holds them meanwhile: a
+// state tensor dropped and another of the wrong size set in its place (which
+// the allocator could put at the same address were the first one freed) is
+// seen, validated and refused.
+TEST_P(StepPlanTest, AStateTensorDroppedAndReplacedIsValidatedAgain) {
+  auto p = param({64}, torch::kFloat);
+  ampfuse::FusedSGD opt({p}, torch::optim::SGDOptions(0.1).momentum(0.9));
+  for (int step = 0; step < 2; ++step) {
+    p.mutable_grad() = torch::randn_like(p);
+    opt.step();
+  }
+  auto& s = static_cast<ampfuse::FusedSGDParamState&>(*opt.state().at(p.unsafeGetTensorImpl()));
+  const at::TensorImpl* kept = s.momentum_buffer().unsafeGetTensorImpl();
+  s.momentum_buffer(torch::Tensor());
+  s.momentum_buffer(torch::zeros({3}, p.options()));
+  EXPECT_NE(s.momentum_buffer().unsafeGetTensorImpl(), kept) << "the plan no longer holds the dropped tensor";
+  const torch::Tensor before = p.detach().clone();
+  ampfuse_test::expect_step_refused(opt, "param group 0, param 0: state momentum_buffer has shape [3]");
+  EXPECT_TRUE(bitwise_equal(p.detach(), before));
+}
+
 // The scaler's check pass keeps its checked grads too: a grad replaced by a
 // new tensor holding an inf is still found, and the step is skipped.
 TEST_P(StepPlanTest, GradScalerSeesNewGrads) {
