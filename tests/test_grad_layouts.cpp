@@ -314,6 +314,37 @@ TEST_P(GradLayoutTest, ViewsWithGapsMatchTorchOptimAndShareItsCheckpoints) {
   std::remove(ref_path.c_str());
 }
 
+// A view with gaps re-pointed in place to another layout of the same
+// elements (set_data to its transpose: same storage, offset and numel) is
+// validated again under a plan (its state, laid out for the old strides, is
+// refused until replaced), and its copy and write-back follow the new strides.
+TEST_P(GradLayoutTest, AViewRePointedToAnotherLayoutIsPreparedAgain) {
+  auto w = torch::randn({8, 8}, torch::TensorOptions().device(device_));
+  auto p = w.slice(0, 0, 8, 2).slice(1, 0, 8, 2).requires_grad_();  // 4 x 4, strides [16, 2]
+  auto twin = p.detach().clone().requires_grad_();
+  ampfuse::FusedSGD opt({p}, torch::optim::SGDOptions(0.1).momentum(0.9));
+  ampfuse::FusedSGD twin_opt({twin}, torch::optim::SGDOptions(0.1).momentum(0.9));
+  for (int step = 0; step < 4; ++step) {
+    if (step == 2) {
+      p.set_data(p.detach().t());  // strides [2, 16]
+      twin.set_data(twin.detach().t().contiguous());
+      // Seen under the plan: validated again, and the momentum buffer, laid
+      // out for the old strides, refused.
+      ampfuse_test::expect_step_refused(opt, "strides [4, 1] but FusedSGD keeps it with shape [4, 4], dtype Float on");
+      auto& s = static_cast<ampfuse::FusedSGDParamState&>(*twin_opt.state().at(twin.unsafeGetTensorImpl()));
+      auto& ours = static_cast<ampfuse::FusedSGDParamState&>(*opt.state().at(p.unsafeGetTensorImpl()));
+      s.momentum_buffer(s.momentum_buffer().t().contiguous());
+      ours.momentum_buffer(ours.momentum_buffer().t());  // laid out as the view is now, as validation checks
+    }
+    const auto g = torch::randn_like(twin);
+    p.mutable_grad() = g.clone();
+    twin.mutable_grad() = g.clone();
+    opt.step();
+    twin_opt.step();
+    ASSERT_TRUE(bitwise_equal(p.detach(), twin.detach())) << "step " << step;
+  }
+}
+
 // Views that overlap are refused, naming them, and nothing is written: a
 // view overlapping itself (expanded), and two views with gaps sharing
 // elements. Interleaved views (even and odd columns of one matrix) do not

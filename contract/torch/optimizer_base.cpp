@@ -270,12 +270,13 @@ void check_no_shared_memory(const std::vector<Place>& places, const char* name) 
       end = std::max(end, extents[k++].end);
     // Dense against dense: their extents are their bytes.
     std::size_t furthest = extents.size();
-    std::vector<std::size_t> views;
+    std::vector<std::size_t> views, dense;
     for (std::size_t i = j; i < k; ++i) {
       if (!places[extents[i].place].param->is_non_overlapping_and_dense()) {
         views.push_back(i);
         continue;
       }
+      dense.push_back(i);
       if (furthest != extents.size() && extents[i].begin < extents[furthest].end)
         shared(extents[i].place, extents[furthest].place);
       if (furthest == extents.size() || extents[i].end > extents[furthest].end) furthest = i;
@@ -289,9 +290,10 @@ void check_no_shared_memory(const std::vector<Place>& places, const char* name) 
         addresses.push_back(element_addresses(*places[extents[i].place].param));
         owners.push_back(at::full({addresses.back().numel()}, static_cast<std::int64_t>(i), at::kLong));
       }
-      const auto [sorted, order] = at::sort(at::cat(addresses));
+      const auto [unsorted_order, order] = at::sort(at::cat(addresses));
+      const at::Tensor sorted = unsorted_order.contiguous();
       const at::Tensor owner = at::cat(owners).index_select(0, order).contiguous();
-      const std::int64_t* a = sorted.contiguous().const_data_ptr<std::int64_t>();
+      const std::int64_t* a = sorted.const_data_ptr<std::int64_t>();
       const std::int64_t* o = owner.const_data_ptr<std::int64_t>();
       const std::int64_t n = sorted.numel();
       const auto size_of = [&](std::int64_t e) {
@@ -301,8 +303,7 @@ void check_no_shared_memory(const std::vector<Place>& places, const char* name) 
         if (a[e + 1] < a[e] + size_of(e))
           shared(extents[static_cast<std::size_t>(o[e])].place, extents[static_cast<std::size_t>(o[e + 1])].place);
       // Views against dense parameters: any view element within a dense extent.
-      for (std::size_t i = j; i < k; ++i) {
-        if (std::find(views.begin(), views.end(), i) != views.end()) continue;
+      for (const std::size_t i : dense) {
         const auto lo = static_cast<std::int64_t>(extents[i].begin), hi = static_cast<std::int64_t>(extents[i].end);
         // The first element starting at or past lo - 8 (no element is wider), then those before hi.
         std::int64_t e = std::lower_bound(a, a + n, lo - 8) - a;
@@ -600,6 +601,14 @@ PlanParam plan_param(const at::Tensor& p, const torch::optim::Optimizer& opt, co
   k.numel = impl->numel();
   k.dtype = p.scalar_type();
   k.param_data = data_address(impl);
+  if (!impl->is_non_overlapping_and_dense()) {
+    // A staged parameter's copy and write-back follow its sizes and strides:
+    // a view re-pointed in place to another layout must be prepared again.
+    std::size_t h = 1;
+    for (const auto v : {impl->sizes(), impl->strides()})
+      for (const std::int64_t x : v) h = h * 0x9E3779B97F4A7C15ull + static_cast<std::size_t>(x);
+    k.layout = h;
+  }
   // A grad's TensorImpl alone could match a freed one's (a new grad
   // allocated where the last one was): its data address is compared too.
   const at::Tensor& g = p.grad();
@@ -694,6 +703,7 @@ PlanMatch match_plan(torch::optim::Optimizer& opt, const StateStamp& stamp, cons
       PlanParam& kept = keys.params[static_cast<std::size_t>(k)];
       const PlanParam now = plan_param(p, opt, stamp);
       if (now.param != kept.param || now.param_data != kept.param_data || now.numel != kept.numel ||
+          now.layout != kept.layout ||
           now.dtype != kept.dtype || now.state != kept.state || now.stamp != kept.stamp ||
           (now.state != nullptr && now.stamp == kNoStamp) ||
           (now.grad == nullptr) != (kept.grad == nullptr) || kept.grad_sparse ||

@@ -217,6 +217,7 @@ struct PlanParam {
   c10::ScalarType grad_dtype = c10::ScalarType::Undefined;
   const void* state = nullptr;  ///< its state object in state(); null without state
   std::size_t stamp = 0;        ///< StateStamp of that state
+  std::size_t layout = 0;       ///< 0 for a dense parameter; else a hash of its sizes and strides (staged)
   bool grad_staged = false;     ///< the grad is read through a StagedGrad
   bool grad_sparse = false;     ///< the grad is sparse (a plan with one is never reused)
 };
@@ -774,14 +775,15 @@ class FusedOptimizer : public Base, public ScalerAware {
   virtual std::size_t state_stamp(const State& /*state*/) const { return kNoStamp; }
 
   /// For state_stamp: stamp_of over each of `tensors` from seed 1, and, when
-  /// the step plan is recorded, a reference to each kept with the plan, so
-  /// that no state tensor it compares by address is freed (and another made
-  /// at that address) while it holds.
+  /// the step plan is recorded, a weak reference to each kept with the plan:
+  /// a state tensor dropped from the state frees its memory as before, but
+  /// its TensorImpl, whose address the plan compares, is not reused while
+  /// the plan holds.
   std::size_t stamp_tensors(std::initializer_list<const at::Tensor*> tensors) const {
     std::size_t h = 1;
     for (const at::Tensor* t : tensors) {
       h = stamp_of(h, *t);
-      if (holding_state_ && t->defined()) held_state_.push_back(*t);
+      if (holding_state_ && t->defined()) held_state_.emplace_back(t->getIntrusivePtr());
     }
     return h;
   }
@@ -982,10 +984,15 @@ class FusedOptimizer : public Base, public ScalerAware {
       record_plan(*this, stamp, plan_keys_);
       // What the plan's stamps compare by address stays alive while it holds.
       held_state_.clear();
-      holding_state_ = true;
-      for (const auto& kept : this->state())
-        if (typeid(*kept.second) == typeid(State)) state_stamp(static_cast<const State&>(*kept.second));
-      holding_state_ = false;
+      {
+        struct Holding {  // set while recording only: match_plan's threads never write held_state_
+          bool& flag;
+          explicit Holding(bool& f) : flag(f) { flag = true; }
+          ~Holding() { flag = false; }
+        } holding(holding_state_);
+        for (const auto& kept : this->state())
+          if (typeid(*kept.second) == typeid(State)) state_stamp(static_cast<const State&>(*kept.second));
+      }
       for (Entry& e : plan_entries_)
         if (e.state == nullptr) e.state = find_state(e.user_param());
     }
@@ -1006,7 +1013,9 @@ class FusedOptimizer : public Base, public ScalerAware {
   std::deque<StagedGrad> staged_grads_;  ///< grads read through copies (see validate_params)
   std::deque<StagedParam> staged_params_;  ///< parameters with gaps, stepped through dense copies
   mutable bool holding_state_ = false;          ///< stamp_tensors keeps references (while recording)
-  mutable std::vector<at::Tensor> held_state_;  ///< the state tensors the plan's stamps compare
+  /// The state tensors the plan's stamps compare (weakly: their memory is
+  /// freed when dropped, their TensorImpl's address is not reused).
+  mutable std::vector<c10::weak_intrusive_ptr<c10::TensorImpl>> held_state_;
 };
 
 }  // namespace ampfuse::sdk
