@@ -42,12 +42,18 @@ bool supported_dtype(c10::ScalarType t, bool float64) {
 
 }  // namespace
 
+// Whether t (a grad or a state tensor of p) is laid out as the kernels walk
+// p: p's strides when p is dense, else kernel_strides(p).
+bool in_kernel_layout(const at::Tensor& t, const at::Tensor& p) {
+  if (p.is_non_overlapping_and_dense()) return t.strides() == p.strides();
+  return t.strides() == c10::IntArrayRef(kernel_strides(p));
+}
+
 void check_state_tensor(const at::Tensor& s, const at::Tensor& p, c10::ScalarType dtype, const char* name,
                         const char* what, std::size_t g, std::size_t i) {
   if (!s.defined()) return;
   TORCH_CHECK(s.sizes() == p.sizes() && s.scalar_type() == dtype && s.device() == p.device() &&
-                  (p.is_non_overlapping_and_dense() ? s.strides() == p.strides()
-                                                    : s.strides() == c10::IntArrayRef(kernel_strides(p))),
+                  in_kernel_layout(s, p),
               name, ": param group ", g, ", param ", i, ": state ", what, " has shape ", s.sizes(), ", dtype ",
               s.scalar_type(), " on ", s.device(), ", strides ", s.strides(), " but ", name, " keeps it with shape ",
               p.sizes(), ", dtype ", dtype, " on ", p.device(), ", strides ", c10::IntArrayRef(kernel_strides(p)),
@@ -124,9 +130,7 @@ class ImplSet {
 // parameter's dense layout (other strides, or a view with gaps), read
 // through a copy in that layout.
 bool grad_needs_staging(const at::Tensor& p, const at::Tensor& grad) {
-  if (!grad.defined()) return false;
-  if (p.is_non_overlapping_and_dense()) return grad.strides() != p.strides();
-  return grad.strides() != c10::IntArrayRef(kernel_strides(p));
+  return grad.defined() && !in_kernel_layout(grad, p);
 }
 
 enum class GradKind { kNone, kInPlace, kStaged, kSparse };

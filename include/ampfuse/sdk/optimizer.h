@@ -117,10 +117,10 @@ constexpr std::size_t kNoStamp = 0;
 /// identity: one replaced (the state's setters, load(), state().clear()) is
 /// seen, one resized or re-pointed in place (resize_, set_) is not. A tensor
 /// made where a freed one was can have the same address, so whoever keeps a
-/// stamp must keep the tensors alive: FusedOptimizer::stamp_tensors (what a
-/// state_stamp override should call) folds with this and holds a reference
-/// to each tensor while the step plan holds. Start from seed 1; never
-/// kNoStamp.
+/// stamp must keep the TensorImpls from being reused:
+/// FusedOptimizer::stamp_tensors (what a state_stamp override should call)
+/// folds with this and holds a weak reference to each tensor while the step
+/// plan holds. Start from seed 1; never kNoStamp.
 inline std::size_t stamp_of(std::size_t seed, const at::Tensor& t) {
   std::size_t h = seed;
   auto fold = [&h](std::uintptr_t v) {
@@ -137,8 +137,9 @@ inline std::size_t stamp_of(std::size_t seed, const at::Tensor& t) {
 /// on CPU or CUDA, in one group only, that do not overlap themselves or each
 /// other (dense ones; with `staged_params`, strided views with gaps too),
 /// with a grad of the same dtype, device and shape laid out as the
-/// parameter's dense layout (kernel_strides; with `staged`, any layout). check_state is called for each parameter with
-/// a grad, to validate its existing state; it returns that state (null when
+/// parameter's dense layout (kernel_strides; with `staged`, any layout).
+/// check_state is called for each parameter with a grad, to validate its
+/// existing state; it returns that state (null when
 /// the parameter has none), kept in Entry::state. Throws c10::Error naming
 /// `name`, the group and the parameter: of several bad parameters, the first
 /// in group order. With many parameters the checks run on ATen's threads,
