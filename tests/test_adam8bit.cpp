@@ -231,6 +231,68 @@ TEST_P(Adam8, CodeIsTheStatedRuleBitForBit) {
   }
 }
 
+// Every 61st fp32 value in [0, 1] (from a seeded offset; 17.6 million), coded
+// in blocks whose absmax is 1 (so y is the value itself), against the rule:
+// the lanes find a value's code by its exponent field (a table lookup and
+// one addition, adam8_math.h's encode_step), so every binade and every
+// run's edge must come out as the rule says, on every instruction set.
+TEST_P(Adam8, CodeOfFloatsAcrossEveryBinadeIsTheRule) {
+  constexpr std::uint32_t kStride = 61, kOneBits = 0x3F800000u;
+  const std::uint32_t first = static_cast<std::uint32_t>(rng_() % kStride);
+  std::vector<float> x;  // blocks of 1.0 and 255 values, every other one negated
+  x.reserve(kOneBits / kStride / 255 * 256 + 512);
+  for (std::uint32_t bits = first; bits <= kOneBits; bits += kStride) {
+    if (x.size() % 256 == 0) x.push_back(1.0f);
+    float f;
+    std::memcpy(&f, &bits, 4);
+    x.push_back(x.size() % 2 == 0 ? -f : f);
+  }
+  while (x.size() % 256 != 0) x.push_back(0.0f);
+  for (Moment8 which : {Moment8::kExpAvg, Moment8::kExpAvgSq}) {
+    const RefMap& map = ref_map(which);
+    SCOPED_TRACE(map.is_signed ? "exp_avg (signed)" : "exp_avg_sq (unsigned)");
+    std::vector<float> in = x;
+    if (!map.is_signed)
+      for (float& f : in) f = std::fabs(f);
+    const RefCoded want = ref_quantize(in, map);
+    const auto codes = to_vector<std::uint8_t>(ampfuse::quantize_8bit(from_vector(in), which).codes);
+    std::size_t wrong = 0;
+    for (std::size_t i = 0; i < in.size(); ++i)
+      if (codes[i] != want.codes[i] && wrong++ < 10)
+        ADD_FAILURE() << "element " << i << " = " << in[i] << " (seed offset " << first << "): code " << int(codes[i])
+                      << ", the rule's " << int(want.codes[i]);
+    EXPECT_EQ(wrong, 0u) << "of " << in.size();
+  }
+}
+
+// encode_magnitude_by_addition (the lanes' formulation) is encode_magnitude,
+// on this host (which keeps subnormals), for every 7th fp32 value in [0, 1],
+// every tie, one ulp above 1 and NaN.
+TEST(Adam8Map, CodeByAdditionIsTheCodeBySearch) {
+  namespace f = ampfuse::fused;
+  std::size_t wrong = 0;
+  auto check = [&](std::uint32_t bits) {
+    float y;
+    std::memcpy(&y, &bits, 4);
+    const std::uint32_t s0 = f::encode_magnitude<f::SignedMap8>(y), s1 = f::encode_magnitude_by_addition<f::SignedMap8>(y);
+    const std::uint32_t u0 = f::encode_magnitude<f::UnsignedMap8>(y),
+                        u1 = f::encode_magnitude_by_addition<f::UnsignedMap8>(y);
+    if ((s0 != s1 || u0 != u1) && wrong++ < 10)
+      ADD_FAILURE() << "y bits 0x" << std::hex << bits << std::dec << ": signed " << s0 << " vs " << s1
+                    << ", unsigned " << u0 << " vs " << u1;
+  };
+  for (std::uint32_t bits = 0; bits <= 0x3F800000u; bits += 7) check(bits);
+  // Every tie of every binade for 0 to 5 mantissa bits, and its neighbours.
+  for (std::uint32_t e = 0; e < 127; ++e)
+    for (std::uint32_t m = 0; m <= 5; ++m)
+      for (std::uint32_t hi = 0; hi < (1u << m); ++hi) {
+        const std::uint32_t tie = (e << 23) | (hi << (23 - m)) | (1u << (22 - m));
+        for (std::uint32_t bits : {tie - 1, tie, tie + 1}) check(bits);
+      }
+  for (std::uint32_t bits : {0x3F800000u, 0x3F800001u, 0x7FC00000u, 0x7F800001u, 0x00000001u, 0x007FFFFFu}) check(bits);
+  EXPECT_EQ(wrong, 0u);
+}
+
 // The fp64 reference of one 8-bit step from the optimizer's own state: the
 // stored codes decoded, the update in fp64, the new moments coded by the
 // rule. The step must agree: parameters to fp32 rounding, absmax likewise,
