@@ -246,6 +246,15 @@ std::shared_ptr<ZeroOptimizer::Layout> ZeroOptimizer::build(std::vector<torch::o
                     " (tied or overlapping views): moving each into its bucket would untie them; pass the tied "
                     "tensor once");
       }
+      // Another tensor on this memory (the larger tensor a slice was taken
+      // from, or a view of the parameter) keeps today's values once the
+      // parameter moves: nothing to refuse (the parameter itself steps as
+      // it would in place), but worth saying.
+      if (p.numel() > 0 && p.has_storage() && p.storage().use_count() > 1)
+        TORCH_WARN(kWhere, name_of(place),
+                   " shares its memory with another tensor (it is a view of a larger tensor, or a view of it "
+                   "exists): it moves into its bucket, and that tensor keeps the values it has now and no longer "
+                   "follows the parameter");
       params.push_back(p);
       places.push_back(place);
     }

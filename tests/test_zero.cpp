@@ -554,6 +554,33 @@ TEST(ZeroOptimizer, ParametersWithoutGradsOnEveryRank) {
   }
 }
 
+// A parameter that is a view of a larger tensor (every other column) steps
+// as it would in place, and the warning says that the larger tensor no
+// longer follows it once it has moved into its bucket; a parameter that
+// shares its memory with nothing is moved without a word.
+TEST(ZeroOptimizer, AViewOfALargerTensorStepsAndIsToldToLeaveIt) {
+  struct Collect : c10::WarningHandler {
+    std::vector<std::string> messages;
+    void process(const c10::Warning& w) override { messages.push_back(w.msg()); }
+  };
+  on_ranks(2, [&](int, const Group& pg) {
+    Collect warnings;
+    const c10::WarningUtils::WarningHandlerGuard guard(&warnings);
+    auto base = torch::zeros({4, 10});
+    auto view = base.slice(1, 0, 10, 2).requires_grad_();
+    auto own = torch::zeros({6}).requires_grad_();
+    auto opt = ZeroOptimizer::make<ampfuse::FusedSGD>({own, view}, torch::optim::SGDOptions(0.5), pg);
+    ASSERT_EQ(warnings.messages.size(), 1u);
+    EXPECT_THAT(warnings.messages[0], ::testing::HasSubstr("group 0, parameter 1 shares its memory with another tensor"));
+    view.mutable_grad() = torch::ones({4, 5});
+    own.mutable_grad() = torch::ones({6});
+    opt->step();
+    EXPECT_TRUE(bitwise_equal(view.detach(), torch::full({4, 5}, -0.5f)));
+    EXPECT_TRUE(bitwise_equal(own.detach(), torch::full({6}, -0.5f)));
+    EXPECT_TRUE(bitwise_equal(base, torch::zeros({4, 10})));  // as the warning says
+  });
+}
+
 // Gathering the parameters moves their bits (broadcast or all-gather,
 // never a sum), so -0.0 and NaN payloads come back as they were.
 TEST(ZeroOptimizer, GatherKeepsEveryBit) {
