@@ -234,7 +234,7 @@ TEST_P(Adam8, CodeIsTheStatedRuleBitForBit) {
 // Every 61st fp32 value in [0, 1] (from a seeded offset; 17.6 million), coded
 // in blocks whose absmax is 1 (so y is the value itself), against the rule:
 // the lanes find a value's code by its exponent field (a table lookup and
-// one addition, adam8_math.h's encode_step), so every binade and every
+// one addition, adam8_math.h's encode_addend_bits), so every binade and every
 // run's edge must come out as the rule says, on every instruction set.
 TEST_P(Adam8, CodeOfFloatsAcrossEveryBinadeIsTheRule) {
   constexpr std::uint32_t kStride = 61, kOneBits = 0x3F800000u;

@@ -142,49 +142,43 @@ AMPFUSE_HOST_DEVICE float decode_magnitude(std::uint32_t code) {
 
 /// encode_magnitude by one fp32 addition, as the CPU kernels compute it
 /// (a table lookup by y's exponent field instead of a search of the runs).
-/// For y in a binade whose codes are 2^k apart, C = 1.5 * 2^(k + 23) has
-/// ulp 2^k, and y < 2^(k + 7) is far below it, so y + C lies in C's binade
-/// and is y rounded to a multiple of 2^k, to nearest even (the carry into
-/// the next binade included): bits(y + C) - bits(C) = round(y / 2^k). The
-/// binade's codes are linear in that, so code = bits(y + C) - K with K
-/// from the binade too, and even, so that ties go to the even code. Below
-/// the lowest run, 2^k is the smallest value: y rounds to 0 or to it (ties
-/// to 0), as the rule says.
-/// Exponent fields 128 and above occur only for NaN, which takes the top
-/// binade's C and K and codes far above kOne, clamped to it as the rule
-/// does. The unsigned map's "a nonzero y never codes 0" is applied after.
-struct EncodeStep8 {
-  std::uint32_t c_bits;  ///< the fp32 bits of C
-  std::uint32_t k;       ///< code = bits(y + C) - k, before the clamp to kOne
-};
+/// In a binade whose codes are 2^k apart, the code of y is round(y / 2^k)
+/// + D, D fixed for the binade (0 <= D < 2^10). C = (1.5 + D * 2^-23) *
+/// 2^(k + 23) has ulp 2^k and every number of its binade is a multiple of
+/// 2^k; y < 2^(k + 7) is far below C, so y + C lies in C's binade and is y
+/// rounded to a multiple of 2^k, to nearest (the carry into the next binade
+/// included): bits(y + C) = bits(C) + round(y / 2^k). With D in C's low 10
+/// bits, code = bits(y + C) - (bits(C) with those bits cleared), and at a
+/// tie that is even, because round to nearest even makes bits(y + C) even:
+/// ties go to the even code, as the rule says. Below the lowest run, 2^k is
+/// the smallest value and D = 0: y rounds to 0 or to it, ties to 0.
+/// Exponent fields above 127 occur only for NaN, which takes the top
+/// binade's C and codes far above kOne, clamped to it as the rule does.
+/// The unsigned map's "a nonzero y never codes 0" is applied after.
+constexpr std::uint32_t kAddendCodeBits = 0x3FFu;  ///< C's low bits that hold D
+
 template <class Map>
-AMPFUSE_HOST_DEVICE constexpr EncodeStep8 encode_step(std::uint32_t exponent_field) {
-  if (exponent_field < Map::kElo3) {
-    const std::uint32_t c = ((Map::kElo3 + 23u) << 23) | 0x400000u;  // 2^k: the smallest value
-    return {c, c};
-  }
+AMPFUSE_HOST_DEVICE constexpr std::uint32_t encode_addend_bits(std::uint32_t exponent_field) {
+  if (exponent_field < Map::kElo3) return ((Map::kElo3 + 23u) << 23) | 0x400000u;  // 2^k: the smallest value
   const std::uint32_t e = exponent_field > 127u ? 127u : exponent_field;
   const bool r0 = e >= Map::kElo0, r1 = e >= Map::kElo1, r2 = e >= Map::kElo2;
   const std::uint32_t m = 23u - (r0 ? Map::kShift0 : r1 ? Map::kShift1 : r2 ? Map::kShift2 : Map::kShift3);
   const std::uint32_t elo = r0 ? Map::kElo0 : r1 ? Map::kElo1 : r2 ? Map::kElo2 : Map::kElo3;
   const std::uint32_t base = r0 ? Map::kBase0 : r1 ? Map::kBase1 : r2 ? Map::kBase2 : Map::kBase3;
-  const std::uint32_t c = ((e + 23u - m) << 23) | 0x400000u;  // 2^k = 2^(e - 127 - m)
-  // round(y / 2^k) runs from 2^m (y at the binade's bottom) to 2^(m + 1).
-  const std::uint32_t k = c - (base + ((e - elo) << m)) + (1u << m);
-  // A tie rounds y + C to even bits, which is the even code when k is
-  // even. In a run of 0 mantissa bits k's parity changes with the binade;
-  // where it is odd, C one ulp up (y + C stays in C's binade) moves the
-  // ties to the other side and leaves every other code as it was.
-  return k % 2 == 0 ? EncodeStep8{c, k} : EncodeStep8{c + 1u, k + 1u};
+  // round(y / 2^k) runs from 2^m (y at the binade's bottom) to 2^(m + 1);
+  // D is below kOne (e = 127 is y >= 1, which clamps to kOne).
+  const std::uint32_t d = base + ((e - elo) << m) - (1u << m);
+  return ((e + 23u - m) << 23) | 0x400000u | d;  // 2^k = 2^(e - 127 - m)
 }
 
-/// encode_magnitude through encode_step (what the CPU lanes compute), for
-/// y as encode_magnitude takes it, on a processor that keeps subnormals.
+/// encode_magnitude through encode_addend_bits (what the CPU lanes
+/// compute), for y as encode_magnitude takes it, on a processor that keeps
+/// subnormals.
 template <class Map>
 AMPFUSE_HOST_DEVICE std::uint32_t encode_magnitude_by_addition(float y) {
   const std::uint32_t bits = quant_float_bits(y);
-  const EncodeStep8 st = encode_step<Map>(bits >> 23);
-  std::uint32_t code = quant_float_bits(y + quant_bits_float(st.c_bits)) - st.k;
+  const std::uint32_t c = encode_addend_bits<Map>(bits >> 23);
+  std::uint32_t code = quant_float_bits(y + quant_bits_float(c)) - (c & ~kAddendCodeBits);
   if (code > Map::kOne) code = Map::kOne;
   if (!Map::kSignedMap && code == 0 && bits != 0) code = 1;
   return code;
