@@ -8,6 +8,7 @@
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
+#include <c10/util/StringUtil.h>
 #include <torch/serialize/archive.h>
 
 #include <algorithm>
@@ -215,6 +216,7 @@ std::shared_ptr<ZeroOptimizer::Layout> ZeroOptimizer::build(std::vector<torch::o
   // Validate every parameter before anything moves.
   std::vector<std::vector<at::Tensor>> groups;
   std::vector<Place> places;
+  std::vector<std::string> sharing;  // parameters whose memory another tensor holds too
   std::vector<at::Tensor>& params = layout->params;
   for (std::size_t g = 0; g < param_groups.size(); ++g) {
     groups.push_back(param_groups[g].params());
@@ -249,12 +251,8 @@ std::shared_ptr<ZeroOptimizer::Layout> ZeroOptimizer::build(std::vector<torch::o
       // Another tensor on this memory (the larger tensor a slice was taken
       // from, or a view of the parameter) keeps today's values once the
       // parameter moves: nothing to refuse (the parameter itself steps as
-      // it would in place), but worth saying.
-      if (p.numel() > 0 && p.has_storage() && p.storage().use_count() > 1)
-        TORCH_WARN(kWhere, name_of(place),
-                   " shares its memory with another tensor (it is a view of a larger tensor, or a view of it "
-                   "exists): it moves into its bucket, and that tensor keeps the values it has now and no longer "
-                   "follows the parameter");
+      // it would in place), but worth saying once everything has passed.
+      if (p.numel() > 0 && p.has_storage() && p.storage().use_count() > 1) sharing.push_back(name_of(place));
       params.push_back(p);
       places.push_back(place);
     }
@@ -356,6 +354,11 @@ std::shared_ptr<ZeroOptimizer::Layout> ZeroOptimizer::build(std::vector<torch::o
   }
   // Nothing can fail from here: each parameter becomes a view of its bucket
   // (same TensorImpl, autograd identity and version counter).
+  if (!sharing.empty())
+    TORCH_WARN(kWhere, c10::Join(", ", sharing), sharing.size() == 1 ? " shares its" : " share their",
+               " memory with another tensor (a view of a larger tensor, or one of which a view exists, or one "
+               "that autograd keeps): moved into its bucket, a parameter steps as it would in place, but that "
+               "tensor keeps the values it has now and no longer follows the parameter");
   for (Bucket& b : layout->buckets)
     for (std::size_t m = 0; m < b.members.size(); ++m) params[b.members[m]].set_data(b.param_views[m]);
   return layout;

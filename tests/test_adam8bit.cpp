@@ -267,7 +267,7 @@ TEST_P(Adam8, CodeOfFloatsAcrossEveryBinadeIsTheRule) {
 
 // encode_magnitude_by_addition (the lanes' formulation) is encode_magnitude,
 // on this host (which keeps subnormals), for every 7th fp32 value in [0, 1],
-// every tie, one ulp above 1 and NaN.
+// every tie, every binade's edges, one ulp above 1, inf and NaN.
 TEST(Adam8Map, CodeByAdditionIsTheCodeBySearch) {
   namespace f = ampfuse::fused;
   std::size_t wrong = 0;
@@ -289,7 +289,10 @@ TEST(Adam8Map, CodeByAdditionIsTheCodeBySearch) {
         const std::uint32_t tie = (e << 23) | (hi << (23 - m)) | (1u << (22 - m));
         for (std::uint32_t bits : {tie - 1, tie, tie + 1}) check(bits);
       }
-  for (std::uint32_t bits : {0x3F800000u, 0x3F800001u, 0x7FC00000u, 0x7F800001u, 0x00000001u, 0x007FFFFFu}) check(bits);
+  // Every binade's edges, and what lies above 1.
+  for (std::uint32_t e = 1; e <= 128; ++e)
+    for (std::uint32_t bits : {(e << 23) - 1, e << 23, (e << 23) + 1}) check(bits);
+  for (std::uint32_t bits : {0x3F800001u, 0x7F800000u, 0x7FC00000u, 0x7F800001u, 0xFFC00000u, 0x00000001u}) check(bits);
   EXPECT_EQ(wrong, 0u);
 }
 
