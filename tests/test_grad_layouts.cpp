@@ -411,6 +411,71 @@ TEST_P(GradLayoutTest, OverlappingViewsAreRefusedAndInterleavedOnesTaken) {
   EXPECT_TRUE(bitwise_equal(base.slice(1, 6, 7), before.slice(1, 6, 7))) << "column 6 belongs to no parameter";
 }
 
+// Random boxes (and some strided slices) of one 2-d or 3-d tensor, two to
+// four per case, against a count of the elements they share: the optimizer
+// refuses exactly the cases where two share one, naming two that do, and
+// steps the rest. Boxes of step 1 are decided by their strides and offsets
+// (compare_on_one_lattice), the others element by element.
+TEST(ParamOverlap, BoxesOfOneTensorAreRefusedExactlyWhenTheyShareAnElement) {
+  const auto seed = ampfuse_test::seed_for_test();
+  std::mt19937_64 rng(seed);
+  auto pick = [&](std::int64_t lo, std::int64_t hi) {  // uniform in [lo, hi]
+    return std::uniform_int_distribution<std::int64_t>(lo, hi)(rng);
+  };
+  int refused = 0, taken = 0;
+  for (int c = 0; c < 300; ++c) {
+    const bool three = pick(0, 1) == 1;
+    const std::vector<std::int64_t> shape = three ? std::vector<std::int64_t>{pick(2, 5), pick(2, 6), pick(4, 12)}
+                                                  : std::vector<std::int64_t>{pick(2, 8), pick(4, 24)};
+    auto base = torch::zeros(shape);
+    std::vector<torch::Tensor> views;
+    const int count = static_cast<int>(pick(2, 4));
+    for (int v = 0; v < count; ++v) {
+      torch::Tensor t = base;
+      for (std::int64_t d = 0; d < base.dim(); ++d) {
+        const std::int64_t n = shape[static_cast<std::size_t>(d)];
+        // Mostly narrow in the last dimension, so that the box has gaps.
+        const std::int64_t begin = pick(0, n - 1), end = d + 1 == base.dim() ? pick(begin + 1, std::min(n, begin + n / 2))
+                                                                               : pick(begin + 1, n);
+        const std::int64_t step = pick(0, 5) == 0 ? 2 : 1;
+        t = t.slice(d, begin, end, step);
+      }
+      views.push_back(t);
+    }
+    // The truth: element offsets counted per view.
+    std::vector<int> owner(static_cast<std::size_t>(base.numel()), -1);
+    bool shares = false;
+    for (int v = 0; v < count; ++v) {
+      const auto offsets = torch::arange(base.numel())
+                               .as_strided(views[v].sizes(), views[v].strides(), views[v].storage_offset())
+                               .contiguous();
+      const std::int64_t* first = offsets.data_ptr<std::int64_t>();
+      for (std::int64_t e : std::vector<std::int64_t>(first, first + offsets.numel())) {
+        if (owner[static_cast<std::size_t>(e)] >= 0 && owner[static_cast<std::size_t>(e)] != v) shares = true;
+        owner[static_cast<std::size_t>(e)] = v;
+      }
+    }
+    std::vector<torch::Tensor> params;
+    for (auto& t : views) {
+      params.push_back(t.requires_grad_());
+      params.back().mutable_grad() = torch::ones_like(t);
+    }
+    ampfuse::FusedSGD opt(params, torch::optim::SGDOptions(1.0));
+    SCOPED_TRACE("case " + std::to_string(c) + " (seed " + std::to_string(seed) + ")");
+    const std::string error = ampfuse_test::error_of([&] { opt.step(); });
+    if (shares) {
+      ++refused;
+      EXPECT_THAT(error, ::testing::HasSubstr("shares memory with param group 0"));
+    } else {
+      ++taken;
+      EXPECT_EQ(error, "(no error)");
+    }
+  }
+  std::cout << "[ overlap  ] " << refused << " cases refused, " << taken << " taken" << std::endl;
+  EXPECT_GT(refused, 20);
+  EXPECT_GT(taken, 20);
+}
+
 INSTANTIATE_TEST_SUITE_P(All, GradLayoutTest,
                          ::testing::Values(LayoutCase{"cpu", "avx512"}, LayoutCase{"cpu", "avx2"},
                                            LayoutCase{"cpu", "baseline"}, LayoutCase{"cuda", ""}),

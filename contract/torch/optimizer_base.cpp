@@ -14,6 +14,7 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <functional>
 #include <atomic>
 #include <cstdint>
 #include <exception>
@@ -223,6 +224,89 @@ bool strides_never_overlap(const at::Tensor& t) {
   return true;
 }
 
+// Floor and ceiling of a / b for b > 0.
+std::int64_t floor_div(std::int64_t a, std::int64_t b) { return a >= 0 ? a / b : -((-a + b - 1) / b); }
+std::int64_t ceil_div(std::int64_t a, std::int64_t b) { return -floor_div(-a, b); }
+
+// Whether views with gaps share an element, decided from their strides and
+// offsets alone where that is exact, so that the column or row blocks of a
+// large matrix are not compared element by element. It is exact when the
+// views have one element size, per stride at most one dimension of more
+// than one element, and offsets that are whole elements apart: element x of
+// view A meets element y of view B when the sum over the strides s_d of
+// (i_d - j_d) s_d is B's offset minus A's. Taken from the largest stride
+// down, each stride s_d leaves a residue that the smaller strides must
+// reach; when s_d exceeds the whole span those can cover (both views'
+// sizes), at most one step count fits, so one pass decides; a stride that
+// does not, or a view that overlaps itself, leaves the answer to the
+// element-by-element comparison (kUnknown). O(dims) per pair, for up to
+// kMaxLatticeViews views.
+struct LatticeVerdict {
+  enum Kind { kUnknown, kDisjoint, kShared } kind = kUnknown;
+  std::size_t a = 0, b = 0;  ///< kShared: two views (indices into the list) that share an element
+};
+constexpr std::size_t kMaxLatticeViews = 256;
+
+LatticeVerdict compare_on_one_lattice(const std::vector<const at::Tensor*>& views) {
+  if (views.size() < 2 || views.size() > kMaxLatticeViews) return {};
+  const auto item = static_cast<std::int64_t>(views[0]->itemsize());
+  std::vector<std::int64_t> strides;  // every stride of a dimension of more than one element, largest first
+  for (const at::Tensor* t : views) {
+    if (static_cast<std::int64_t>(t->itemsize()) != item || !strides_never_overlap(*t)) return {};
+    for (std::int64_t d = 0; d < t->dim(); ++d)
+      if (t->size(d) > 1) strides.push_back(t->stride(d));
+  }
+  std::sort(strides.begin(), strides.end(), std::greater<>());
+  strides.erase(std::unique(strides.begin(), strides.end()), strides.end());
+  const std::size_t nd = strides.size();
+  std::vector<std::int64_t> sizes(views.size() * nd, 1), offsets(views.size());
+  const auto origin = reinterpret_cast<std::intptr_t>(views[0]->const_data_ptr());
+  for (std::size_t v = 0; v < views.size(); ++v) {
+    const at::Tensor& t = *views[v];
+    const std::int64_t bytes = reinterpret_cast<std::intptr_t>(t.const_data_ptr()) - origin;
+    if (bytes % item != 0) return {};
+    offsets[v] = bytes / item;
+    for (std::int64_t d = 0; d < t.dim(); ++d) {
+      if (t.size(d) == 1) continue;
+      const auto at = static_cast<std::size_t>(std::find(strides.begin(), strides.end(), t.stride(d)) - strides.begin());
+      if (sizes[v * nd + at] != 1) return {};  // two dimensions of one stride
+      sizes[v * nd + at] = t.size(d);
+    }
+  }
+  std::vector<std::int64_t> reach_a(nd + 1), reach_b(nd + 1);  // what the strides below d reach, up and down
+  bool unknown = false;
+  for (std::size_t x = 0; x < views.size() && !unknown; ++x)
+    for (std::size_t y = x + 1; y < views.size() && !unknown; ++y) {
+      const std::int64_t* na = &sizes[x * nd];
+      const std::int64_t* nb = &sizes[y * nd];
+      reach_a[nd] = reach_b[nd] = 0;
+      for (std::size_t d = nd; d-- > 0;) {
+        reach_a[d] = reach_a[d + 1] + (na[d] - 1) * strides[d];
+        reach_b[d] = reach_b[d + 1] + (nb[d] - 1) * strides[d];
+      }
+      // Steps k_d = i_d - j_d in [-(nb_d - 1), na_d - 1] with sum k_d s_d = r.
+      std::int64_t r = offsets[y] - offsets[x];
+      bool met = true;
+      for (std::size_t d = 0; d < nd; ++d) {
+        const std::int64_t s = strides[d], up = reach_a[d + 1], down = reach_b[d + 1];
+        const std::int64_t lo = std::max(ceil_div(r - up, s), -(nb[d] - 1));
+        const std::int64_t hi = std::min(floor_div(r + down, s), na[d] - 1);
+        if (lo > hi) {
+          met = false;  // no step count of this stride leaves a residue the rest can reach
+          break;
+        }
+        if (lo < hi) {
+          unknown = true;  // two could: this pair needs the element-by-element comparison
+          break;
+        }
+        r -= lo * s;
+      }
+      if (!unknown && met && r == 0) return {LatticeVerdict::kShared, x, y};
+    }
+  if (unknown) return {};
+  return {LatticeVerdict::kDisjoint};
+}
+
 // Parameters whose memory overlaps (views of one tensor, or tensors made
 // over one buffer) would be written by two threads or blocks of a step at
 // once, and twice per step: refused, naming both; and a parameter whose
@@ -233,7 +317,8 @@ bool strides_never_overlap(const at::Tensor& t) {
 // parameter covers its extent, so two dense ones overlap when their extents
 // meet; views with gaps are compared element by element, their element
 // addresses sorted once per cluster (interleaved views, such as the even and
-// odd columns of one matrix, or the column blocks of one, do not overlap).
+// odd columns of one matrix, or the column blocks of one, do not overlap),
+// unless their strides and offsets decide it (compare_on_one_lattice).
 void check_no_shared_memory(const std::vector<Place>& places, const char* name) {
   struct Extent {
     c10::Device device;
@@ -286,6 +371,14 @@ void check_no_shared_memory(const std::vector<Place>& places, const char* name) 
       if (furthest == extents.size() || extents[i].end > extents[furthest].end) furthest = i;
     }
     if (views.size() == 1 && k - j == 1 && strides_never_overlap(*places[extents[j].place].param)) views.clear();
+    if (dense.empty() && views.size() > 1) {
+      // Views on one lattice (the column blocks of one matrix): by their strides.
+      std::vector<const at::Tensor*> tensors;
+      for (const std::size_t i : views) tensors.push_back(places[extents[i].place].param);
+      const LatticeVerdict verdict = compare_on_one_lattice(tensors);
+      if (verdict.kind == LatticeVerdict::kShared) shared(extents[views[verdict.a]].place, extents[views[verdict.b]].place);
+      if (verdict.kind == LatticeVerdict::kDisjoint) views.clear();
+    }
     if (!views.empty()) {
       // Every element of the cluster's views, by address: an element that
       // ends past the next one's start shares memory with it.
