@@ -9,6 +9,8 @@
 
 #include <functional>
 #include <limits>
+#include <regex>
+#include <set>
 
 #include "tests/common.h"
 
@@ -414,8 +416,9 @@ TEST_P(GradLayoutTest, OverlappingViewsAreRefusedAndInterleavedOnesTaken) {
 // Random boxes (and some strided slices) of one 2-d or 3-d tensor, two to
 // four per case, against a count of the elements they share: the optimizer
 // refuses exactly the cases where two share one, naming two that do, and
-// steps the rest. Boxes of step 1 are decided by their strides and offsets
-// (compare_on_one_lattice), the others element by element.
+// steps the rest. Clusters of views only are mostly decided by their
+// strides and offsets (compare_on_one_lattice), the others element by
+// element.
 TEST(ParamOverlap, BoxesOfOneTensorAreRefusedExactlyWhenTheyShareAnElement) {
   const auto seed = ampfuse_test::seed_for_test();
   std::mt19937_64 rng(seed);
@@ -444,6 +447,7 @@ TEST(ParamOverlap, BoxesOfOneTensorAreRefusedExactlyWhenTheyShareAnElement) {
     }
     // The truth: element offsets counted per view.
     std::vector<int> owner(static_cast<std::size_t>(base.numel()), -1);
+    std::vector<std::set<std::int64_t>> elements(static_cast<std::size_t>(count));
     bool shares = false;
     for (int v = 0; v < count; ++v) {
       const auto offsets = torch::arange(base.numel())
@@ -451,6 +455,7 @@ TEST(ParamOverlap, BoxesOfOneTensorAreRefusedExactlyWhenTheyShareAnElement) {
                                .contiguous();
       const std::int64_t* first = offsets.data_ptr<std::int64_t>();
       for (std::int64_t e : std::vector<std::int64_t>(first, first + offsets.numel())) {
+        elements[static_cast<std::size_t>(v)].insert(e);
         if (owner[static_cast<std::size_t>(e)] >= 0 && owner[static_cast<std::size_t>(e)] != v) shares = true;
         owner[static_cast<std::size_t>(e)] = v;
       }
@@ -466,6 +471,13 @@ TEST(ParamOverlap, BoxesOfOneTensorAreRefusedExactlyWhenTheyShareAnElement) {
     if (shares) {
       ++refused;
       EXPECT_THAT(error, ::testing::HasSubstr("shares memory with param group 0"));
+      // The two it names share an element.
+      std::smatch named;
+      ASSERT_TRUE(std::regex_search(error, named, std::regex("param (\\d+) shares memory with param group 0, param (\\d+)")))
+          << error;
+      const auto& x = elements.at(std::stoul(named[1].str()));
+      const auto& y = elements.at(std::stoul(named[2].str()));
+      EXPECT_TRUE(std::any_of(x.begin(), x.end(), [&](std::int64_t e) { return y.count(e) != 0; })) << error;
     } else {
       ++taken;
       EXPECT_EQ(error, "(no error)");

@@ -235,10 +235,11 @@ std::int64_t ceil_div(std::int64_t a, std::int64_t b) { return -floor_div(-a, b)
 // than one element, and offsets that are whole elements apart: element x of
 // view A meets element y of view B when the sum over the strides s_d of
 // (i_d - j_d) s_d is B's offset minus A's. Taken from the largest stride
-// down, each stride s_d leaves a residue that the smaller strides must
-// reach; when s_d exceeds the whole span those can cover (both views'
-// sizes), at most one step count fits, so one pass decides; a stride that
-// does not, or a view that overlaps itself, leaves the answer to the
+// down, each stride s_d must leave a residue that the smaller strides can
+// reach (both views' sizes): the step counts i_d - j_d that do form an
+// interval. None: the two share nothing. One: it is the only candidate, and
+// the pass goes on. More (possible only where s_d does not exceed the span
+// below it), or a view that overlaps itself: the answer is left to the
 // element-by-element comparison (kUnknown). O(dims) per pair, for up to
 // kMaxLatticeViews views.
 struct LatticeVerdict {
