@@ -2,7 +2,9 @@
 // _amp_foreach_non_finite_check_and_unscale_), on every compiled CPU
 // instruction set and on CUDA (skipped without a device).
 
+#include <ampfuse/fused_adam.h>
 #include <ampfuse/tensor_ops.h>
+#include <sys/mman.h>
 
 #include <cmath>
 #include <limits>
@@ -344,6 +346,76 @@ TEST_P(EngineOps, MixedDtypesInOneList) {
   EXPECT_EQ(found_inf.item<float>(), 0.f);
   const float r = reference_sum_sq(list);
   EXPECT_NEAR(sum_sq.item<float>(), r, 1e-6 * r);
+}
+
+// A tensor whose last byte is the last one before an unmapped page: a tail
+// (the elements after the last whole block) that read or wrote one byte past
+// the tensor would fault. Two such pages hold a parameter and its grad.
+class GuardedPages {
+ public:
+  GuardedPages() {
+    page_ = static_cast<std::size_t>(::sysconf(_SC_PAGESIZE));
+    base_ = ::mmap(nullptr, 4 * page_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (base_ == MAP_FAILED) base_ = nullptr;
+    if (base_ != nullptr) {
+      ::mprotect(static_cast<char*>(base_) + page_, page_, PROT_NONE);
+      ::mprotect(static_cast<char*>(base_) + 3 * page_, page_, PROT_NONE);
+    }
+  }
+  ~GuardedPages() {
+    if (base_ != nullptr) ::munmap(base_, 4 * page_);
+  }
+  GuardedPages(const GuardedPages&) = delete;
+  GuardedPages& operator=(const GuardedPages&) = delete;
+  bool ok() const { return base_ != nullptr; }
+  /// `like`'s values in a tensor ending at guarded page `which` (0 or 1).
+  torch::Tensor ending_at_guard(const torch::Tensor& like, int which) const {
+    const std::size_t bytes = static_cast<std::size_t>(like.numel()) * like.element_size();
+    char* end = static_cast<char*>(base_) + (2 * which + 1) * page_;
+    auto t = torch::from_blob(end - bytes, like.sizes(), like.options());
+    t.copy_(like);
+    return t;
+  }
+
+ private:
+  void* base_ = nullptr;
+  std::size_t page_ = 0;
+};
+
+TEST_P(EngineOps, TailsEndingAtAnUnmappedPageTouchOnlyTheirBytes) {
+  if (device_.is_cuda()) GTEST_SKIP() << "CPU tails only";
+  GuardedPages pages;
+  ASSERT_TRUE(pages.ok()) << "mmap failed";
+  // Every tail length of every block width (8 and 16 lanes), alone and after whole blocks.
+  for (std::int64_t n = 1; n <= 40; ++n) {
+    SCOPED_TRACE("numel " + std::to_string(n));
+    const auto values = torch::randn({n}, opts());
+    auto guarded = pages.ending_at_guard(values, 0);
+    auto plain = values.clone();
+    auto found = scalar(0.f), plain_found = scalar(0.f);
+    ampfuse::unscale_(std::vector<torch::Tensor>{guarded}, found, scalar(0.5f));
+    ampfuse::unscale_(std::vector<torch::Tensor>{plain}, plain_found, scalar(0.5f));
+    ASSERT_TRUE(bitwise_equal(guarded, plain));
+    auto sum_sq = scalar(0.f), plain_sum_sq = scalar(0.f);
+    ampfuse::check_non_finite(std::vector<torch::Tensor>{guarded}, found, sum_sq);
+    ampfuse::check_non_finite(std::vector<torch::Tensor>{plain}, plain_found, plain_sum_sq);
+    ASSERT_EQ(found.item<float>(), 0.f);
+    ASSERT_EQ(sum_sq.item<float>(), plain_sum_sq.item<float>());
+
+    // Adam reads the grad and writes the parameter and both moments through tails.
+    auto p = guarded.detach().requires_grad_();
+    auto q = plain.detach().clone().requires_grad_();
+    const auto grad = torch::randn({n}, opts());
+    p.mutable_grad() = pages.ending_at_guard(grad, 1);
+    q.mutable_grad() = grad.clone();
+    ampfuse::FusedAdam ours({p}, torch::optim::AdamOptions(1e-2)), twin({q}, torch::optim::AdamOptions(1e-2));
+    for (int step = 0; step < 2; ++step) {
+      ours.step();
+      twin.step();
+    }
+    ASSERT_TRUE(bitwise_equal(p.detach(), q.detach()));
+    ASSERT_TRUE(bitwise_equal(p.grad(), q.grad()));
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(All, EngineOps, ::testing::ValuesIn(engine_cases()), case_name);

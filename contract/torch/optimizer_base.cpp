@@ -699,6 +699,8 @@ PlanParam plan_param(const at::Tensor& p, const torch::optim::Optimizer& opt, co
   k.numel = impl->numel();
   k.dtype = p.scalar_type();
   k.param_data = data_address(impl);
+  k.hints[0] = impl->unsafe_storage().unsafeGetStorageImpl();
+  k.hints[1] = impl->autograd_meta();
   if (!impl->is_non_overlapping_and_dense()) {
     // A staged parameter's copy and write-back follow its sizes and strides:
     // a view re-pointed in place to another layout must be prepared again.
@@ -713,16 +715,37 @@ PlanParam plan_param(const at::Tensor& p, const torch::optim::Optimizer& opt, co
   if (g.defined()) {
     k.grad = g.unsafeGetTensorImpl();
     k.grad_data = data_address(k.grad);
+    k.hints[2] = k.grad->unsafe_storage().unsafeGetStorageImpl();
     k.grad_numel = k.grad->numel();
     k.grad_dtype = g.scalar_type();
   }
   const auto& states = opt.state();
   const auto it = states.find(const_cast<c10::TensorImpl*>(impl));
   if (it != states.end()) {
+    k.hints[3] = &*it;
     k.state = it->second.get();
     k.stamp = stamp(*it->second);
   }
   return k;
+}
+
+// How many parameters ahead of the one it compares match_plan prefetches
+// the objects that the last match read. Each is a pointer chase (TensorImpl,
+// then its storage; autograd metadata, then the grad's TensorImpl, then its
+// storage), and with thousands of parameters every link misses the core's
+// caches: the recorded addresses let the misses of several parameters
+// overlap.
+constexpr std::int64_t kMatchAhead = 3;
+
+void prefetch_objects(const PlanParam& r) {
+  const auto lines = [](const void* object, std::size_t bytes) {
+    if (object == nullptr) return;
+    for (std::size_t at = 0; at < bytes; at += 64) __builtin_prefetch(static_cast<const char*>(object) + at);
+  };
+  lines(r.param, sizeof(c10::TensorImpl));
+  lines(r.grad, sizeof(c10::TensorImpl));
+  lines(r.state, 64);
+  for (const void* h : r.hints) lines(h, 64);
 }
 
 std::vector<const at::Tensor*> all_params(torch::optim::Optimizer& opt) {
@@ -791,6 +814,11 @@ PlanMatch match_plan(torch::optim::Optimizer& opt, const StateStamp& stamp, cons
   std::size_t first_error = total;
   std::exception_ptr error;
   at::parallel_for(0, static_cast<std::int64_t>(total), kEntriesGrain, [&](std::int64_t begin, std::int64_t end) {
+    // The flags shared between threads are written once per range, and what
+    // the loop reads of this frame is copied: a store per parameter to a
+    // line that other threads read (this frame's) made them wait on each other.
+    const bool float64_ok = float64, staged_ok = stage_grads;
+    bool any_moved = false;
     auto [g, i] = place(static_cast<std::size_t>(begin));
     for (std::int64_t k = begin; k < end && !changed.load(std::memory_order_relaxed); ++k) {
       while (i == groups[g].params().size()) {
@@ -799,6 +827,7 @@ PlanMatch match_plan(torch::optim::Optimizer& opt, const StateStamp& stamp, cons
       }
       const at::Tensor& p = groups[g].params()[i];
       PlanParam& kept = keys.params[static_cast<std::size_t>(k)];
+      if (k + kMatchAhead < end) prefetch_objects(keys.params[static_cast<std::size_t>(k + kMatchAhead)]);
       const PlanParam now = plan_param(p, opt, stamp);
       if (now.param != kept.param || now.param_data != kept.param_data || now.numel != kept.numel ||
           now.layout != kept.layout ||
@@ -812,7 +841,7 @@ PlanMatch match_plan(torch::optim::Optimizer& opt, const StateStamp& stamp, cons
       if (now.grad != kept.grad || now.grad_data != kept.grad_data || now.grad_numel != kept.grad_numel ||
           now.grad_dtype != kept.grad_dtype) {
         try {
-          if ((check_param(p, g, i, name, signals, float64, stage_grads, false, stage_grads) == GradKind::kStaged) !=
+          if ((check_param(p, g, i, name, signals, float64_ok, staged_ok, false, staged_ok) == GradKind::kStaged) !=
               kept.grad_staged) {
             changed = true;  // a grad now read through a copy, or no longer: its Entry changes
             break;
@@ -829,10 +858,11 @@ PlanMatch match_plan(torch::optim::Optimizer& opt, const StateStamp& stamp, cons
         kept.grad_data = now.grad_data;
         kept.grad_numel = now.grad_numel;
         kept.grad_dtype = now.grad_dtype;
-        moved = true;
+        any_moved = true;
       }
       ++i;
     }
+    if (any_moved) moved.store(true, std::memory_order_relaxed);
   });
   if (changed) return PlanMatch::kChanged;
   if (error) std::rethrow_exception(error);

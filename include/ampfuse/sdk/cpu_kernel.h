@@ -313,28 +313,88 @@ inline void for_each_chunk_with_next(const PlanRef& plan, std::int64_t chunk_beg
 // adds that carry a sum from one block to the next.
 constexpr int kUnroll = 4;
 
-// Copies a tail's bytes (fewer than a block's, so fewer than 128) as
-// fixed-size copies, which compile to moves: a memcpy of a run-time size is
-// a call that costs more than a one-element tensor's whole update.
-template <std::size_t kBytes>
+// A tail (fewer elements than a block) runs through a block of its own,
+// zero past the tail's bytes. On AVX-512 a tail is moved with byte-masked
+// loads and stores: copied in narrow pieces instead, it would be read back by
+// the block's wide load, which the store buffer cannot forward from narrow
+// stores, and the block would have to be zeroed first; for a one-element
+// tensor that cost more than its update.
+#if defined(__AVX512BW__)
+// The low `bytes` bits (bytes < 64).
+inline __mmask64 low_bytes(std::size_t bytes) { return (__mmask64{1} << bytes) - 1; }
+#else
+// Copies the tail's bytes (fewer than kBlockBytes) as fixed-size copies,
+// which compile to moves: a memcpy of a run-time size is a call.
+template <std::size_t kBlockBytes, std::size_t kBytes>
 [[gnu::always_inline]] inline void copy_part(unsigned char*& dst, const unsigned char*& src, std::size_t bytes) {
-  if ((bytes & kBytes) == 0) return;
-  std::memcpy(dst, src, kBytes);
-  dst += kBytes;
-  src += kBytes;
+  if constexpr (kBytes < kBlockBytes) {
+    if ((bytes & kBytes) == 0) return;
+    std::memcpy(dst, src, kBytes);
+    dst += kBytes;
+    src += kBytes;
+  }
 }
 
+template <std::size_t kBlockBytes>
 [[gnu::always_inline]] inline void copy_tail(void* dst, const void* src, std::size_t bytes) {
-  static_assert(kWidth * kMaxElementSize <= 128, "a tail holds fewer than 128 bytes");
   auto* d = static_cast<unsigned char*>(dst);
   const auto* s = static_cast<const unsigned char*>(src);
-  copy_part<64>(d, s, bytes);
-  copy_part<32>(d, s, bytes);
-  copy_part<16>(d, s, bytes);
-  copy_part<8>(d, s, bytes);
-  copy_part<4>(d, s, bytes);
-  copy_part<2>(d, s, bytes);
-  copy_part<1>(d, s, bytes);
+  copy_part<kBlockBytes, 64>(d, s, bytes);
+  copy_part<kBlockBytes, 32>(d, s, bytes);
+  copy_part<kBlockBytes, 16>(d, s, bytes);
+  copy_part<kBlockBytes, 8>(d, s, bytes);
+  copy_part<kBlockBytes, 4>(d, s, bytes);
+  copy_part<kBlockBytes, 2>(d, s, bytes);
+  copy_part<kBlockBytes, 1>(d, s, bytes);
+}
+#endif
+
+/// Fills block (kBlockBytes, 64-byte aligned) with the `bytes` at src
+/// (bytes < kBlockBytes) and zeros after them.
+template <std::size_t kBlockBytes>
+[[gnu::always_inline]] inline void load_tail(unsigned char* block, const void* src, std::size_t bytes) {
+  static_assert(kBlockBytes == 16 || kBlockBytes == 32 || kBlockBytes == 64 || kBlockBytes == 128,
+                "a block is 16, 32, 64 or 128 bytes");
+#if defined(__AVX512BW__)
+  const auto* s = static_cast<const char*>(src);
+  if constexpr (kBlockBytes == 128) {
+    _mm512_store_si512(block, _mm512_maskz_loadu_epi8(bytes >= 64 ? ~__mmask64{0} : low_bytes(bytes), s));
+    _mm512_store_si512(block + 64, _mm512_maskz_loadu_epi8(bytes > 64 ? low_bytes(bytes - 64) : 0, s + 64));
+  } else if constexpr (kBlockBytes == 64) {
+    _mm512_store_si512(block, _mm512_maskz_loadu_epi8(low_bytes(bytes), s));
+  } else if constexpr (kBlockBytes == 32) {
+    _mm256_store_si256(reinterpret_cast<__m256i*>(block),
+                       _mm256_maskz_loadu_epi8(static_cast<__mmask32>(low_bytes(bytes)), s));
+  } else {
+    _mm_store_si128(reinterpret_cast<__m128i*>(block),
+                    _mm_maskz_loadu_epi8(static_cast<__mmask16>(low_bytes(bytes)), s));
+  }
+#else
+  std::memset(block, 0, kBlockBytes);
+  copy_tail<kBlockBytes>(block, src, bytes);
+#endif
+}
+
+/// Writes the first `bytes` of block (as load_tail filled it) to dst.
+template <std::size_t kBlockBytes>
+[[gnu::always_inline]] inline void store_tail(void* dst, const unsigned char* block, std::size_t bytes) {
+#if defined(__AVX512BW__)
+  auto* d = static_cast<char*>(dst);
+  if constexpr (kBlockBytes == 128) {
+    _mm512_mask_storeu_epi8(d, bytes >= 64 ? ~__mmask64{0} : low_bytes(bytes), _mm512_load_si512(block));
+    if (bytes > 64) _mm512_mask_storeu_epi8(d + 64, low_bytes(bytes - 64), _mm512_load_si512(block + 64));
+  } else if constexpr (kBlockBytes == 64) {
+    _mm512_mask_storeu_epi8(d, low_bytes(bytes), _mm512_load_si512(block));
+  } else if constexpr (kBlockBytes == 32) {
+    _mm256_mask_storeu_epi8(d, static_cast<__mmask32>(low_bytes(bytes)),
+                            _mm256_load_si256(reinterpret_cast<const __m256i*>(block)));
+  } else {
+    _mm_mask_storeu_epi8(d, static_cast<__mmask16>(low_bytes(bytes)),
+                         _mm_load_si128(reinterpret_cast<const __m128i*>(block)));
+  }
+#else
+  copy_tail<kBlockBytes>(dst, block, bytes);
+#endif
 }
 
 template <ScalarType ST, class BlockFn>
@@ -345,11 +405,11 @@ inline void for_each_block_rw(char* data, std::int64_t n, BlockFn&& block_fn) {
     for (int u = 0; u < kUnroll; ++u) block_fn(data + (i + u * kWidth) * es, u);
   for (; i + kWidth <= n; i += kWidth) block_fn(data + i * es, 0);
   if (i < n) {
-    alignas(64) unsigned char tail[kWidth * size_of(ST)] = {};
+    alignas(64) unsigned char tail[kWidth * size_of(ST)];
     const std::size_t bytes = static_cast<std::size_t>(n - i) * es;
-    copy_tail(tail, data + i * es, bytes);
+    load_tail<sizeof tail>(tail, data + i * es, bytes);
     block_fn(tail, 0);
-    copy_tail(data + i * es, tail, bytes);
+    store_tail<sizeof tail>(data + i * es, tail, bytes);
   }
 }
 
@@ -436,8 +496,8 @@ inline void for_each_block_read(const char* src, const char* next, std::int64_t 
     block_fn(src + i * es, 0);
   }
   if (i < n) {
-    alignas(64) unsigned char tail[kWidth * size_of(ST)] = {};
-    copy_tail(tail, src + i * es, static_cast<std::size_t>(n - i) * es);
+    alignas(64) unsigned char tail[kWidth * size_of(ST)];
+    load_tail<sizeof tail>(tail, src + i * es, static_cast<std::size_t>(n - i) * es);
     block_fn(tail, 0);
   }
 }
@@ -467,16 +527,17 @@ inline void for_each_block_lists(char* const (&base)[Depth], char* const* next, 
     block_fn(blocks);
   }
   if (i < n) {
-    alignas(64) unsigned char tail[Depth][kWidth * kMaxElementSize] = {};
+    constexpr std::size_t kBlockBytes = kWidth * kMaxElementSize;
+    alignas(64) unsigned char tail[Depth][kBlockBytes];
     for (int l = 0; l < Depth; ++l) {
       if (!used(l)) continue;
-      copy_tail(tail[l], base[l] + i * elem_size[l], static_cast<std::size_t>(n - i) * elem_size[l]);
+      load_tail<kBlockBytes>(tail[l], base[l] + i * elem_size[l], static_cast<std::size_t>(n - i) * elem_size[l]);
       blocks[l] = tail[l];
     }
     block_fn(blocks);
     for (int l = 0; l < Depth; ++l)
       if (used(l) && written(l))
-        copy_tail(base[l] + i * elem_size[l], tail[l], static_cast<std::size_t>(n - i) * elem_size[l]);
+        store_tail<kBlockBytes>(base[l] + i * elem_size[l], tail[l], static_cast<std::size_t>(n - i) * elem_size[l]);
   }
 }
 

@@ -221,6 +221,9 @@ struct PlanParam {
   std::size_t layout = 0;       ///< 0 for a dense parameter; else a hash of its sizes and strides (staged)
   bool grad_staged = false;     ///< the grad is read through a StagedGrad
   bool grad_sparse = false;     ///< the grad is sparse (a plan with one is never reused)
+  /// Where the next match will read (the storages, the autograd metadata,
+  /// the state map's entry), for prefetching only: never dereferenced.
+  const void* hints[4] = {};
 };
 
 /// A fingerprint of a state object's tensors (their TensorImpl addresses),
