@@ -22,6 +22,7 @@
 
 #include "ampfuse/sdk/optimizer.h"
 #include "ampfuse/tensor_ops.h"
+#include "contract/torch/prefetch.h"
 #include "contract/torch/tensor_ops_views.h"
 #include "scaler/update_scale.h"
 
@@ -108,6 +109,7 @@ struct GradKey {
   const void* data = nullptr;
   std::int64_t numel = 0;
   c10::ScalarType dtype = c10::ScalarType::Undefined;
+  const void* storage = nullptr;  // the grad's StorageImpl, for prefetching only
   bool operator==(const GradKey& o) const {
     return grad == o.grad && data == o.data && numel == o.numel && dtype == o.dtype;
   }
@@ -122,6 +124,7 @@ GradKey grad_key(const at::Tensor& p) {
   k.numel = k.grad->numel();
   k.dtype = g.scalar_type();
   const c10::StorageImpl* storage = k.grad->unsafe_storage().unsafeGetStorageImpl();
+  k.storage = storage;
   if (storage != nullptr)
     k.data = static_cast<const char*>(storage->data()) +
              k.grad->storage_offset() * static_cast<std::int64_t>(k.grad->itemsize());
@@ -185,8 +188,17 @@ const GradScaler::GradsPlan& GradScaler::grads_plan(torch::optim::Optimizer& opt
     std::atomic<bool> same{true};
     at::parallel_for(0, static_cast<std::int64_t>(params.size()), sdk::kEntriesGrain,
                      [&](std::int64_t b, std::int64_t e) {
-                       for (std::int64_t k = b; k < e && same.load(std::memory_order_relaxed); ++k)
+                       for (std::int64_t k = b; k < e && same.load(std::memory_order_relaxed); ++k) {
+                         if (k + sdk::kObjectsAhead < e) {
+                           const auto ahead = static_cast<std::size_t>(k + sdk::kObjectsAhead);
+                           const c10::TensorImpl* p = params[ahead]->unsafeGetTensorImpl();
+                           sdk::prefetch_tensor_impl(p);
+                           sdk::prefetch_object(p->autograd_meta());
+                           sdk::prefetch_tensor_impl(kept->keys[ahead].grad);
+                           sdk::prefetch_object(kept->keys[ahead].storage);
+                         }
                          if (!(grad_key(*params[k]) == kept->keys[k])) same = false;
+                       }
                      });
     if (same) return *kept;
   }

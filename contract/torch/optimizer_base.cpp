@@ -32,6 +32,8 @@
 #include "contract/torch/meta_cache.h"
 #endif
 
+#include "contract/torch/prefetch.h"
+
 namespace ampfuse::sdk {
 
 namespace {
@@ -729,23 +731,11 @@ PlanParam plan_param(const at::Tensor& p, const torch::optim::Optimizer& opt, co
   return k;
 }
 
-// How many parameters ahead of the one it compares match_plan prefetches
-// the objects that the last match read. Each is a pointer chase (TensorImpl,
-// then its storage; autograd metadata, then the grad's TensorImpl, then its
-// storage), and with thousands of parameters every link misses the core's
-// caches: the recorded addresses let the misses of several parameters
-// overlap.
-constexpr std::int64_t kMatchAhead = 3;
-
 void prefetch_objects(const PlanParam& r) {
-  const auto lines = [](const void* object, std::size_t bytes) {
-    if (object == nullptr) return;
-    for (std::size_t at = 0; at < bytes; at += 64) __builtin_prefetch(static_cast<const char*>(object) + at);
-  };
-  lines(r.param, sizeof(c10::TensorImpl));
-  lines(r.grad, sizeof(c10::TensorImpl));
-  lines(r.state, 64);
-  for (const void* h : r.hints) lines(h, 64);
+  prefetch_tensor_impl(r.param);
+  prefetch_tensor_impl(r.grad);
+  prefetch_object(r.state);
+  for (const void* h : r.hints) prefetch_object(h);
 }
 
 std::vector<const at::Tensor*> all_params(torch::optim::Optimizer& opt) {
@@ -827,7 +817,7 @@ PlanMatch match_plan(torch::optim::Optimizer& opt, const StateStamp& stamp, cons
       }
       const at::Tensor& p = groups[g].params()[i];
       PlanParam& kept = keys.params[static_cast<std::size_t>(k)];
-      if (k + kMatchAhead < end) prefetch_objects(keys.params[static_cast<std::size_t>(k + kMatchAhead)]);
+      if (k + kObjectsAhead < end) prefetch_objects(keys.params[static_cast<std::size_t>(k + kObjectsAhead)]);
       const PlanParam now = plan_param(p, opt, stamp);
       if (now.param != kept.param || now.param_data != kept.param_data || now.numel != kept.numel ||
           now.layout != kept.layout ||
