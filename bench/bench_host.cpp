@@ -5,6 +5,7 @@
 //   Host        FusedAdam::step against at::_fused_adam_ on the same lists and
 //               torch::optim::Adam
 //   HostMovedGrads  the same with new grad tensors at every step
+//   HostLAMB    FusedLAMB::step (two passes and the trust ratios between them)
 //   HostScaler  scaler.step(FusedAdam) + scaler.update() against PyTorch's
 //               scaled fused path (_amp_foreach_non_finite_check_and_unscale_,
 //               _fused_adam_ with found_inf, _foreach_sub_ of the steps,
@@ -12,6 +13,7 @@
 // bench/report.py shows ampfuse's time per parameter beside the table.
 
 #include <ampfuse/fused_adam.h>
+#include <ampfuse/fused_lamb.h>
 #include <ampfuse/grad_scaler.h>
 
 #include <array>
@@ -54,6 +56,10 @@ void register_host(torch::Device device) {
       for (std::size_t i = 0; i < params.size(); ++i) params[i].mutable_grad() = grads[i];
       opt->step();
     });
+  }, bytes);
+  register_one("HostLAMB/ours" + tail, device, [=] {
+    auto opt = std::make_shared<ampfuse::FusedLAMB>(data().params, ampfuse::FusedLAMBOptions(kLr));
+    return Fn([=] { opt->step(); });
   }, bytes);
   register_one("Host/torch_optim_adam" + tail, device, [=] {
     auto opt = std::make_shared<torch::optim::Adam>(data().params, torch::optim::AdamOptions(kLr));

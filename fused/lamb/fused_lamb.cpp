@@ -254,6 +254,33 @@ void FusedLAMB::after_load(const at::Tensor& param, FusedLAMBParamState& state) 
   state.master_version(param._version());
 }
 
+namespace {
+
+// What a list's step keeps while the step plan holds (sdk::ListSlot): its
+// states and what was gathered from them, made on the list's first step;
+// grads that moved are gathered again.
+struct LambKept {
+  bool master = false;  // the option the lists were gathered for
+  std::vector<FusedLAMBParamState*> states;
+  // The state tensors pointed to, held so that none is freed (and another
+  // made at its address, which its state stamp would not tell apart) while
+  // kept.
+  std::vector<at::Tensor> held;
+  std::vector<std::int64_t> numels;
+  // CPU: the pointer arrays, the plan, and each step's counters and scalars.
+  std::vector<void*> param, grad, m, v, masters;
+  std::shared_ptr<const Plan> plan;
+  std::vector<double> steps;
+  std::vector<fused::LambStepScalars> scalars;
+#if defined(AMPFUSE_WITH_CUDA)
+  TensorListsView views;
+  std::shared_ptr<const sdk::ListMeta> meta;
+  std::vector<at::Tensor> empty_steps;  // counters of zero-element parameters
+#endif
+};
+
+}  // namespace
+
 sdk::Launch FusedLAMB::prepare_list(const sdk::ParamList& pl) {
   const FusedLAMBOptions& o = options_of(pl.group);
   const fused::LambHyper hyper = make_hyper(o);
@@ -263,53 +290,70 @@ sdk::Launch FusedLAMB::prepare_list(const sdk::ParamList& pl) {
   const auto& list = pl.entries;
   const std::size_t n = list.size();
 
-  std::vector<FusedLAMBParamState*> states;
-  std::vector<std::int64_t> numels;
-  for (std::size_t i = 0; i < n; ++i) {
-    const sdk::Entry& e = *list[i];
-    const at::Tensor& p = e.param;
-    auto& state = state_for(e, [&](FusedLAMBParamState& s) {
-      const auto state_options = p.options().dtype(lamb_state_dtype(p));
-      s.step(at::zeros({1}, p.options().dtype(at::kDouble)));
-      s.exp_avg(at::zeros_like(p, state_options, at::MemoryFormat::Preserve));
-      s.exp_avg_sq(at::zeros_like(p, state_options, at::MemoryFormat::Preserve));
-    });
-    if (master) prepare_master(e, state);
-    states.push_back(&state);
-    numels.push_back(p.numel());
+  std::shared_ptr<LambKept> kept = pl.slot.get<LambKept>();
+  const bool fresh = kept == nullptr || kept->master != master;
+  if (fresh) {
+    kept = std::make_shared<LambKept>();
+    kept->master = master;
+    for (std::size_t i = 0; i < n; ++i) {
+      const sdk::Entry& e = *list[i];
+      const at::Tensor& p = e.param;
+      kept->states.push_back(&state_for(e, [&](FusedLAMBParamState& s) {
+        const auto state_options = p.options().dtype(lamb_state_dtype(p));
+        s.step(at::zeros({1}, p.options().dtype(at::kDouble)));
+        s.exp_avg(at::zeros_like(p, state_options, at::MemoryFormat::Preserve));
+        s.exp_avg_sq(at::zeros_like(p, state_options, at::MemoryFormat::Preserve));
+      }));
+      kept->numels.push_back(p.numel());
+    }
   }
+  // Masters made here are fresh; an existing one is refreshed when the
+  // parameter was written from outside (its version is read every step).
+  if (master)
+    for (std::size_t i = 0; i < n; ++i) prepare_master(*list[i], *kept->states[i]);
+  if (fresh)
+    for (const FusedLAMBParamState* s : kept->states)
+      for (const at::Tensor* t : {&s->step(), &s->exp_avg(), &s->exp_avg_sq(), &s->master()})
+        if (t->defined()) kept->held.push_back(*t);
+  const std::vector<FusedLAMBParamState*>& states = kept->states;
   at::Tensor grad_sum_sq;
   for (const auto& [d, sum] : workspace_->grad_sum_sq)
     if (d == device) grad_sum_sq = sum;
 
   if (device.is_cpu()) {
-    std::vector<void*> param(n), grad(n), m(n), v(n), masters(n, nullptr);
-    std::vector<double> steps(n);
-    sdk::parallel_entries(n, [&](std::size_t i) {
-      param[i] = list[i]->param.data_ptr();
-      grad[i] = list[i]->grad.data_ptr();
-      m[i] = states[i]->exp_avg().data_ptr();
-      v[i] = states[i]->exp_avg_sq().data_ptr();
-      if (master) masters[i] = states[i]->master().data_ptr();
-      steps[i] = *states[i]->step().data_ptr<double>() + 1.0;
-    });
-    auto scalars = sdk::per_tensor<double, fused::LambStepScalars>(
-        steps, [&](double step) { return fused::lamb_step_scalars<double>(hyper, step); });
+    if (fresh) {
+      for (auto* ptrs : {&kept->param, &kept->grad, &kept->m, &kept->v, &kept->masters}) ptrs->assign(n, nullptr);
+      sdk::parallel_entries(n, [&](std::size_t i) {
+        kept->param[i] = list[i]->param.data_ptr();
+        kept->grad[i] = list[i]->grad.data_ptr();
+        kept->m[i] = states[i]->exp_avg().data_ptr();
+        kept->v[i] = states[i]->exp_avg_sq().data_ptr();
+        if (master) kept->masters[i] = states[i]->master().data_ptr();
+      });
+      kept->plan = std::make_shared<const Plan>(kept->numels, sdk::cpu::kChunkSize);
+    } else if (pl.grads_moved) {
+      sdk::parallel_entries(n, [&](std::size_t i) { kept->grad[i] = list[i]->grad.data_ptr(); });
+    }
+    std::vector<double>& steps = kept->steps;
+    steps.resize(n);
+    sdk::parallel_entries(n, [&](std::size_t i) { steps[i] = *states[i]->step().data_ptr<double>() + 1.0; });
+    sdk::per_tensor(steps, kept->scalars, [&](double step) { return fused::lamb_step_scalars<double>(hyper, step); });
     const double grad_factor = sdk::cpu_grad_factor(pl.signal);
     const bool f64 = st == ScalarType::Float64;
-    auto plan = std::make_shared<const Plan>(numels, sdk::cpu::kChunkSize);
+    const std::shared_ptr<const Plan> plan = kept->plan;
     detail::FusedLambWorkspace* workspace = workspace_.get();
-    return [=, states = std::move(states), param = std::move(param),
-            grad = std::move(grad), m = std::move(m), v = std::move(v),
-            masters = std::move(masters), steps = std::move(steps), scalars = std::move(scalars)] {
+    if (fresh) pl.slot.keep(kept);
+    return [=] {
+      const std::vector<FusedLAMBParamState*>& states = kept->states;
       const double factor = f64 ? lamb_factor<double>(hyper, grad_factor, grad_sum_sq)
                                 : lamb_factor<float>(hyper, grad_factor, grad_sum_sq);
       std::vector<double> chunk_param_sq(static_cast<std::size_t>(plan->num_chunks()));
       std::vector<double> chunk_update_sq(chunk_param_sq.size());
       std::vector<double> neg_step(states.size(), 0.0);
-      const fused::cpu::LambArgs args{sdk::cpu::plan_ref(*plan), param.data(), grad.data(), m.data(), v.data(),
-                                      master ? masters.data() : nullptr, st, scalars.data(), hyper, factor,
-                                      chunk_param_sq.data(), chunk_update_sq.data(), neg_step.data()};
+      const fused::cpu::LambArgs args{sdk::cpu::plan_ref(*plan), kept->param.data(), kept->grad.data(), kept->m.data(),
+                                      kept->v.data(), master ? kept->masters.data() : nullptr, st,
+                                      kept->scalars.data(), hyper, factor, chunk_param_sq.data(),
+                                      chunk_update_sq.data(), neg_step.data()};
       const fused::cpu::LambFn moments = fused::cpu::lamb_moments_kernel();
       sdk::parallel_chunks(*plan, [&](std::int64_t b, std::int64_t e) { moments(args, b, e); });
       // Per-tensor sums of squares from the chunks' sums, in chunk order (deterministic).
@@ -327,6 +371,7 @@ sdk::Launch FusedLAMB::prepare_list(const sdk::ParamList& pl) {
       // The update, from the sums: now, or (sharded) once every list's sums
       // are reduced over the whole tensors, in end_step.
       auto apply_from_sums = [=]() mutable {
+        const std::vector<FusedLAMBParamState*>& states = kept->states;
         const double* r = sums.data_ptr<double>();
         for (std::size_t i = 0; i < states.size(); ++i)
           neg_step[i] = f64 ? fused::lamb_neg_step(hyper, std::sqrt(r[2 * i]), std::sqrt(r[2 * i + 1]))
@@ -337,7 +382,7 @@ sdk::Launch FusedLAMB::prepare_list(const sdk::ParamList& pl) {
         a.chunk_param_sq = a.chunk_update_sq = nullptr;  // pass 1's, gone when this runs later
         const fused::cpu::LambFn apply = fused::cpu::lamb_apply_kernel();
         sdk::parallel_chunks(*plan, [&](std::int64_t b, std::int64_t e) { apply(a, b, e); });
-        sdk::parallel_entries(states.size(), [&](std::size_t i) { *states[i]->step().data_ptr<double>() = steps[i]; });
+        sdk::parallel_entries(states.size(), [&](std::size_t i) { *states[i]->step().data_ptr<double>() = kept->steps[i]; });
       };
       if (!workspace->reducer) {
         apply_from_sums();
@@ -351,27 +396,40 @@ sdk::Launch FusedLAMB::prepare_list(const sdk::ParamList& pl) {
   }
 #if defined(AMPFUSE_WITH_CUDA)
   const c10::cuda::CUDAGuard guard(device);
-  TensorListsView views;
-  views.lists.resize(fused::kLambLists);
-  std::vector<at::Tensor> empty_steps;
-  for (std::size_t i = 0; i < n; ++i) {
-    const at::Tensor& p = list[i]->param;
-    FusedLAMBParamState& s = *states[i];
-    if (p.numel() == 0) empty_steps.push_back(s.step());
-    views.lists[list_index(fused::LambList::kParam)].push_back({p.data_ptr(), p.numel(), st});
-    views.lists[list_index(fused::LambList::kGrad)].push_back({list[i]->grad.data_ptr(), p.numel(), st});
-    const ScalarType state_st = to_scalar_type(lamb_state_dtype(p));
-    views.lists[list_index(fused::LambList::kExpAvg)].push_back({s.exp_avg().data_ptr(), p.numel(), state_st});
-    views.lists[list_index(fused::LambList::kExpAvgSq)].push_back({s.exp_avg_sq().data_ptr(), p.numel(), state_st});
-    // The fp64 step travels as a pointer; its dtype tag is not read.
-    views.lists[list_index(fused::LambList::kStep)].push_back({s.step().data_ptr(), 1, ScalarType::Float32});
-    views.lists[list_index(fused::LambList::kMaster)].push_back(
-        {master ? s.master().data_ptr() : nullptr, p.numel(), ScalarType::Float32});
+  if (fresh) {
+    TensorListsView& views = kept->views;
+    views.lists.assign(fused::kLambLists, std::vector<TensorView>(n));
+    auto set = [&](fused::LambList l, std::size_t i, void* data, std::int64_t numel, ScalarType t) {
+      views.lists[list_index(l)][i] = {data, numel, t};
+    };
+    for (std::size_t i = 0; i < n; ++i) {
+      const at::Tensor& p = list[i]->param;
+      FusedLAMBParamState& s = *states[i];
+      const std::int64_t numel = p.numel();
+      if (numel == 0) kept->empty_steps.push_back(s.step());
+      set(fused::LambList::kParam, i, p.data_ptr(), numel, st);
+      set(fused::LambList::kGrad, i, list[i]->grad.data_ptr(), numel, st);
+      const ScalarType state_st = to_scalar_type(lamb_state_dtype(p));
+      set(fused::LambList::kExpAvg, i, s.exp_avg().data_ptr(), numel, state_st);
+      set(fused::LambList::kExpAvgSq, i, s.exp_avg_sq().data_ptr(), numel, state_st);
+      // The fp64 step travels as a pointer; its dtype tag is not read.
+      set(fused::LambList::kStep, i, s.step().data_ptr(), 1, ScalarType::Float32);
+      set(fused::LambList::kMaster, i, master ? s.master().data_ptr() : nullptr, numel, ScalarType::Float32);
+    }
+  } else if (pl.grads_moved) {
+    for (std::size_t i = 0; i < n; ++i)
+      kept->views.lists[list_index(fused::LambList::kGrad)][i].data = list[i]->grad.data_ptr();
   }
-  const Plan plan(numels, sdk::cuda::kChunkSize);
-  const auto meta = sdk::make_launch_meta(views, plan, device);  // held by the Launch
+  if (fresh || pl.grads_moved) {
+    const Plan plan(kept->numels, sdk::cuda::kChunkSize);
+    kept->meta = sdk::make_launch_meta(kept->views, plan, device);
+  } else {
+    kept->meta = sdk::reuse_launch_meta(kept->meta, device);
+  }
+  const std::shared_ptr<const sdk::ListMeta> meta = kept->meta;  // held by the Launch
   const auto opts = at::TensorOptions().device(device);
-  at::Tensor chunk_sums = at::empty({std::max<std::int64_t>(2 * plan.num_chunks(), 1)}, opts.dtype(at::kDouble));
+  at::Tensor chunk_sums =
+      at::empty({std::max<std::int64_t>(2 * meta->launch.num_chunks, 1)}, opts.dtype(at::kDouble));
   at::Tensor norms = at::empty({std::max<std::int64_t>(2 * meta->launch.num_tensors, 1)}, opts.dtype(at::kDouble));
   const sdk::SignalPointers sig = sdk::signal_pointers(pl.signal);
   const fused::cuda::LambCudaArgs args{master,
@@ -384,12 +442,13 @@ sdk::Launch FusedLAMB::prepare_list(const sdk::ParamList& pl) {
                                       norms.data_ptr<double>(),
                                       workspace_->counters.get({pl.group, device, pl.dtype}, meta->launch.num_tensors)};
   const ScaleSignal* signal = pl.signal;
-  return [=, empty_steps = std::move(empty_steps)] {
+  if (fresh) pl.slot.keep(kept);
+  return [=] {
     const c10::cuda::CUDAGuard launch_guard(device);
     fused::cuda::lamb(meta->launch, st, args, sdk::current_stream(device));
     (void)chunk_sums, (void)norms;  // the launch's workspaces: kept alive until here
     // Zero-element parameters have no chunk: advance their counters here.
-    sdk::advance_step_counters(empty_steps, signal);
+    sdk::advance_step_counters(kept->empty_steps, signal);
   };
 #else
   TORCH_CHECK(false, name(), ": ampfuse was built without CUDA");
