@@ -80,8 +80,11 @@ const RefMap& ref_map(Moment8 which) { return which == Moment8::kExpAvg ? kRefSi
 
 constexpr double kFloatMin = 1.1754943508222875e-38;  // 2^-126: the kernels flush below it
 
+// x in fp32 as the CPU kernels see it: zero below 2^-126 unless subnormals
+// are kept (sdk::cpu::keep_subnormals, AMPFUSE_KEEP_SUBNORMALS=1).
 float flushed(double x) {
   const float f = static_cast<float>(x);
+  if (ampfuse::sdk::cpu::subnormals_kept()) return f;
   return std::fabs(f) < kFloatMin ? std::copysign(0.0f, f) : f;
 }
 

@@ -22,10 +22,16 @@ using ampfuse_test::bitwise_equal;
 
 constexpr float kSubnormal = 2e-39f;  // below FLT_MIN = 2^-126
 
-// Restores the automatic choice when a test ends.
+// Sets whether subnormals are kept, and restores what was set before (which
+// AMPFUSE_KEEP_SUBNORMALS=1 in the environment makes "kept") when a test ends.
 struct KeptSubnormals {
-  explicit KeptSubnormals(bool keep) { ampfuse::sdk::cpu::keep_subnormals(keep); }
-  ~KeptSubnormals() { ampfuse::sdk::cpu::keep_subnormals(false); }
+  explicit KeptSubnormals(bool keep) : before(ampfuse::sdk::cpu::subnormals_kept()) {
+    ampfuse::sdk::cpu::keep_subnormals(keep);
+  }
+  ~KeptSubnormals() { ampfuse::sdk::cpu::keep_subnormals(before); }
+  KeptSubnormals(const KeptSubnormals&) = delete;
+  KeptSubnormals& operator=(const KeptSubnormals&) = delete;
+  bool before;
 };
 
 class Subnormals : public ::testing::TestWithParam<std::string> {
@@ -47,6 +53,7 @@ std::vector<torch::Tensor> mixed_list() {
 }
 
 TEST_P(Subnormals, FlushedByDefaultOnlyBelowTwoToTheMinus126) {
+  const KeptSubnormals flush(false);  // the default, also under AMPFUSE_KEEP_SUBNORMALS=1
   auto list = mixed_list();
   auto ref = std::vector<torch::Tensor>{list[0].clone(), list[1].clone(), list[2].clone()};
   const auto factor = torch::full({1}, 1e-10f);

@@ -120,7 +120,7 @@ AMPFUSE_HOST_DEVICE std::uint32_t encode_magnitude(float y) {
     code = ((bits + (1u << (s - 1)) - 1u + ((bits >> s) & 1u)) >> s) - off;
   }
   if (code > Map::kOne) code = Map::kOne;
-  if (!Map::kSignedMap && code == 0 && y > 0.0f) code = 1;
+  if (!Map::kSignedMap && code == 0 && bits != 0) code = 1;  // by bits: the same under DAZ
   return code;
 }
 
