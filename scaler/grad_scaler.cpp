@@ -109,7 +109,9 @@ struct GradKey {
   const void* data = nullptr;
   std::int64_t numel = 0;
   c10::ScalarType dtype = c10::ScalarType::Undefined;
-  const void* storage = nullptr;  // the grad's StorageImpl, for prefetching only
+  // For prefetching only: the grad's StorageImpl and the parameter's autograd metadata.
+  const void* storage = nullptr;
+  const void* autograd_meta = nullptr;
   bool operator==(const GradKey& o) const {
     return grad == o.grad && data == o.data && numel == o.numel && dtype == o.dtype;
   }
@@ -118,6 +120,7 @@ struct GradKey {
 GradKey grad_key(const at::Tensor& p) {
   GradKey k;
   if (!p.defined()) return k;
+  k.autograd_meta = p.unsafeGetTensorImpl()->autograd_meta();
   const at::Tensor& g = p.grad();
   if (!g.defined()) return k;
   k.grad = g.unsafeGetTensorImpl();
@@ -191,9 +194,8 @@ const GradScaler::GradsPlan& GradScaler::grads_plan(torch::optim::Optimizer& opt
                        for (std::int64_t k = b; k < e && same.load(std::memory_order_relaxed); ++k) {
                          if (k + sdk::kObjectsAhead < e) {
                            const auto ahead = static_cast<std::size_t>(k + sdk::kObjectsAhead);
-                           const c10::TensorImpl* p = params[ahead]->unsafeGetTensorImpl();
-                           sdk::prefetch_tensor_impl(p);
-                           sdk::prefetch_object(p->autograd_meta());
+                           sdk::prefetch_tensor_impl(params[ahead]->unsafeGetTensorImpl());
+                           sdk::prefetch_object(kept->keys[ahead].autograd_meta);
                            sdk::prefetch_tensor_impl(kept->keys[ahead].grad);
                            sdk::prefetch_object(kept->keys[ahead].storage);
                          }

@@ -734,7 +734,7 @@ PlanParam plan_param(const at::Tensor& p, const torch::optim::Optimizer& opt, co
 void prefetch_objects(const PlanParam& r) {
   prefetch_tensor_impl(r.param);
   prefetch_tensor_impl(r.grad);
-  prefetch_object(r.state);
+  prefetch_object(r.state, 128);
   for (const void* h : r.hints) prefetch_object(h);
 }
 
@@ -848,6 +848,7 @@ PlanMatch match_plan(torch::optim::Optimizer& opt, const StateStamp& stamp, cons
         kept.grad_data = now.grad_data;
         kept.grad_numel = now.grad_numel;
         kept.grad_dtype = now.grad_dtype;
+        kept.hints[2] = now.hints[2];
         any_moved = true;
       }
       ++i;

@@ -9,6 +9,7 @@
 #include <c10/core/TensorImpl.h>
 
 #include <cstddef>
+#include <cstdint>
 
 namespace ampfuse::sdk {
 

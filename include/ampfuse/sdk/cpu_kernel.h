@@ -23,6 +23,7 @@
 #error "define AMPFUSE_CPU_ISA (avx512, avx2 or baseline) before including ampfuse/sdk/cpu_kernel.h"
 #endif
 
+#include <cassert>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -319,7 +320,7 @@ constexpr int kUnroll = 4;
 // the block's wide load, which the store buffer cannot forward from narrow
 // stores, and the block would have to be zeroed first; for a one-element
 // tensor that cost more than its update.
-#if defined(__AVX512BW__)
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
 // The low `bytes` bits (bytes < 64).
 inline __mmask64 low_bytes(std::size_t bytes) { return (__mmask64{1} << bytes) - 1; }
 #else
@@ -355,11 +356,12 @@ template <std::size_t kBlockBytes>
 [[gnu::always_inline]] inline void load_tail(unsigned char* block, const void* src, std::size_t bytes) {
   static_assert(kBlockBytes == 16 || kBlockBytes == 32 || kBlockBytes == 64 || kBlockBytes == 128,
                 "a block is 16, 32, 64 or 128 bytes");
-#if defined(__AVX512BW__)
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
   const auto* s = static_cast<const char*>(src);
   if constexpr (kBlockBytes == 128) {
     _mm512_store_si512(block, _mm512_maskz_loadu_epi8(bytes >= 64 ? ~__mmask64{0} : low_bytes(bytes), s));
-    _mm512_store_si512(block + 64, _mm512_maskz_loadu_epi8(bytes > 64 ? low_bytes(bytes - 64) : 0, s + 64));
+    _mm512_store_si512(block + 64, bytes > 64 ? _mm512_maskz_loadu_epi8(low_bytes(bytes - 64), s + 64)
+                                              : _mm512_setzero_si512());
   } else if constexpr (kBlockBytes == 64) {
     _mm512_store_si512(block, _mm512_maskz_loadu_epi8(low_bytes(bytes), s));
   } else if constexpr (kBlockBytes == 32) {
@@ -378,7 +380,7 @@ template <std::size_t kBlockBytes>
 /// Writes the first `bytes` of block (as load_tail filled it) to dst.
 template <std::size_t kBlockBytes>
 [[gnu::always_inline]] inline void store_tail(void* dst, const unsigned char* block, std::size_t bytes) {
-#if defined(__AVX512BW__)
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
   auto* d = static_cast<char*>(dst);
   if constexpr (kBlockBytes == 128) {
     _mm512_mask_storeu_epi8(d, bytes >= 64 ? ~__mmask64{0} : low_bytes(bytes), _mm512_load_si512(block));
@@ -531,6 +533,7 @@ inline void for_each_block_lists(char* const (&base)[Depth], char* const* next, 
     alignas(64) unsigned char tail[Depth][kBlockBytes];
     for (int l = 0; l < Depth; ++l) {
       if (!used(l)) continue;
+      assert(elem_size[l] <= kMaxElementSize && "an element is at most 8 bytes");
       load_tail<kBlockBytes>(tail[l], base[l] + i * elem_size[l], static_cast<std::size_t>(n - i) * elem_size[l]);
       blocks[l] = tail[l];
     }
