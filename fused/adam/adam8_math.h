@@ -231,21 +231,32 @@ AMPFUSE_HOST_DEVICE float absmax_from_bits(std::uint32_t max_abs_bits) {
 }
 
 /// The 8-bit step's update: adam_update (adam_math.h) without amsgrad,
-/// multiplying sqrt(v) by 1 / sqrt(bc2) where adam_update divides by
-/// sqrt(bc2): one division per element instead of two (the 8-bit step is
-/// bound by arithmetic, not memory). V: float, or a block of fp32 lanes.
+/// with three changes that make it cheaper (the 8-bit step is bound by
+/// arithmetic, not memory) and no less accurate:
+///   - sqrt(v) is multiplied by 1 / sqrt(bc2) where adam_update divides by
+///     sqrt(bc2): one division per element instead of two;
+///   - each product followed by a sum is one fused multiply-add (Ops::fma,
+///     rounded once), written out below;
+///   - g unscaled by a grad factor of 1 is g itself (the caller skips the
+///     product).
+///   g = maximize ? -g : g;  p = p * decay_factor  (decoupled), or
+///   g = fma(weight_decay, p, g)  (coupled)
+///   m = fma(m, beta1, (1 - beta1) * g)
+///   v = fma(v, beta2, ((1 - beta2) * g) * g)
+///   p = fma(neg_step_size, m / fma(sqrt(v), 1 / sqrt(bc2), eps), p)
+/// V: float, or a block of fp32 lanes.
 template <class V, class Ops>
 AMPFUSE_HOST_DEVICE void adam8_update(V& p, V g, V& m, V& v, const AdamHyperT<float>& h, float neg_step_size,
                                       float inv_bc2_sqrt) {
   if (h.maximize) g = -g;
   if (h.weight_decay != 0.0f) {
     if (h.decoupled_weight_decay) p = p * Ops::splat(h.decay_factor);
-    else g = g + Ops::splat(h.weight_decay) * p;
+    else g = Ops::fma(Ops::splat(h.weight_decay), p, g);
   }
-  m = m * Ops::splat(h.beta1) + Ops::splat(h.one_minus_beta1) * g;
-  v = v * Ops::splat(h.beta2) + (Ops::splat(h.one_minus_beta2) * g) * g;
-  const V denom = Ops::sqrt(v) * Ops::splat(inv_bc2_sqrt) + Ops::splat(h.eps);
-  p = p + Ops::splat(neg_step_size) * (m / denom);
+  m = Ops::fma(m, Ops::splat(h.beta1), Ops::splat(h.one_minus_beta1) * g);
+  v = Ops::fma(v, Ops::splat(h.beta2), (Ops::splat(h.one_minus_beta2) * g) * g);
+  const V denom = Ops::fma(Ops::sqrt(v), Ops::splat(inv_bc2_sqrt), Ops::splat(h.eps));
+  p = Ops::fma(Ops::splat(neg_step_size), m / denom, p);
 }
 
 /// 1 / sqrt(bc2) as the 8-bit step uses it, from adam_step_scalars' fp64 sqrt(bc2).

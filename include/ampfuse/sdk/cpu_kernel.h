@@ -434,6 +434,18 @@ inline VecF vsqrt(VecF v) {
   return v;
 }
 #endif
+/// a * b + c rounded once, per lane (fmaf's result): one instruction with
+/// AVX-512 or AVX2 and FMA, a call per lane otherwise.
+#if defined(__AVX512F__)
+inline VecF vfma(VecF a, VecF b, VecF c) { return (VecF)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c); }
+#elif defined(__AVX2__) && defined(__FMA__)
+inline VecF vfma(VecF a, VecF b, VecF c) { return (VecF)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c); }
+#else
+inline VecF vfma(VecF a, VecF b, VecF c) {
+  for (int j = 0; j < kWidth; ++j) a[j] = __builtin_fmaf(a[j], b[j], c[j]);
+  return a;
+}
+#endif
 #if defined(__AVX512F__)
 inline HalfVecD vsqrt_half(HalfVecD v) { return (HalfVecD)_mm512_sqrt_pd((__m512d)v); }
 #elif defined(__AVX2__)
@@ -554,6 +566,7 @@ struct VecOps {
   static VecF max(VecF a, VecF b) { return vmax(a, b); }
   static VecF min(VecF a, VecF b) { return a < b ? a : b; }
   static VecF sqrt(VecF x) { return vsqrt(x); }
+  static VecF fma(VecF a, VecF b, VecF c) { return vfma(a, b, c); }
   /// -1, 0 or 1 per lane (0 for +-0 and NaN), as torch.sign.
   static VecF sign(VecF x) {
     const VecF one = splat(1.f), zero = {};

@@ -36,6 +36,15 @@ struct ScalarOpsT {
     return std::sqrt(x);
 #endif
   }
+  /// a * b + c rounded once.
+  static AMPFUSE_HOST_DEVICE T fma(T a, T b, T c) {
+#if defined(__CUDA_ARCH__)
+    if constexpr (sizeof(T) == sizeof(float)) return ::fmaf(a, b, c);
+    else return ::fma(a, b, c);
+#else
+    return std::fma(a, b, c);
+#endif
+  }
 };
 
 /// Ops for plain floats.
