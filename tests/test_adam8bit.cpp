@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "contract/cpu/kernels.h"
+#include "fused/adam/adam8_cpu.h"
 #include "fused/adam/adam8_math.h"
 #include "tests/common.h"
 
@@ -503,6 +504,83 @@ TEST_P(Adam8, SmallTensorsKeep32BitMomentsAndMasterWeightsStepAsFp32) {
 
 INSTANTIATE_TEST_SUITE_P(All, Adam8, ::testing::ValuesIn(ampfuse::cpu::available_isas()),
                          [](const auto& info) { return info.param; });
+
+// ---- AVX-512 with VBMI: byte permutes decode as the gathers do ----
+
+// Both builds of the AVX-512 step from the same state, every byte value at
+// every position of a 64-byte group (the permutes' transpose), fp32, bf16
+// with master weights and fp16, AdamW with maximize, a scaled step and a
+// step whose grads hold NaN (blocks of NaN absmax): params and state must
+// agree bit for bit.
+TEST(Adam8Vbmi, DecodesAsTheGathersBitForBit) {
+  ampfuse::sdk::cpu::force_isa("avx512");
+  const bool vbmi = ampfuse::sdk::cpu::current_isa() == ampfuse::sdk::cpu::Isa::kAvx512 &&
+                    ampfuse::fused::cpu::adam8_vbmi_in_use();
+  if (!vbmi) {
+    ampfuse::sdk::cpu::force_isa("");
+    GTEST_SKIP() << "this CPU has no AVX-512 with VBMI";
+  }
+  const std::uint64_t seed = ampfuse_test::seed_for_test();
+  using State = ampfuse::FusedAdamWParamState;
+  for (const auto dtype : {torch::kFloat, torch::kBFloat16, torch::kHalf}) {
+    SCOPED_TRACE(ampfuse_test::dtype_name(dtype));
+    torch::manual_seed(seed);
+    const std::vector<std::int64_t> sizes = {4096 + 100, 3 * 65536 + 1000};
+    std::vector<torch::Tensor> with, without;
+    for (std::int64_t n : sizes) {
+      with.push_back(torch::randn({n}).to(dtype).requires_grad_());
+      without.push_back(with.back().detach().clone().requires_grad_());
+    }
+    const auto options = torch::optim::AdamWOptions(1e-2).weight_decay(0.05);
+    const auto fused = ampfuse::FusedAdamOptions().moments_8bit(true).maximize(true).master_weights(dtype == torch::kBFloat16);
+    ampfuse::FusedAdamW a(with, options, fused), b(without, options, fused);
+    auto state = [](ampfuse::FusedAdamW& opt, const torch::Tensor& p) -> State& {
+      return static_cast<State&>(*opt.state().at(p.unsafeGetTensorImpl()));
+    };
+    for (int step = 0; step < 6; ++step) {
+      SCOPED_TRACE("step " + std::to_string(step));
+      for (std::size_t k = 0; k < with.size(); ++k) {
+        auto g = torch::randn({sizes[k]}) * torch::exp(torch::randn({sizes[k]}) * 3) * 1e-3;
+        if (step == 4) g.index_put_({1000}, std::numeric_limits<float>::quiet_NaN());
+        with[k].mutable_grad() = g.to(dtype);
+        without[k].mutable_grad() = g.to(dtype);
+      }
+      if (step == 1) {
+        // Every byte at every position: codes i * 37 + i / 64, absmax over many binades.
+        for (std::size_t k = 0; k < with.size(); ++k) {
+          const auto i = torch::arange(sizes[k], torch::kLong);
+          const auto codes = (i * 37 + i.div(64, "floor")).remainder(256).to(torch::kByte);
+          const auto absmax = torch::exp(torch::randn({(sizes[k] + 255) / 256}) * 5);
+          for (auto* opt : {&a, &b}) {
+            State& st = state(*opt, opt == &a ? with[k] : without[k]);
+            st.exp_avg_8bit().copy_(codes);
+            st.exp_avg_sq_8bit().copy_(codes.flip(0));
+            st.exp_avg_absmax().copy_(absmax);
+            st.exp_avg_sq_absmax().copy_(absmax.flip(0));
+          }
+        }
+      }
+      ampfuse::fused::cpu::allow_adam8_vbmi(true);
+      if (step == 2) ampfuse_test::step_with_cpu_signal(a, 1.0f / 1024, torch::zeros({}));
+      else a.step();
+      ampfuse::fused::cpu::allow_adam8_vbmi(false);
+      if (step == 2) ampfuse_test::step_with_cpu_signal(b, 1.0f / 1024, torch::zeros({}));
+      else b.step();
+      ampfuse::fused::cpu::allow_adam8_vbmi(true);
+      for (std::size_t k = 0; k < with.size(); ++k) {
+        SCOPED_TRACE("param " + std::to_string(k));
+        ASSERT_TRUE(bitwise_equal(with[k], without[k]));
+        const State &sa = state(a, with[k]), &sb = state(b, without[k]);
+        ASSERT_TRUE(bitwise_equal(sa.exp_avg_8bit(), sb.exp_avg_8bit()));
+        ASSERT_TRUE(bitwise_equal(sa.exp_avg_sq_8bit(), sb.exp_avg_sq_8bit()));
+        ASSERT_TRUE(bitwise_equal(sa.exp_avg_absmax(), sb.exp_avg_absmax()));
+        ASSERT_TRUE(bitwise_equal(sa.exp_avg_sq_absmax(), sb.exp_avg_sq_absmax()));
+        if (dtype == torch::kBFloat16) ASSERT_TRUE(bitwise_equal(sa.master(), sb.master()));
+      }
+    }
+  }
+  ampfuse::sdk::cpu::force_isa("");
+}
 
 // ---- CUDA (runs on a GPU machine: scripts/gpu-check.sh) ----
 

@@ -48,5 +48,15 @@ Quant8Fn quant8_kernel();
 namespace avx512 { extern const Adam8Fn kAdam8; extern const Quant8Fn kQuant8; }
 namespace avx2 { extern const Adam8Fn kAdam8; extern const Quant8Fn kQuant8; }
 namespace baseline { extern const Adam8Fn kAdam8; extern const Quant8Fn kQuant8; }
+/// AVX-512 with VBMI: the codes decoded with byte permutes instead of
+/// gathers, the same results bit for bit. adam8_kernel() takes it where the
+/// instruction set is AVX-512 and the processor has VBMI.
+namespace avx512vbmi { extern const Adam8Fn kAdam8; extern const Quant8Fn kQuant8; }
+
+/// Whether adam8_kernel() may take the VBMI build (true by default; tests
+/// turn it off to compare the two). Returns the previous setting.
+bool allow_adam8_vbmi(bool allow);
+/// Whether adam8_kernel() takes the VBMI build now.
+bool adam8_vbmi_in_use();
 
 }  // namespace ampfuse::fused::cpu
