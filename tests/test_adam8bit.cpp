@@ -532,7 +532,8 @@ TEST(Adam8Vbmi, DecodesAsTheGathersBitForBit) {
       without.push_back(with.back().detach().clone().requires_grad_());
     }
     const auto options = torch::optim::AdamWOptions(1e-2).weight_decay(0.05);
-    const auto fused = ampfuse::FusedAdamOptions().moments_8bit(true).maximize(true).master_weights(dtype == torch::kBFloat16);
+    const auto fused =
+        ampfuse::FusedAdamOptions().moments_8bit(true).maximize(true).master_weights(dtype == torch::kBFloat16);
     ampfuse::FusedAdamW a(with, options, fused), b(without, options, fused);
     auto state = [](ampfuse::FusedAdamW& opt, const torch::Tensor& p) -> State& {
       return static_cast<State&>(*opt.state().at(p.unsafeGetTensorImpl()));
