@@ -463,7 +463,10 @@ inline VecD vsqrt(VecD v) {
   return v;
 }
 inline VecF vmax(VecF a, VecF b) { return a > b ? a : b; }
-inline VecF splat(float x) { return VecF{} + x; }
+// x in every lane, as x itself (-0 stays -0, as ScalarOps::splat keeps it):
+// x - 0 is x, so the compiler broadcasts x (from memory, without an ALU
+// instruction) where 0 + x, which turns -0 into +0, had to be computed.
+inline VecF splat(float x) { return x - VecF{}; }
 
 // How far ahead, in elements, for_each_block_lists prefetches each list:
 // 1 KiB of fp32. The hardware prefetchers restart at every 4 KiB page and at
@@ -569,7 +572,7 @@ inline void for_each_block_lists(char* const (&base)[Depth], char* const* next, 
 }
 
 struct VecOps {
-  static VecF splat(float x) { return VecF{} + x; }
+  static VecF splat(float x) { return ::ampfuse::sdk::cpu::AMPFUSE_CPU_ISA::splat(x); }
   static VecF max(VecF a, VecF b) { return vmax(a, b); }
   static VecF min(VecF a, VecF b) { return a < b ? a : b; }
   static VecF sqrt(VecF x) { return vsqrt(x); }
@@ -583,7 +586,7 @@ struct VecOps {
 
 /// VecOps for blocks of fp64 lanes (fp64 storage).
 struct VecOpsD {
-  static VecD splat(double x) { return VecD{} + x; }
+  static VecD splat(double x) { return x - VecD{}; }  // as splat(float)
   static VecD max(VecD a, VecD b) { return a > b ? a : b; }
   static VecD min(VecD a, VecD b) { return a < b ? a : b; }
   static VecD sqrt(VecD x) { return vsqrt(x); }
