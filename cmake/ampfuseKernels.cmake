@@ -13,6 +13,26 @@
 function(ampfuse_add_cpu_kernel target kernel_file)
   get_filename_component(_abs "${kernel_file}" ABSOLUTE)
   get_filename_component(_name "${kernel_file}" NAME_WE)
+  foreach(_isa IN ITEMS baseline avx2 avx512)
+    _ampfuse_cpu_isa_flags(${_isa} _flags)
+    _ampfuse_cpu_kernel_source(${target} "${_abs}" ${_name} ${_isa} ${_flags})
+  endforeach()
+endfunction()
+
+# One more build of <kernel-file>, with AMPFUSE_CPU_ISA defined to <isa>
+# (its own namespace) and the AVX-512 flags plus <flags...>: a kernel that
+# has a faster path on a subset of AVX-512 processors (FusedAdam's 8-bit
+# step with VBMI) chooses it at run time itself, after checking the
+# processor. x86-64 only.
+function(ampfuse_add_cpu_kernel_variant target kernel_file isa)
+  get_filename_component(_abs "${kernel_file}" ABSOLUTE)
+  get_filename_component(_name "${kernel_file}" NAME_WE)
+  _ampfuse_cpu_isa_flags(avx512 _flags)
+  _ampfuse_cpu_kernel_source(${target} "${_abs}" ${_name} ${isa} ${_flags} ${ARGN})
+endfunction()
+
+# The compiler flags of one instruction set (baseline, avx2 or avx512) into <out>.
+function(_ampfuse_cpu_isa_flags isa out)
   set(_flags_baseline -Wno-psabi)  # vector arguments of internal functions only
   set(_flags_avx2 -mavx2 -mfma -mf16c -Wno-psabi)  # fp64 blocks of 8 lanes: internal functions only
   # GCC 12 warns falsely inside its own avx512fintrin.h (the __Y of
@@ -24,22 +44,7 @@ function(ampfuse_add_cpu_kernel target kernel_file)
     set(_flags_avx2 "")
     set(_flags_avx512 "")
   endif()
-  foreach(_isa IN ITEMS baseline avx2 avx512)
-    _ampfuse_cpu_kernel_source(${target} "${_abs}" ${_name} ${_isa} ${_flags_${_isa}})
-  endforeach()
-  # The AVX-512 flags, for ampfuse_add_cpu_kernel_variant.
-  set(AMPFUSE_CPU_FLAGS_avx512 ${_flags_avx512} PARENT_SCOPE)
-endfunction()
-
-# One more build of <kernel-file>, with AMPFUSE_CPU_ISA defined to <isa>
-# (its own namespace) and the AVX-512 flags plus <flags...>: a kernel that
-# has a faster path on a subset of AVX-512 processors (FusedAdam's 8-bit
-# step with VBMI) chooses it at run time itself, after checking the
-# processor. Call after ampfuse_add_cpu_kernel, on x86-64 only.
-function(ampfuse_add_cpu_kernel_variant target kernel_file isa)
-  get_filename_component(_abs "${kernel_file}" ABSOLUTE)
-  get_filename_component(_name "${kernel_file}" NAME_WE)
-  _ampfuse_cpu_kernel_source(${target} "${_abs}" ${_name} ${isa} ${AMPFUSE_CPU_FLAGS_avx512} ${ARGN})
+  set(${out} ${_flags_${isa}} PARENT_SCOPE)
 endfunction()
 
 function(_ampfuse_cpu_kernel_source target abs name isa)

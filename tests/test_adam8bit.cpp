@@ -422,6 +422,89 @@ TEST_P(Adam8, StepsAsTheFloat64ReferenceWithinTheCodeBound) {
   EXPECT_LE(check.neighbours, check.codes / 1000);
 }
 
+// The step against adam8_math.h's scalar functions (what the CUDA kernel
+// runs), element by element in fp32: decode8, adam8_update with
+// ScalarOps (fused multiply-adds, IEEE square root and division), the
+// block's absmax and encode8. With no subnormal anywhere (so that the
+// kernels' flushing changes nothing), parameters, absmax and codes must
+// agree bit for bit: every lane computes the rule, the second moments'
+// codes included (coded without |v|, v being +0 or above).
+TEST_P(Adam8, StepIsTheScalarRuleBitForBit) {
+  using namespace ampfuse::fused;
+  const std::vector<std::int64_t> sizes = {4096 + 100, 3 * 65536 + 1000};
+  std::vector<torch::Tensor> params;
+  for (std::int64_t n : sizes) params.push_back(torch::randn({n}).requires_grad_());
+  const double lr = 1e-2, wd = 0.05;
+  const bool maximize = std::bernoulli_distribution()(rng_);
+  SCOPED_TRACE(maximize ? "maximize" : "minimize");
+  ampfuse::FusedAdamW opt(params, torch::optim::AdamWOptions(lr).weight_decay(wd),
+                          ampfuse::FusedAdamOptions().moments_8bit(true).maximize(maximize));
+  const AdamHyperT<float> hyper = make_adam_hyper(lr, 0.9, 0.999, 1e-8, wd, false, maximize, true).as<float>();
+  std::size_t elements = 0;
+  for (std::int64_t step = 1; step <= 6; ++step) {
+    const float factor = step == 3 ? 1.0f / 1024 : 1.0f;  // step 3: grads scaled by 1024, unscaled in the step
+    std::vector<torch::Tensor> before, grads, cm, am, cv, av;
+    for (auto& p : params) {
+      const auto g = torch::randn_like(p) * torch::exp(torch::randn_like(p)) * 1e-3;
+      g.narrow(0, 0, 300).zero_();
+      p.mutable_grad() = step == 3 ? g * 1024 : g;
+      before.push_back(p.detach().clone());
+      grads.push_back(p.grad().clone());
+      if (step > 1) {
+        const auto& st = static_cast<const ampfuse::FusedAdamWParamState&>(*opt.state().at(p.unsafeGetTensorImpl()));
+        cm.push_back(st.exp_avg_8bit().clone());
+        am.push_back(st.exp_avg_absmax().clone());
+        cv.push_back(st.exp_avg_sq_8bit().clone());
+        av.push_back(st.exp_avg_sq_absmax().clone());
+      } else {
+        cm.push_back(torch::zeros_like(p, torch::kByte));
+        cv.push_back(torch::zeros_like(p, torch::kByte));
+        am.push_back(torch::zeros({(p.numel() + 255) / 256}));
+        av.push_back(torch::zeros({(p.numel() + 255) / 256}));
+      }
+    }
+    if (step == 3) ampfuse_test::step_with_cpu_signal(opt, factor, torch::zeros({}));
+    else opt.step();
+    const auto scalars = adam_step_scalars(lr, 0.9, 0.999, static_cast<double>(step));
+    const float neg_step_size = static_cast<float>(scalars.neg_step_size);
+    const float inv_bc2_sqrt = adam8_inv_bc2_sqrt(scalars.bias_correction2_sqrt);
+    for (std::size_t k = 0; k < params.size(); ++k) {
+      SCOPED_TRACE("param " + std::to_string(k) + ", step " + std::to_string(step));
+      const auto& st = static_cast<const ampfuse::FusedAdamWParamState&>(*opt.state().at(params[k].unsafeGetTensorImpl()));
+      const auto p0 = to_vector<float>(before[k]), g0 = to_vector<float>(grads[k]), p1 = to_vector<float>(params[k]);
+      const auto cm0 = to_vector<std::uint8_t>(cm[k]), cv0 = to_vector<std::uint8_t>(cv[k]);
+      const auto am0 = to_vector<float>(am[k]), av0 = to_vector<float>(av[k]);
+      const auto cm1 = to_vector<std::uint8_t>(st.exp_avg_8bit()), cv1 = to_vector<std::uint8_t>(st.exp_avg_sq_8bit());
+      const auto am1 = to_vector<float>(st.exp_avg_absmax()), av1 = to_vector<float>(st.exp_avg_sq_absmax());
+      const std::size_t n = p0.size();
+      for (std::size_t b = 0; b * 256 < n; ++b) {
+        const std::size_t end = std::min(n, b * 256 + 256);
+        std::vector<float> m(end - b * 256), v(end - b * 256);
+        std::uint32_t m_max = 0, v_max = 0;
+        for (std::size_t i = b * 256; i < end; ++i) {
+          float p = p0[i], mi = decode8<SignedMap8>(cm0[i], am0[b]), vi = decode8<UnsignedMap8>(cv0[i], av0[b]);
+          const float g = factor == 1.0f ? g0[i] : g0[i] * factor;
+          adam8_update<float, ampfuse::sdk::ScalarOps>(p, g, mi, vi, hyper, neg_step_size, inv_bc2_sqrt);
+          ASSERT_TRUE(std::memcmp(&p, &p1[i], 4) == 0) << "param element " << i << ": " << p1[i] << ", the rule's " << p;
+          m[i - b * 256] = mi;
+          v[i - b * 256] = vi;
+          m_max = std::max(m_max, quant_float_bits(mi) & 0x7FFFFFFFu);
+          v_max = std::max(v_max, quant_float_bits(vi) & 0x7FFFFFFFu);
+        }
+        const float m_abs = absmax_from_bits(m_max), v_abs = absmax_from_bits(v_max);
+        ASSERT_TRUE(std::memcmp(&m_abs, &am1[b], 4) == 0) << "exp_avg absmax of block " << b;
+        ASSERT_TRUE(std::memcmp(&v_abs, &av1[b], 4) == 0) << "exp_avg_sq absmax of block " << b;
+        for (std::size_t i = b * 256; i < end; ++i) {
+          ASSERT_EQ(int(cm1[i]), int(encode8<SignedMap8>(m[i - b * 256], m_abs))) << "exp_avg element " << i;
+          ASSERT_EQ(int(cv1[i]), int(encode8<UnsignedMap8>(v[i - b * 256], v_abs))) << "exp_avg_sq element " << i;
+        }
+        elements += end - b * 256;
+      }
+    }
+  }
+  std::cout << "[ 8-bit    ] " << elements << " elements stepped as the scalar rule, bit for bit\n";
+}
+
 TEST_P(Adam8, SkippedStepChangesNothingAndScaledGradsStepAsUnscaled) {
   auto a = torch::randn({5000}).requires_grad_();
   auto b = a.detach().clone().requires_grad_();
@@ -512,14 +595,21 @@ INSTANTIATE_TEST_SUITE_P(All, Adam8, ::testing::ValuesIn(ampfuse::cpu::available
 // with master weights and fp16, AdamW with maximize, a scaled step and a
 // step whose grads hold NaN (blocks of NaN absmax): params and state must
 // agree bit for bit.
-TEST(Adam8Vbmi, DecodesAsTheGathersBitForBit) {
-  ampfuse::sdk::cpu::force_isa("avx512");
-  const bool vbmi = ampfuse::sdk::cpu::current_isa() == ampfuse::sdk::cpu::Isa::kAvx512 &&
-                    ampfuse::fused::cpu::adam8_vbmi_in_use();
-  if (!vbmi) {
+// Puts back the instruction set and the VBMI setting whatever way a test ends.
+struct IsaAndVbmi {
+  bool allowed = ampfuse::fused::cpu::allow_adam8_vbmi(true);
+  ~IsaAndVbmi() {
+    ampfuse::fused::cpu::allow_adam8_vbmi(allowed);
     ampfuse::sdk::cpu::force_isa("");
-    GTEST_SKIP() << "this CPU has no AVX-512 with VBMI";
   }
+};
+
+TEST(Adam8Vbmi, DecodesAsTheGathersBitForBit) {
+  const auto isas = ampfuse::cpu::available_isas();
+  if (std::find(isas.begin(), isas.end(), "avx512") == isas.end()) GTEST_SKIP() << "this CPU has no AVX-512";
+  const IsaAndVbmi restore;
+  ampfuse::sdk::cpu::force_isa("avx512");
+  if (!ampfuse::fused::cpu::adam8_vbmi_in_use()) GTEST_SKIP() << "this CPU has AVX-512 without VBMI";
   const std::uint64_t seed = ampfuse_test::seed_for_test();
   using State = ampfuse::FusedAdamWParamState;
   for (const auto dtype : {torch::kFloat, torch::kBFloat16, torch::kHalf}) {
@@ -580,7 +670,6 @@ TEST(Adam8Vbmi, DecodesAsTheGathersBitForBit) {
       }
     }
   }
-  ampfuse::sdk::cpu::force_isa("");
 }
 
 // ---- CUDA (runs on a GPU machine: scripts/gpu-check.sh) ----
