@@ -300,6 +300,20 @@ TEST(Adam8Map, CodeByAdditionIsTheCodeBySearch) {
   EXPECT_EQ(wrong, 0u);
 }
 
+// A parameter's 8-bit state before a step: its bytes and absmax, or the zeros
+// a first step starts from.
+struct Coded8State {
+  torch::Tensor codes_m, absmax_m, codes_v, absmax_v;
+};
+Coded8State state_before_step(const ampfuse::FusedAdamW& opt, const torch::Tensor& p, std::int64_t step) {
+  if (step == 1)
+    return {torch::zeros_like(p, torch::kByte), torch::zeros({(p.numel() + 255) / 256}),
+            torch::zeros_like(p, torch::kByte), torch::zeros({(p.numel() + 255) / 256})};
+  const auto& st = static_cast<const ampfuse::FusedAdamWParamState&>(*opt.state().at(p.unsafeGetTensorImpl()));
+  return {st.exp_avg_8bit().clone(), st.exp_avg_absmax().clone(), st.exp_avg_sq_8bit().clone(),
+          st.exp_avg_sq_absmax().clone()};
+}
+
 // The fp64 reference of one 8-bit step from the optimizer's own state: the
 // stored codes decoded, the update in fp64, the new moments coded by the
 // rule. The step must agree: parameters to fp32 rounding, absmax likewise,
@@ -390,30 +404,20 @@ TEST_P(Adam8, StepsAsTheFloat64ReferenceWithinTheCodeBound) {
                           ampfuse::FusedAdamOptions().moments_8bit(true).maximize(maximize));
   StepCheck check;
   for (std::int64_t step = 1; step <= 12; ++step) {
-    std::vector<torch::Tensor> before, codes_m, absmax_m, codes_v, absmax_v;
+    std::vector<torch::Tensor> before;
+    std::vector<Coded8State> coded;
     for (auto& p : params) {
       // Grads over many magnitudes within a tensor: per-block absmax, small and zero codes all occur.
       p.mutable_grad() = torch::randn_like(p) * torch::exp(torch::randn_like(p) * 3) * 1e-3;
       p.mutable_grad().narrow(0, 0, 300).zero_();
       before.push_back(p.detach().clone());
-      if (step > 1) {
-        const auto& st = static_cast<const ampfuse::FusedAdamWParamState&>(*opt.state().at(p.unsafeGetTensorImpl()));
-        codes_m.push_back(st.exp_avg_8bit().clone());
-        absmax_m.push_back(st.exp_avg_absmax().clone());
-        codes_v.push_back(st.exp_avg_sq_8bit().clone());
-        absmax_v.push_back(st.exp_avg_sq_absmax().clone());
-      } else {
-        codes_m.push_back(torch::zeros_like(p, torch::kByte));
-        codes_v.push_back(torch::zeros_like(p, torch::kByte));
-        absmax_m.push_back(torch::zeros({(p.numel() + 255) / 256}));
-        absmax_v.push_back(torch::zeros({(p.numel() + 255) / 256}));
-      }
+      coded.push_back(state_before_step(opt, p, step));
     }
     opt.step();
     for (std::size_t k = 0; k < params.size(); ++k) {
       SCOPED_TRACE("param " + std::to_string(k) + ", step " + std::to_string(step));
-      check_one_step(before[k], params[k].grad(), codes_m[k], absmax_m[k], codes_v[k], absmax_v[k], step, opt,
-                     params[k], lr, wd, maximize, check);
+      check_one_step(before[k], params[k].grad(), coded[k].codes_m, coded[k].absmax_m, coded[k].codes_v,
+                     coded[k].absmax_v, step, opt, params[k], lr, wd, maximize, check);
       if (HasFatalFailure()) return;
     }
   }
@@ -443,25 +447,15 @@ TEST_P(Adam8, StepIsTheScalarRuleBitForBit) {
   std::size_t elements = 0;
   for (std::int64_t step = 1; step <= 6; ++step) {
     const float factor = step == 3 ? 1.0f / 1024 : 1.0f;  // step 3: grads scaled by 1024, unscaled in the step
-    std::vector<torch::Tensor> before, grads, cm, am, cv, av;
+    std::vector<torch::Tensor> before, grads;
+    std::vector<Coded8State> coded;
     for (auto& p : params) {
       const auto g = torch::randn_like(p) * torch::exp(torch::randn_like(p)) * 1e-3;
       g.narrow(0, 0, 300).zero_();
       p.mutable_grad() = step == 3 ? g * 1024 : g;
       before.push_back(p.detach().clone());
       grads.push_back(p.grad().clone());
-      if (step > 1) {
-        const auto& st = static_cast<const ampfuse::FusedAdamWParamState&>(*opt.state().at(p.unsafeGetTensorImpl()));
-        cm.push_back(st.exp_avg_8bit().clone());
-        am.push_back(st.exp_avg_absmax().clone());
-        cv.push_back(st.exp_avg_sq_8bit().clone());
-        av.push_back(st.exp_avg_sq_absmax().clone());
-      } else {
-        cm.push_back(torch::zeros_like(p, torch::kByte));
-        cv.push_back(torch::zeros_like(p, torch::kByte));
-        am.push_back(torch::zeros({(p.numel() + 255) / 256}));
-        av.push_back(torch::zeros({(p.numel() + 255) / 256}));
-      }
+      coded.push_back(state_before_step(opt, p, step));
     }
     if (step == 3) ampfuse_test::step_with_cpu_signal(opt, factor, torch::zeros({}));
     else opt.step();
@@ -472,8 +466,8 @@ TEST_P(Adam8, StepIsTheScalarRuleBitForBit) {
       SCOPED_TRACE("param " + std::to_string(k) + ", step " + std::to_string(step));
       const auto& st = static_cast<const ampfuse::FusedAdamWParamState&>(*opt.state().at(params[k].unsafeGetTensorImpl()));
       const auto p0 = to_vector<float>(before[k]), g0 = to_vector<float>(grads[k]), p1 = to_vector<float>(params[k]);
-      const auto cm0 = to_vector<std::uint8_t>(cm[k]), cv0 = to_vector<std::uint8_t>(cv[k]);
-      const auto am0 = to_vector<float>(am[k]), av0 = to_vector<float>(av[k]);
+      const auto cm0 = to_vector<std::uint8_t>(coded[k].codes_m), cv0 = to_vector<std::uint8_t>(coded[k].codes_v);
+      const auto am0 = to_vector<float>(coded[k].absmax_m), av0 = to_vector<float>(coded[k].absmax_v);
       const auto cm1 = to_vector<std::uint8_t>(st.exp_avg_8bit()), cv1 = to_vector<std::uint8_t>(st.exp_avg_sq_8bit());
       const auto am1 = to_vector<float>(st.exp_avg_absmax()), av1 = to_vector<float>(st.exp_avg_sq_absmax());
       const std::size_t n = p0.size();
