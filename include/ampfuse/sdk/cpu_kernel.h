@@ -510,11 +510,16 @@ inline void for_each_block_read(const char* src, const char* next, std::int64_t 
     for (int u = 0; u < kUnroll; ++u) {
       // Stream u: run elements at src + u * run, continued by the next chunk's stream u.
       prefetch_ahead(src + u * run * es, next + u * next_run * es, next_run, es, run, i + kReadPrefetchElements);
+      if constexpr (kWidth * es > 64)  // fp64 with AVX-512: a block's second cache line, as for_each_block_lists
+        prefetch_ahead(src + u * run * es, next + u * next_run * es, next_run, es, run,
+                       i + kReadPrefetchElements + static_cast<std::int64_t>(64 / es));
       block_fn(src + (u * run + i) * es, u);
     }
   std::int64_t i = kUnroll * run;
   for (; i + kWidth <= n; i += kWidth) {
     prefetch_ahead(src, next, next_n, es, n, i + kReadPrefetchElements);
+    if constexpr (kWidth * es > 64)
+      prefetch_ahead(src, next, next_n, es, n, i + kReadPrefetchElements + static_cast<std::int64_t>(64 / es));
     block_fn(src + i * es, 0);
   }
   if (i < n) {
