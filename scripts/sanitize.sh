@@ -49,7 +49,15 @@ for ((i = 0; i < jobs; ++i)); do
 done
 failed=0
 for i in "${!pids[@]}"; do
-  wait "${pids[$i]}" || { failed=1; log "shard $i failed:"; tail -60 "$AMPFUSE_BUILD_DIR/sanitize_shard_$i.log" >&2; }
+  wait "${pids[$i]}" || {
+    failed=1
+    # --gtest_brief prints a failure where it happens and no list at the end:
+    # each failed test with the 30 lines before it (its seed is among them), then the tail.
+    log "shard $i failed; its failed tests:"
+    grep -B30 -E '^\[  FAILED  \]' "$AMPFUSE_BUILD_DIR/sanitize_shard_$i.log" >&2 || true
+    log "shard $i: the last 40 lines of its log:"
+    tail -40 "$AMPFUSE_BUILD_DIR/sanitize_shard_$i.log" >&2
+  }
 done
 # A report always ends its process with a non-zero status; this is the belt to those braces.
 if grep -l -E "ERROR: AddressSanitizer|runtime error:" "$AMPFUSE_BUILD_DIR"/sanitize_shard_*.log >&2; then failed=1; fi
