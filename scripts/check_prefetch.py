@@ -4,8 +4,7 @@ compiler made. A prefetch is a hint: when a refactor loses it (GCC 12 emitted
 none from the SDK's walkers once the fp64 second-line prefetch moved inside
 prefetch_ahead, docs/engine.md), every test still passes and only the
 benchmark, run by hand, shows the loss (the benchmark binary had 575 prefetch
-instructions instead of 4259). This
-counts the prefetch instructions of each kernel object (objdump -d) against
+instructions instead of 4259). This counts the prefetch instructions of each kernel object (objdump -d) against
 the floors in cmake/kernel_prefetch_floors.txt: half of what GCC 12 makes at
 -O3, so that a new inlining decision passes and a lost walker does not.
 
