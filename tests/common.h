@@ -93,13 +93,17 @@ inline std::vector<torch::Tensor> leaf_copies(const std::vector<torch::Tensor>& 
 }
 
 /// Every element of a[i] within tol * (1 + |b[i]|) of b[i] (compared in fp64
-/// on the CPU); `what` names the comparison in a failure.
+/// on the CPU), plus, where `spread` is given, twice spread[i] at that
+/// element (how far the problem itself moves it: see
+/// expect_matches_over_hundred_steps); `what` names the comparison in a failure.
 inline void expect_close(const std::vector<torch::Tensor>& a, const std::vector<torch::Tensor>& b, double tol,
-                         const std::string& what) {
+                         const std::string& what, const std::vector<torch::Tensor>& spread = {}) {
   for (std::size_t i = 0; i < a.size(); ++i) {
     if (a[i].numel() == 0) continue;
     const auto x = a[i].detach().to(torch::kDouble).cpu(), y = b[i].detach().to(torch::kDouble).cpu();
-    const auto excess = ((x - y).abs() - tol * (1 + y.abs())).max().item<double>();
+    auto bound = tol * (1 + y.abs());
+    if (!spread.empty()) bound = bound + 2 * spread[i].detach().to(torch::kDouble).cpu();
+    const auto excess = ((x - y).abs() - bound).max().item<double>();
     EXPECT_LE(excess, 0.0) << what << ", tensor " << i << ": max |diff| " << (x - y).abs().max().item<double>();
   }
 }
@@ -129,12 +133,27 @@ inline void expect_step_refused(torch::optim::Optimizer& opt, const std::string&
 /// options drawn by random(rng) per group, 100 steps of random grads (negated
 /// for the reference when `maximize`), then every parameter within tol; the
 /// parameters (and so the state and the math) in `dtype`.
+///
+/// How close is close: two correct runs in the same precision round some
+/// operations differently (ATen's add with alpha is a fused multiply-add,
+/// ours two roundings, as at::_fused_adam_'s are), and an ill-conditioned
+/// element amplifies that. At a first step, lr * g / (|g| + eps) with small
+/// eps is a step function of g's sign: where a weight decay nearly cancels g,
+/// the rounding decides the sign and moves the element by about lr; momentum
+/// integrates such differences over the steps. A tolerance relative to the
+/// final value holds for most seeds only. So each element may also differ by
+/// twice how far it moves between two float64 twins of the reference whose
+/// grads are multiplied by 1 +- 8 ulps of `dtype`: the problem's own
+/// conditioning, measured in the run (as the soak does). Well-conditioned
+/// elements, nearly all, get tol alone.
 template <class Ours, class Ref, class Options, class Fused, class Random>
 void expect_matches_over_hundred_steps(torch::Device device, std::mt19937_64& rng, Random&& random, Fused fused,
                                        bool maximize, double tol, torch::Dtype dtype = torch::kFloat) {
   const std::vector<std::vector<std::int64_t>> pool = {{0}, {1}, {3}, {17}, {33, 3}, {65537}, {129, 31}};
-  std::vector<std::vector<torch::Tensor>> ours, ref;
-  std::vector<torch::optim::OptimizerParamGroup> og, rg;
+  const double ulp = dtype == torch::kDouble ? 0x1p-52 : dtype == torch::kFloat ? 0x1p-23 : dtype == torch::kHalf ? 0x1p-10 : 0x1p-7;
+  const double perturb[2] = {8 * ulp, -8 * ulp};
+  std::vector<std::vector<torch::Tensor>> ours, ref, twin[2];
+  std::vector<torch::optim::OptimizerParamGroup> og, rg, tg[2];
   const int groups = 1 + static_cast<int>(rng() % 3);
   for (int g = 0; g < groups; ++g) {
     ours.emplace_back();
@@ -145,20 +164,31 @@ void expect_matches_over_hundred_steps(torch::Device device, std::mt19937_64& rn
     const Options o = random(rng);
     og.emplace_back(ours.back(), std::make_unique<Options>(o));
     rg.emplace_back(ref.back(), std::make_unique<Options>(o));
+    for (int t = 0; t < 2; ++t) {
+      twin[t].push_back(leaf_copies(ours.back(), torch::kDouble));
+      tg[t].emplace_back(twin[t].back(), std::make_unique<Options>(o));
+    }
   }
   Ours opt(og, Options(0.01), fused);
   Ref ref_opt(rg, Options(0.01));
+  Ref twin_opt[2] = {Ref(tg[0], Options(0.01)), Ref(tg[1], Options(0.01))};
   for (int step = 0; step < 100; ++step) {
     for (int g = 0; g < groups; ++g)
       for (std::size_t i = 0; i < ours[g].size(); ++i) {
         auto grad = torch::randn_like(ours[g][i]);
         ours[g][i].mutable_grad() = grad.clone();
         ref[g][i].mutable_grad() = maximize ? -grad : grad.clone();
+        for (int t = 0; t < 2; ++t) twin[t][g][i].mutable_grad() = (maximize ? -grad : grad).to(torch::kDouble) * (1 + perturb[t]);
       }
     opt.step();
     ref_opt.step();
+    for (auto& t : twin_opt) t.step();
   }
-  for (int g = 0; g < groups; ++g) expect_close(ours[g], ref[g], tol, "group " + std::to_string(g));
+  for (int g = 0; g < groups; ++g) {
+    std::vector<torch::Tensor> spread;
+    for (std::size_t i = 0; i < ours[g].size(); ++i) spread.push_back((twin[0][g][i] - twin[1][g][i]).abs().detach());
+    expect_close(ours[g], ref[g], tol, "group " + std::to_string(g), spread);
+  }
 }
 
 /// A test on one device ("cpu" or "cuda", skipped without one), with a seed.

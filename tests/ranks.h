@@ -8,6 +8,7 @@
 #endif
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 
+#include <algorithm>
 #include <chrono>
 #include <csignal>
 #include <cstdlib>
@@ -31,7 +32,7 @@ inline const bool kFlightRecorderOff = [] { return setenv("TORCH_FR_BUFFER_SIZE"
 
 // Runs fn(rank, group) on `world` threads, each with its own Gloo process
 // group over one HashStore (loopback), with a bounded timeout on every
-// collective. An exception on a rank is reported as a failure naming it.
+// collective (`timeout`; setting up the group may take 20 s). An exception on a rank is reported as a failure naming it.
 inline void on_ranks(int world, const std::function<void(int, const c10::intrusive_ptr<c10d::ProcessGroup>&)>& fn,
                      std::chrono::milliseconds timeout = std::chrono::milliseconds(20000)) {
   EXPECT_TRUE(kFlightRecorderOff);
@@ -46,9 +47,13 @@ inline void on_ranks(int world, const std::function<void(int, const c10::intrusi
       try {
         auto options = c10d::ProcessGroupGloo::Options::create();
         options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1"));
-        options->timeout = timeout;
+        // The group connects within the default bound, however short the
+        // collectives' one: a test of a timeout must not fail instead because
+        // setting up took long on a loaded machine (two sanitizer shards on two cores).
+        options->timeout = std::max(timeout, std::chrono::milliseconds(20000));
         // A ProcessGroup over a Gloo backend for CPU tensors, as torch.distributed makes it.
         auto gloo = c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, world, options);
+        gloo->setTimeout(timeout);
         auto group = c10::make_intrusive<c10d::ProcessGroup>(store, rank, world);
         group->setBackend(c10::DeviceType::CPU, c10d::ProcessGroup::BackendType::GLOO, gloo);
         group->setDefaultBackend(c10d::ProcessGroup::BackendType::GLOO);

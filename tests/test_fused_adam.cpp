@@ -134,22 +134,29 @@ class FusedAdamTest : public ampfuse_test::DeviceIsaTest<AdamCase> {
 // 1e-6). A direct fp32-to-fp32 comparison cannot have a fixed tolerance:
 // two correct fp32 runs drift apart in proportion to how far the parameters
 // travel (lr 1e-2 over 100 steps with amsgrad moved them 6e-6 apart, ours
-// being the closer of the two to float64).
+// being the closer of the two to float64). An ill-conditioned element (at a
+// first step, a weight decay nearly cancelling g: the rounding of g + wd * p
+// decides the sign of lr * g / (|g| + eps)) may also differ by twice how far
+// it moves between two float64 twins whose grads are multiplied by 1 +- 8
+// fp32 ulps (ampfuse_test::expect_matches_over_hundred_steps says more).
 TEST_P(FusedAdamTest, MatchesTorchOptimOverHundredSteps) {
   for (int round = 0; round < 3; ++round) {
     const int num_groups = 1 + static_cast<int>(rng_() % 3);
-    std::vector<std::vector<torch::Tensor>> ours, ref32, ref64;
+    std::vector<std::vector<torch::Tensor>> ours, ref32, ref64, twin[2];
     std::vector<Hyper> hypers;
     for (int g = 0; g < num_groups; ++g) {
       ours.push_back(make_params(random_shapes(1 + static_cast<int>(rng_() % 4))));
       ref32.push_back(copies(ours.back(), torch::kFloat));
       ref64.push_back(copies(ours.back(), torch::kDouble));
+      for (auto& t : twin) t.push_back(copies(ours.back(), torch::kDouble));
       hypers.push_back(random_hyper(rng_));
     }
     const bool maximize = round == 2;
     auto opt = make_ours(ours, hypers, maximize);
     auto opt32 = make_reference(ref32, hypers);
     auto opt64 = make_reference(ref64, hypers);
+    std::unique_ptr<torch::optim::Optimizer> twin_opt[2] = {make_reference(twin[0], hypers), make_reference(twin[1], hypers)};
+    const double perturb[2] = {0x1p-20, -0x1p-20};  // 8 fp32 ulps
     for (int step = 0; step < 100; ++step) {
       for (int g = 0; g < num_groups; ++g)
         for (std::size_t i = 0; i < ours[g].size(); ++i) {
@@ -158,10 +165,12 @@ TEST_P(FusedAdamTest, MatchesTorchOptimOverHundredSteps) {
           // LibTorch has no maximize: the references descend on -g.
           ref32[g][i].mutable_grad() = maximize ? -grad : grad.clone();
           ref64[g][i].mutable_grad() = (maximize ? -grad : grad).to(torch::kDouble);
+          for (int t = 0; t < 2; ++t) twin[t][g][i].mutable_grad() = ref64[g][i].grad() * (1 + perturb[t]);
         }
       opt->step();
       opt32->step();
       opt64->step();
+      for (auto& t : twin_opt) t->step();
     }
     SCOPED_TRACE("round " + std::to_string(round) + (maximize ? " (maximize)" : ""));
     for (int g = 0; g < num_groups; ++g) {
@@ -169,9 +178,11 @@ TEST_P(FusedAdamTest, MatchesTorchOptimOverHundredSteps) {
       for (std::size_t i = 0; i < ours[g].size(); ++i) {
         if (ours[g][i].numel() == 0) continue;
         const auto exact = ref64[g][i].detach();
-        const double ours_error = (ours[g][i].detach().to(torch::kDouble) - exact).abs().max().item<double>();
+        const auto ours_errors = (ours[g][i].detach().to(torch::kDouble) - exact).abs();
+        const double ours_error = ours_errors.max().item<double>();
         const double fp32_error = (ref32[g][i].detach().to(torch::kDouble) - exact).abs().max().item<double>();
-        EXPECT_LE(ours_error, 1e-6 + 2 * fp32_error)
+        const auto spread = (twin[0][g][i] - twin[1][g][i]).abs().detach();
+        EXPECT_LE((ours_errors - 2 * spread).max().item<double>(), 1e-6 + 2 * fp32_error)
             << "group " << g << " (lr " << h.lr << ", betas " << h.beta1 << " " << h.beta2 << ", eps " << h.eps
             << ", weight_decay " << h.weight_decay << (h.amsgrad ? ", amsgrad" : "") << "), tensor " << i
             << ": max error against float64 " << ours_error << ", torch::optim in fp32 " << fp32_error;
