@@ -4,11 +4,12 @@ compiler made. A prefetch is a hint: when a refactor loses it (GCC 12 emitted
 none from the SDK's walkers once the fp64 second-line prefetch moved inside
 prefetch_ahead, docs/engine.md), every test still passes and only the
 benchmark, run by hand, shows the loss (the benchmark binary had 575 prefetch
-instructions instead of 4259). This counts the prefetch instructions of each kernel object (objdump -d) against
-the floors in cmake/kernel_prefetch_floors.txt: half of what GCC 12 makes at
+instructions instead of 4259). This counts the prefetch instructions of each
+kernel object (objdump -d) against the floors in
+cmake/kernel_prefetch_floors.txt: half of what GCC 12 makes at
 -O3, so that a new inlining decision passes and a lost walker does not.
 
-Usage: check_prefetch.py FLOORS OBJECT... (ctest's kernel_prefetch passes the
+Usage: check_prefetch.py OBJDUMP FLOORS OBJECT... (ctest's kernel_prefetch passes the
 library's objects). Exit status 1 names each kernel below its floor."""
 import pathlib
 import re
@@ -16,16 +17,17 @@ import subprocess
 import sys
 
 floors = {}
-for line in pathlib.Path(sys.argv[1]).read_text().splitlines():
+objdump = sys.argv[1]
+for line in pathlib.Path(sys.argv[2]).read_text().splitlines():
     line = line.split("#", 1)[0].split()
     if line:
         floors[line[0]] = int(line[1])
 found, low = {}, []
-for obj in sys.argv[2:]:
-    stem = re.sub(r"\.(cpp|cu)\.o(bj)?$", "", pathlib.Path(obj).name)
+for obj in sys.argv[3:]:
+    stem = re.sub(r"(\.(cpp|cu))?\.o(bj)?$", "", pathlib.Path(obj).name)
     if stem not in floors:
         continue
-    text = subprocess.run(["objdump", "-d", "--no-show-raw-insn", obj], check=True, capture_output=True, text=True).stdout
+    text = subprocess.run([objdump, "-d", "--no-show-raw-insn", obj], check=True, capture_output=True, text=True).stdout
     count = len(re.findall(r"\tprefetch", text))
     found[stem] = count
     print(f"{stem:36} {count:5} prefetches (floor {floors[stem]})")

@@ -52,9 +52,15 @@ for i in "${!pids[@]}"; do
   wait "${pids[$i]}" || {
     failed=1
     # --gtest_brief prints a failure where it happens and no list at the end:
-    # each failed test with the 30 lines before it (its seed is among them), then the tail.
+    # each failed test (the first 5) with its seed line (printed once, when it
+    # started) and the 30 lines before its end, then the log's tail.
+    shard_log="$AMPFUSE_BUILD_DIR/sanitize_shard_$i.log"
     log "shard $i failed; its failed tests:"
-    grep -B30 -E '^\[  FAILED  \]' "$AMPFUSE_BUILD_DIR/sanitize_shard_$i.log" >&2 || true
+    names=$({ grep -E '^\[  FAILED  \] ' "$shard_log" || true; } | sed -E 's/^\[  FAILED  \] ([^ ,]+).*/\1/' | sort -u | head -5) || true
+    for name in $names; do
+      { grep -F "] $name: " "$shard_log" || true; } | head -1 >&2 || true
+      { grep -B30 -F "[  FAILED  ] $name" "$shard_log" || true; } | tail -31 >&2 || true
+    done
     log "shard $i: the last 40 lines of its log:"
     tail -40 "$AMPFUSE_BUILD_DIR/sanitize_shard_$i.log" >&2
   }

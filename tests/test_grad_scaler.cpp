@@ -522,11 +522,13 @@ TEST(GradScaler, ContractPathMatchesClassicPathAndSkipsBitwise) {
     ampfuse::GradScaler s2(ampfuse::GradScalerOptions().init_scale(256.0).growth_interval(3));
     std::mt19937_64 rng(seed);
     // The classic path rounds the unscaled grad to the storage type and ATen's
-    // add may fuse its multiply-add; the contract path does neither. Each
-    // applied step may so put the two one storage ulp apart, and a later step
-    // keeps that difference (rounding is monotone): after n applied steps they
-    // are at most n ulps of the largest magnitude either has held apart (plus
-    // the float intermediates' own rounding). The bound is absolute because a
+    // add may fuse its multiply-add; the contract path does neither. Both
+    // subtract the same grad (unscaling by a power of two is exact), so a
+    // difference carried in moves on unchanged but for each step's two
+    // roundings to storage, half an ulp each: after n applied steps the two
+    // are at most n ulps of the largest magnitude either has held apart, plus
+    // the float intermediates' rounding (2^-24 of at most 4x that magnitude,
+    // per path and step: the 2^-22 term). The bound is absolute because a
     // difference made at a large magnitude survives a later step to near zero
     // (seed 15869861216920761446 in f16: 35.8 rounded apart, then -0.105 and -0.110).
     const double eps = dtype == torch::kFloat ? 0x1p-23 : dtype == torch::kHalf ? 0x1p-10 : 0x1p-7;
