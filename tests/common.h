@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <iostream>
+#include <limits>
 #include <random>
 #include <string>
 #include <vector>
@@ -92,6 +93,15 @@ inline std::vector<torch::Tensor> leaf_copies(const std::vector<torch::Tensor>& 
   return out;
 }
 
+/// The distance from 1 to the next value of `dtype` (a floating type: 2^-52,
+/// 2^-23, 2^-10 for fp16, 2^-7 for bf16), as std::numeric_limits says.
+inline double ulp_of(torch::Dtype dtype) {
+  double eps = 0;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "ulp_of",
+                                  [&] { eps = static_cast<double>(std::numeric_limits<scalar_t>::epsilon()); });
+  return eps;
+}
+
 /// Every element of a[i] within tol * (1 + |b[i]|) of b[i] (compared in fp64
 /// on the CPU), plus, where `spread` is given, twice spread[i] at that
 /// element (how far the problem itself moves it: see
@@ -150,8 +160,7 @@ template <class Ours, class Ref, class Options, class Fused, class Random>
 void expect_matches_over_hundred_steps(torch::Device device, std::mt19937_64& rng, Random&& random, Fused fused,
                                        bool maximize, double tol, torch::Dtype dtype = torch::kFloat) {
   const std::vector<std::vector<std::int64_t>> pool = {{0}, {1}, {3}, {17}, {33, 3}, {65537}, {129, 31}};
-  const double ulp = dtype == torch::kDouble ? 0x1p-52 : dtype == torch::kFloat ? 0x1p-23 : dtype == torch::kHalf ? 0x1p-10 : 0x1p-7;
-  const double perturb[2] = {8 * ulp, -8 * ulp};
+  const double perturb[2] = {8 * ulp_of(dtype), -8 * ulp_of(dtype)};
   std::vector<std::vector<torch::Tensor>> ours, ref, twin[2];
   std::vector<torch::optim::OptimizerParamGroup> og, rg, tg[2];
   const int groups = 1 + static_cast<int>(rng() % 3);

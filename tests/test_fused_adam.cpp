@@ -156,7 +156,7 @@ TEST_P(FusedAdamTest, MatchesTorchOptimOverHundredSteps) {
     auto opt32 = make_reference(ref32, hypers);
     auto opt64 = make_reference(ref64, hypers);
     std::unique_ptr<torch::optim::Optimizer> twin_opt[2] = {make_reference(twin[0], hypers), make_reference(twin[1], hypers)};
-    const double perturb[2] = {0x1p-20, -0x1p-20};  // 8 fp32 ulps
+    const double perturb[2] = {8 * ampfuse_test::ulp_of(torch::kFloat), -8 * ampfuse_test::ulp_of(torch::kFloat)};
     for (int step = 0; step < 100; ++step) {
       for (int g = 0; g < num_groups; ++g)
         for (std::size_t i = 0; i < ours[g].size(); ++i) {

@@ -531,7 +531,7 @@ TEST(GradScaler, ContractPathMatchesClassicPathAndSkipsBitwise) {
     // per path and step: the 2^-22 term). The bound is absolute because a
     // difference made at a large magnitude survives a later step to near zero
     // (seed 15869861216920761446 in f16: 35.8 rounded apart, then -0.105 and -0.110).
-    const double eps = dtype == torch::kFloat ? 0x1p-23 : dtype == torch::kHalf ? 0x1p-10 : 0x1p-7;
+    const double eps = ampfuse_test::ulp_of(dtype);
     std::vector<double> largest(c.params.size());
     const auto note_magnitudes = [&] {
       for (std::size_t i = 0; i < c.params.size(); ++i)

@@ -113,7 +113,7 @@ std::string run_config(std::mt19937_64& rng, Random&& random, const Fused& fused
   const int reload_step = rng() % 2 == 0 ? static_cast<int>(rng() % steps) : -1;
   const double max_norm = clip ? 0.1 + 10.0 * uniform(rng) : 0.0;
   const double init_scale = std::pow(2.0, static_cast<int>(rng() % 20));
-  const double ulp = dtype == torch::kDouble ? std::ldexp(1.0, -52) : std::ldexp(1.0, -23);
+  const double ulp = ampfuse_test::ulp_of(dtype);
   std::vector<torch::Tensor> ours;
   std::vector<Twin<Ref>> twins(3);  // [0]: torch::optim in the run's dtype; [1], [2]: perturbed, fp64
   twins[1].perturb = 8 * ulp;
