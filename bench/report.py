@@ -156,7 +156,9 @@ def markdown(context, table, title, setup=None):
           f"LibTorch {context.get('torch_version', '?')}.", "",
           "Speedup = contender time / ampfuse time (higher is better for ampfuse). "
           "Ceiling = ampfuse bandwidth / ceiling bandwidth, the ceiling measured in the same "
-          "process on the same bytes (a traffic twin on CPU, a device-to-device copy on CUDA).", ""]
+          "process on the same bytes (a traffic twin on CPU, a device-to-device copy on CUDA; for Host, "
+          "ceiling_objects: one pass reading only the objects a step must check per parameter, then updating "
+          "through kept pointers, see bench/bench_host.cpp).", ""]
     for (op, pset), (ours, lines) in table.items():
         md.append(f"## {op} — {pset}")
         md.append("")
@@ -168,7 +170,9 @@ def markdown(context, table, title, setup=None):
             md.append(f"| {contender} | {sec * 1e3:.2f} | {gbs:.1f} | {shown} |")
         md.append("")
         if op.startswith("Host") and num_params(pset):
-            md.append(f"ampfuse: {ours['seconds'] * 1e9 / num_params(pset):.0f} ns per parameter.")
+            per = [f"ampfuse: {ours['seconds'] * 1e9 / num_params(pset):.0f} ns per parameter"]
+            per += [f"{c}: {sec * 1e9 / num_params(pset):.0f} ns" for c, sec, _, _, kind, _ in lines if kind == "ceiling"]
+            md.append("; ".join(per) + ".")
             md.append("")
         if op.startswith("ZeroAdam"):
             md += zero_lines(op, ours, lines) + [""]
