@@ -307,8 +307,8 @@ struct Coded8State {
 };
 Coded8State state_before_step(const ampfuse::FusedAdamW& opt, const torch::Tensor& p, std::int64_t step) {
   if (step == 1)
-    return {torch::zeros_like(p, torch::kByte), torch::zeros({(p.numel() + 255) / 256}),
-            torch::zeros_like(p, torch::kByte), torch::zeros({(p.numel() + 255) / 256})};
+    return {torch::zeros_like(p, torch::kByte), torch::zeros({ampfuse::fused::quant_blocks(p.numel())}),
+            torch::zeros_like(p, torch::kByte), torch::zeros({ampfuse::fused::quant_blocks(p.numel())})};
   const auto& st = static_cast<const ampfuse::FusedAdamWParamState&>(*opt.state().at(p.unsafeGetTensorImpl()));
   return {st.exp_avg_8bit().clone(), st.exp_avg_absmax().clone(), st.exp_avg_sq_8bit().clone(),
           st.exp_avg_sq_absmax().clone()};
@@ -635,7 +635,7 @@ TEST(Adam8Vbmi, DecodesAsTheGathersBitForBit) {
         for (std::size_t k = 0; k < with.size(); ++k) {
           const auto i = torch::arange(sizes[k], torch::kLong);
           const auto codes = (i * 37 + i.div(64, "floor")).remainder(256).to(torch::kByte);
-          const auto absmax = torch::exp(torch::randn({(sizes[k] + 255) / 256}) * 5);
+          const auto absmax = torch::exp(torch::randn({ampfuse::fused::quant_blocks(sizes[k])}) * 5);
           for (auto* opt : {&a, &b}) {
             State& st = state(*opt, opt == &a ? with[k] : without[k]);
             st.exp_avg_8bit().copy_(codes);
@@ -983,7 +983,7 @@ TEST(Adam8Checkpoints, ResumeBitForBitAndConvertBothWays) {
 // does not know is refused, naming the key.
 TEST(Adam8Checkpoints, BytesOfTheEarlierMinifloatCodeAreCodedAgainOnLoad) {
   ampfuse_test::seed_for_test();
-  const std::int64_t n = 5000, blocks = (n + 255) / 256;
+  const std::int64_t n = 5000, blocks = ampfuse::fused::quant_blocks(n);
   // Version 1: magnitude code e << 3 | f, value f 2^(-bias-2) (e = 0) or (1 + f/8) 2^(e-bias), 1.0 the largest.
   const auto version1 = [](std::uint32_t mag, int bias) {
     const int e = static_cast<int>(mag >> 3), f = static_cast<int>(mag & 7u);

@@ -3,27 +3,48 @@
 # WORLD_SIZE, LOCAL_RANK, MASTER_ADDR=127.0.0.1 and a free MASTER_PORT, the
 # program's own arguments passed on. Fails unless every rank exits 0; each is
 # killed after AMPFUSE_RANK_TIMEOUT seconds (default 120), so nothing hangs.
+# The port is found free, then released for rank 0 to bind: another process
+# can take it in between. A launch whose ranks failed on a port in use runs
+# again on another port (three tries), so that race fails nothing.
 # Usage: launch.sh <N> <program> [arguments...]
 set -uo pipefail
 world=$1
 program=$2
 shift 2
 limit=${AMPFUSE_RANK_TIMEOUT:-120}
-port=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
-echo "[ ranks    ] $world processes of $(basename "$program"), MASTER_ADDR=127.0.0.1 MASTER_PORT=$port"
-pids=()
-for ((rank = 0; rank < world; ++rank)); do
-  RANK=$rank LOCAL_RANK=$rank WORLD_SIZE=$world MASTER_ADDR=127.0.0.1 MASTER_PORT=$port \
-    timeout "$limit" "$program" "$@" &
-  pids+=($!)
+logs=$(mktemp -d)
+trap 'rm -rf "$logs"' EXIT
+
+# Runs the ranks once on port $1, the program's arguments after it; returns
+# 0 when every rank exited 0.
+launch() {
+  local port=$1 rank status failed=0
+  shift
+  local -a pids=()
+  echo "[ ranks    ] $world processes of $(basename "$program"), MASTER_ADDR=127.0.0.1 MASTER_PORT=$port"
+  for ((rank = 0; rank < world; ++rank)); do
+    # Each rank's stderr is shown as it comes and kept, to tell a port in use;
+    # waiting for the group waits for its tee too, and pipefail gives the
+    # rank's status.
+    { RANK=$rank LOCAL_RANK=$rank WORLD_SIZE=$world MASTER_ADDR=127.0.0.1 MASTER_PORT=$port \
+        timeout "$limit" "$program" "$@" 2>&1 1>&3 | tee "$logs/rank$rank.err" >&2; } 3>&1 &
+    pids+=($!)
+  done
+  for rank in "${!pids[@]}"; do
+    wait "${pids[$rank]}"
+    status=$?
+    if [ "$status" -ne 0 ]; then
+      echo "[ ranks    ] rank $rank exited with $status" >&2
+      failed=1
+    fi
+  done
+  return $failed
+}
+
+for try in 1 2 3; do
+  port=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+  launch "$port" "$@" && exit 0
+  grep -qiE 'EADDRINUSE|address already in use' "$logs"/rank*.err || exit 1
+  echo "[ ranks    ] port $port was taken before rank 0 bound it (try $try of 3): again on another port" >&2
 done
-failed=0
-for rank in "${!pids[@]}"; do
-  wait "${pids[$rank]}"
-  status=$?
-  if [ "$status" -ne 0 ]; then
-    echo "[ ranks    ] rank $rank exited with $status" >&2
-    failed=1
-  fi
-done
-exit $failed
+exit 1
