@@ -2,11 +2,10 @@
 // kernels cost next to nothing, so the time is what a step spends per tensor
 // on the host (validation, state lookup, pointer lists, metadata). On a GPU
 // this is what bounds a step over many small tensors.
-//   Host        FusedAdam::step against at::_fused_adam_ on the same lists and
-//               torch::optim::Adam
+//   Host        FusedAdam::step against at::_fused_adam_ on the same lists,
+//               torch::optim::Adam and the two object ceilings (below)
 //   HostMovedGrads  the same with new grad tensors at every step
 //   HostLAMB    FusedLAMB::step (two passes and the trust ratios between them)
-//               and ceiling_objects (below)
 //   HostScaler  scaler.step(FusedAdam) + scaler.update() against PyTorch's
 //               scaled fused path (_amp_foreach_non_finite_check_and_unscale_,
 //               _fused_adam_ with found_inf, _foreach_sub_ of the steps,
@@ -18,9 +17,11 @@
 // prepared for: one pass, on the same threads, that reads exactly those
 // objects (the parameter's and the grad's TensorImpl and storage, the state
 // map's entry and the state) and updates the element through pointers kept
-// from the first step. It validates nothing, makes no pointer lists and is
-// not all-or-nothing (a change found at one parameter comes after the
-// earlier ones were written), so no real step reaches it.
+// from the first step. It validates nothing and makes no pointer lists. It is
+// not all-or-nothing either (a change found at one parameter comes after the
+// earlier ones were written); ceiling_objects_two_passes is: it checks every
+// parameter, then updates every one, as a step that writes nothing before
+// all is checked must.
 
 #include <ampfuse/fused_adam.h>
 #include <ampfuse/fused_lamb.h>
@@ -47,7 +48,7 @@ const void* element_address(const c10::TensorImpl* t) {
          t->storage_offset() * static_cast<std::int64_t>(t->itemsize());
 }
 
-// What ceiling_objects keeps from the first step of its own FusedAdam.
+// What the ceilings keep from the first step of their own FusedAdam.
 struct KeptObjects {
   std::shared_ptr<ampfuse::FusedAdam> opt;
   std::vector<const void*> param, grad;  // the addresses each step compares
@@ -55,36 +56,74 @@ struct KeptObjects {
   std::vector<float*> p, g, m, v;  // the element each step updates
 };
 
-void objects_ceiling_step(KeptObjects& k, double lr) {
-  const auto& params = k.opt->param_groups()[0].params();
+std::shared_ptr<KeptObjects> keep_objects(const std::vector<torch::Tensor>& params, double lr) {
+  auto k = std::make_shared<KeptObjects>();
+  k->opt = std::make_shared<ampfuse::FusedAdam>(params, torch::optim::AdamOptions(lr));
+  k->opt->step();  // makes the states
+  for (const auto& p : k->opt->param_groups()[0].params()) {
+    auto& s = static_cast<ampfuse::FusedAdamParamState&>(*k->opt->state().at(p.unsafeGetTensorImpl()));
+    k->param.push_back(element_address(p.unsafeGetTensorImpl()));
+    k->grad.push_back(element_address(p.grad().unsafeGetTensorImpl()));
+    k->state.push_back(&s);
+    k->p.push_back(p.data_ptr<float>());
+    k->g.push_back(p.grad().data_ptr<float>());
+    k->m.push_back(s.exp_avg().data_ptr<float>());
+    k->v.push_back(s.exp_avg_sq().data_ptr<float>());
+  }
+  return k;
+}
+
+// Whether parameter i, its grad or its state is not what `k` kept.
+bool objects_changed(const KeptObjects& k, std::size_t i) {
+  const c10::TensorImpl* impl = k.opt->param_groups()[0].params()[i].unsafeGetTensorImpl();
   const auto& states = k.opt->state();
+  const auto it = states.find(const_cast<c10::TensorImpl*>(impl));
+  return element_address(impl) != k.param[i] || element_address(impl->grad().unsafeGetTensorImpl()) != k.grad[i] ||
+         it == states.end() || it->second.get() != k.state[i];
+}
+
+// Adam on element i with FusedAdam's step counter; c1 and c2 are the bias
+// corrections of *step_of_scalars, computed again when the step differs
+// (two pow() per distinct step, as FusedAdam).
+void update_element(const KeptObjects& k, std::size_t i, double lr, std::int64_t* step_of_scalars, float* c1,
+                    float* c2) {
+  ampfuse::FusedAdamParamState& s = *k.state[i];
+  const std::int64_t step = s.step() + 1;
+  if (step != *step_of_scalars) {
+    *c1 = 1.f - std::pow(0.9f, static_cast<float>(step));
+    *c2 = 1.f - std::pow(0.999f, static_cast<float>(step));
+    *step_of_scalars = step;
+  }
+  const float g = *k.g[i], m = 0.9f * *k.m[i] + 0.1f * g, v = 0.999f * *k.v[i] + 0.001f * g * g;
+  *k.m[i] = m;
+  *k.v[i] = v;
+  *k.p[i] -= static_cast<float>(lr) / *c1 * m / (std::sqrt(v / *c2) + 1e-8f);
+  s.step(step);
+}
+
+// One pass (check, then update, per parameter) or two (check every
+// parameter, then update every one: what an all-or-nothing step needs).
+void objects_ceiling_step(const KeptObjects& k, double lr, bool two_passes) {
+  const auto n = static_cast<std::int64_t>(k.state.size());
   std::atomic<bool> changed{false};
-  at::parallel_for(0, static_cast<std::int64_t>(params.size()), ampfuse::sdk::kEntriesGrain,
-                   [&](std::int64_t b, std::int64_t e) {
-    bool moved = false;
-    std::int64_t scalars_step = -1;  // the step c1 and c2 are for: two pow() per distinct step, as FusedAdam
-    float c1 = 1.f, c2 = 1.f;
-    for (std::int64_t i = b; i < e; ++i) {
-      const c10::TensorImpl* impl = params[static_cast<std::size_t>(i)].unsafeGetTensorImpl();
-      const auto it = states.find(const_cast<c10::TensorImpl*>(impl));
-      moved |= element_address(impl) != k.param[static_cast<std::size_t>(i)] ||
-               element_address(impl->grad().unsafeGetTensorImpl()) != k.grad[static_cast<std::size_t>(i)] ||
-               it == states.end() || it->second.get() != k.state[static_cast<std::size_t>(i)];
-      ampfuse::FusedAdamParamState& s = *k.state[static_cast<std::size_t>(i)];
-      const std::int64_t step = s.step() + 1;
-      const float gr = *k.g[i], mi = 0.9f * *k.m[i] + 0.1f * gr, vi = 0.999f * *k.v[i] + 0.001f * gr * gr;
-      if (step != scalars_step) {
-        c1 = 1.f - std::pow(0.9f, static_cast<float>(step));
-        c2 = 1.f - std::pow(0.999f, static_cast<float>(step));
-        scalars_step = step;
+  auto pass = [&](bool check, bool update) {
+    at::parallel_for(0, n, ampfuse::sdk::kEntriesGrain, [&](std::int64_t b, std::int64_t e) {
+      bool moved = false;
+      std::int64_t step_of_scalars = -1;
+      float c1 = 1.f, c2 = 1.f;
+      for (auto i = static_cast<std::size_t>(b); i < static_cast<std::size_t>(e); ++i) {
+        if (check) moved = objects_changed(k, i) || moved;
+        if (update) update_element(k, i, lr, &step_of_scalars, &c1, &c2);
       }
-      *k.m[i] = mi;
-      *k.v[i] = vi;
-      *k.p[i] -= static_cast<float>(lr) / c1 * mi / (std::sqrt(vi / c2) + 1e-8f);
-      s.step(step);
-    }
-    if (moved) changed = true;
-  });
+      if (moved) changed = true;
+    });
+  };
+  if (two_passes) {
+    pass(true, false);
+    if (!changed) pass(false, true);
+  } else {
+    pass(true, true);
+  }
   if (changed) throw std::runtime_error("ceiling_objects: a parameter, grad or state changed");
 }
 
@@ -122,22 +161,12 @@ void register_host(torch::Device device) {
     return Fn([=] { opt->step(); });
   }, bytes);
   if (!device.is_cuda())
-    register_one("Host/ceiling_objects" + tail, device, [=] {
-      auto k = std::make_shared<KeptObjects>();
-      k->opt = std::make_shared<ampfuse::FusedAdam>(data().params, torch::optim::AdamOptions(kLr));
-      k->opt->step();  // makes the states
-      for (const auto& p : k->opt->param_groups()[0].params()) {
-        auto& s = static_cast<ampfuse::FusedAdamParamState&>(*k->opt->state().at(p.unsafeGetTensorImpl()));
-        k->param.push_back(element_address(p.unsafeGetTensorImpl()));
-        k->grad.push_back(element_address(p.grad().unsafeGetTensorImpl()));
-        k->state.push_back(&s);
-        k->p.push_back(p.data_ptr<float>());
-        k->g.push_back(p.grad().data_ptr<float>());
-        k->m.push_back(s.exp_avg().data_ptr<float>());
-        k->v.push_back(s.exp_avg_sq().data_ptr<float>());
-      }
-      return Fn([=] { objects_ceiling_step(*k, kLr); });
-    }, bytes);
+    for (const bool two_passes : {false, true})
+      register_one(std::string("Host/") + (two_passes ? "ceiling_objects_two_passes" : "ceiling_objects") + tail,
+                   device, [=] {
+        auto k = keep_objects(data().params, kLr);
+        return Fn([=] { objects_ceiling_step(*k, kLr, two_passes); });
+      }, bytes);
   register_one("Host/torch_optim_adam" + tail, device, [=] {
     auto opt = std::make_shared<torch::optim::Adam>(data().params, torch::optim::AdamOptions(kLr));
     return Fn([=] { opt->step(); });

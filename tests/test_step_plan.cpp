@@ -108,6 +108,14 @@ TEST_P(StepPlanTest, FusedAdamReusesItsPlanAndSeesEveryChange) {
   });
   t.grads(true);
   EXPECT_TRUE(t.step(PlanMatch::kChanged));
+  t.apply([](auto&, auto& params) {  // weights loaded as torch::load loads them: set_ on the parameter itself
+    torch::NoGradGuard no_grad;
+    params[0].set_(params[0].detach().clone() - 1);
+  });
+  t.grads(true);
+  EXPECT_TRUE(t.step(PlanMatch::kChanged));
+  t.grads(true);
+  EXPECT_TRUE(t.step(PlanMatch::kSame));
   t.apply([](auto& opt, auto& params) {  // a state tensor replaced from outside
     auto& s = static_cast<ampfuse::FusedAdamParamState&>(*opt.state().at(params[3].unsafeGetTensorImpl()));
     s.exp_avg(s.exp_avg().clone() * 0.5);

@@ -32,8 +32,6 @@
 #include "contract/torch/meta_cache.h"
 #endif
 
-#include "contract/torch/prefetch.h"
-
 namespace ampfuse::sdk {
 
 namespace {
@@ -684,8 +682,6 @@ void check_saved_state_keys(torch::serialize::InputArchive& archive, const std::
 
 namespace {
 
-// One parameter as a plan records it. Reads the TensorImpl, its storage,
-// the autograd metadata and the state map: a few cache misses, no checks.
 // The address of t's first element, read without checks (for comparing).
 const void* data_address(const c10::TensorImpl* t) {
   const c10::StorageImpl* storage = t->unsafe_storage().unsafeGetStorageImpl();
@@ -693,6 +689,8 @@ const void* data_address(const c10::TensorImpl* t) {
   return static_cast<const char*>(storage->data()) + t->storage_offset() * static_cast<std::int64_t>(t->itemsize());
 }
 
+// One parameter as a plan records it. Reads the TensorImpl, its storage,
+// the autograd metadata and the state map: a few cache misses, no checks.
 PlanParam plan_param(const at::Tensor& p, const torch::optim::Optimizer& opt, const StateStamp& stamp) {
   PlanParam k;
   if (!p.defined()) return k;
@@ -701,8 +699,6 @@ PlanParam plan_param(const at::Tensor& p, const torch::optim::Optimizer& opt, co
   k.numel = impl->numel();
   k.dtype = p.scalar_type();
   k.param_data = data_address(impl);
-  k.hints[0] = impl->unsafe_storage().unsafeGetStorageImpl();
-  k.hints[1] = impl->autograd_meta();
   if (!impl->is_non_overlapping_and_dense()) {
     // A staged parameter's copy and write-back follow its sizes and strides:
     // a view re-pointed in place to another layout must be prepared again.
@@ -717,25 +713,16 @@ PlanParam plan_param(const at::Tensor& p, const torch::optim::Optimizer& opt, co
   if (g.defined()) {
     k.grad = g.unsafeGetTensorImpl();
     k.grad_data = data_address(k.grad);
-    k.hints[2] = k.grad->unsafe_storage().unsafeGetStorageImpl();
     k.grad_numel = k.grad->numel();
     k.grad_dtype = g.scalar_type();
   }
   const auto& states = opt.state();
   const auto it = states.find(const_cast<c10::TensorImpl*>(impl));
   if (it != states.end()) {
-    k.hints[3] = &*it;
     k.state = it->second.get();
     k.stamp = stamp(*it->second);
   }
   return k;
-}
-
-void prefetch_objects(const PlanParam& r) {
-  prefetch_tensor_impl(r.param);
-  prefetch_tensor_impl(r.grad);
-  prefetch_object(r.state, 128);
-  for (const void* h : r.hints) prefetch_object(h);
 }
 
 std::vector<const at::Tensor*> all_params(torch::optim::Optimizer& opt) {
@@ -798,6 +785,25 @@ PlanMatch match_plan(torch::optim::Optimizer& opt, const StateStamp& stamp, cons
     while (starts[g].second > k) --g;
     return std::make_pair(g, k - starts[g].second);
   };
+  const auto& states = opt.state();
+  // Whether p, its grad and its state are those `kept` recorded: the common
+  // case, read without building a PlanParam (fewer reads, no calls into
+  // autograd); any difference goes through plan_param's comparison below.
+  auto unchanged = [&](const at::Tensor& p, const PlanParam& kept) {
+    const c10::TensorImpl* impl = p.unsafeGetTensorImpl();
+    if (impl != kept.param || kept.layout != 0 || kept.grad == nullptr || kept.grad_sparse || kept.state == nullptr ||
+        kept.stamp == kNoStamp)
+      return false;
+    if (impl->numel() != kept.numel || impl->dtype().toScalarType() != kept.dtype ||
+        !impl->is_non_overlapping_and_dense() || data_address(impl) != kept.param_data)
+      return false;
+    const c10::TensorImpl* grad = impl->grad().unsafeGetTensorImpl();
+    if (grad != kept.grad || grad->numel() != kept.grad_numel || grad->dtype().toScalarType() != kept.grad_dtype ||
+        data_address(grad) != kept.grad_data)
+      return false;
+    const auto it = states.find(const_cast<c10::TensorImpl*>(impl));
+    return it != states.end() && it->second.get() == kept.state && stamp(*it->second) == kept.stamp;
+  };
   std::atomic<bool> changed{false};
   std::atomic<bool> moved{false};
   std::mutex mutex;
@@ -817,7 +823,10 @@ PlanMatch match_plan(torch::optim::Optimizer& opt, const StateStamp& stamp, cons
       }
       const at::Tensor& p = groups[g].params()[i];
       PlanParam& kept = keys.params[static_cast<std::size_t>(k)];
-      if (k + kObjectsAhead < end) prefetch_objects(keys.params[static_cast<std::size_t>(k + kObjectsAhead)]);
+      if (unchanged(p, kept)) {
+        ++i;
+        continue;
+      }
       const PlanParam now = plan_param(p, opt, stamp);
       if (now.param != kept.param || now.param_data != kept.param_data || now.numel != kept.numel ||
           now.layout != kept.layout ||
@@ -848,7 +857,6 @@ PlanMatch match_plan(torch::optim::Optimizer& opt, const StateStamp& stamp, cons
         kept.grad_data = now.grad_data;
         kept.grad_numel = now.grad_numel;
         kept.grad_dtype = now.grad_dtype;
-        kept.hints[2] = now.hints[2];
         any_moved = true;
       }
       ++i;

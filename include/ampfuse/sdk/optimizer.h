@@ -211,19 +211,16 @@ struct PlanParam {
   const c10::TensorImpl* param = nullptr;
   const void* param_data = nullptr;
   std::int64_t numel = 0;
-  c10::ScalarType dtype = c10::ScalarType::Undefined;
   const c10::TensorImpl* grad = nullptr;  ///< null without a grad
   const void* grad_data = nullptr;
   std::int64_t grad_numel = 0;
-  c10::ScalarType grad_dtype = c10::ScalarType::Undefined;
   const void* state = nullptr;  ///< its state object in state(); null without state
   std::size_t stamp = 0;        ///< StateStamp of that state
   std::size_t layout = 0;       ///< 0 for a dense parameter; else a hash of its sizes and strides (staged)
+  c10::ScalarType dtype = c10::ScalarType::Undefined;
+  c10::ScalarType grad_dtype = c10::ScalarType::Undefined;
   bool grad_staged = false;     ///< the grad is read through a StagedGrad
   bool grad_sparse = false;     ///< the grad is sparse (a plan with one is never reused)
-  /// Where the next match will read (the storages, the autograd metadata,
-  /// the state map's entry), for prefetching only: never dereferenced.
-  const void* hints[4] = {};
 };
 
 /// A fingerprint of a state object's tensors (their TensorImpl addresses),
