@@ -321,3 +321,28 @@ INSTANTIATE_TEST_SUITE_P(All, StepPlanTest, ::testing::Values("cpu", "cuda"),
                          [](const auto& info) { return info.param; });
 
 }  // namespace
+
+namespace {
+
+// Every parameter's step counter advances once per step under a reused plan:
+// each is set by the range of chunks holding the tensor's first chunk (a
+// tensor of several chunks spans ranges), a zero-element one, which has no
+// chunk, apart.
+TEST(StepPlanCounters, EveryCounterAdvancesOncePerStep) {
+  ampfuse_test::seed_for_test();
+  std::vector<torch::Tensor> params;
+  for (const std::int64_t n : {0, 1, 300000, 0, 5, 70000, 1})
+    params.push_back(torch::randn({n}).requires_grad_());
+  ampfuse::FusedAdam opt(params, torch::optim::AdamOptions(1e-3));
+  for (int step = 1; step <= 4; ++step) {
+    for (auto& p : params) p.mutable_grad() = torch::randn_like(p);
+    opt.step();
+    for (std::size_t i = 0; i < params.size(); ++i) {
+      const auto& s =
+          static_cast<const ampfuse::FusedAdamParamState&>(*opt.state().at(params[i].unsafeGetTensorImpl()));
+      EXPECT_EQ(s.step(), step) << "param " << i << " (" << params[i].numel() << " elements)";
+    }
+  }
+}
+
+}  // namespace

@@ -353,6 +353,7 @@ struct AdamKept {
   std::shared_ptr<const Plan> plan8;
   std::vector<std::int64_t> steps;
   std::vector<fused::AdamStepScalars> scalars;
+  std::vector<std::size_t> empty;  // 32-bit zero-element parameters: no chunk sets their counters
 };
 
 }  // namespace
@@ -426,6 +427,8 @@ sdk::Launch FusedAdamImpl<Base, Options, State, kDecoupled>::prepare_list(const 
       any_coded = any_coded || k.coded[i] != 0;
     }
     if (any_coded) k.numels8 = std::move(numels8);
+    for (std::size_t i = 0; i < n; ++i)
+      if (k.coded[i] == 0 && k.numels[i] == 0) k.empty.push_back(i);
     if (!on_cuda) k.ptrs.assign(fused::kAdamCpuLists, std::vector<void*>(n, nullptr));
     kept = std::make_shared<AdamKept<State>>(std::move(k));
   }
@@ -473,13 +476,10 @@ sdk::Launch FusedAdamImpl<Base, Options, State, kDecoupled>::prepare_list(const 
         (kept->coded[i] != 0 ? coded_ptrs(Coded8List::kGrad) : list_ptrs(AdamList::kGrad))[i] = list[i]->grad.data_ptr();
       });
     }
-    std::vector<std::int64_t>& steps = kept->steps;
-    steps.resize(n);
-    sdk::parallel_entries(n, [&](std::size_t i) { steps[i] = kept->states[i]->step() + 1; });
-    // Two pow() per distinct step, not per tensor.
-    sdk::per_tensor(steps, kept->scalars, [&](std::int64_t step) {
-      return fused::adam_step_scalars(o.lr(), beta1, beta2, static_cast<double>(step));
-    });
+    // Two pow() per distinct step (and thread), not per tensor.
+    sdk::parallel_per_tensor(
+        n, [&](std::size_t i) { return kept->states[i]->step() + 1; }, kept->steps, kept->scalars,
+        [&](std::int64_t step) { return fused::adam_step_scalars(o.lr(), beta1, beta2, static_cast<double>(step)); });
     const double grad_factor = sdk::cpu_grad_factor(pl.signal);
     if (fresh) pl.slot.keep(kept);
     return [=] {
@@ -492,7 +492,22 @@ sdk::Launch FusedAdamImpl<Base, Options, State, kDecoupled>::prepare_list(const 
                                       grad_factor};
       const fused::cpu::AdamFn kernel = fused::cpu::adam_kernel();
       if (kept->plan8 == nullptr) {
-        sdk::parallel_chunks(*kept->plan, [&](std::int64_t b, std::int64_t e) { kernel(args, b, e); });
+        // One parallel region: each range runs its chunks, then sets the
+        // counters of the tensors whose first chunk it holds (no other
+        // range reads them: the kernel takes its scalars, made above).
+        const Plan& plan = *kept->plan;
+        const std::vector<std::int64_t>& first = plan.chunk_offsets();
+        const std::vector<std::int64_t>& tensors = plan.tensors();
+        at::parallel_for(0, plan.num_chunks(), 1, [&](std::int64_t b, std::int64_t e) {
+          const sdk::cpu::FlushSubnormals flush;
+          kernel(args, b, e);
+          for (auto k = static_cast<std::size_t>(std::lower_bound(first.begin(), first.end() - 1, b) - first.begin());
+               k < tensors.size() && first[k] < e; ++k) {
+            const auto t = static_cast<std::size_t>(tensors[k]);
+            kept->states[t]->step(steps[t]);
+          }
+        });
+        for (const std::size_t i : kept->empty) kept->states[i]->step(steps[i]);
       } else {
         // One parallel region over both plans: the 32-bit chunks, then the 8-bit ones.
         auto coded = [&](Coded8List l) { return kept->ptrs8[list_index(l)].data(); };
@@ -510,8 +525,8 @@ sdk::Launch FusedAdamImpl<Base, Options, State, kDecoupled>::prepare_list(const 
           if (b < n32) kernel(args, b, std::min(e, n32));
           if (e > n32) kernel8(args8, std::max(b, n32) - n32, e - n32);
         });
+        sdk::parallel_entries(steps.size(), [&](std::size_t i) { kept->states[i]->step(steps[i]); });
       }
-      sdk::parallel_entries(steps.size(), [&](std::size_t i) { kept->states[i]->step(steps[i]); });
     };
   }
 #if defined(AMPFUSE_WITH_CUDA)

@@ -441,6 +441,23 @@ void parallel_entries(std::size_t n, F&& fn) {
   });
 }
 
+/// per_tensor over keys read on ATen's threads: keys[i] = key(i), out[i] =
+/// f(keys[i]) computed once per run of equal keys within each thread's
+/// contiguous range. For per-tensor scalars of a step over many parameters,
+/// where reading each key (a state's step counter) is a cache miss: one
+/// parallel pass reads the keys and fills the scalars.
+template <class Key, class Value, class KeyOf, class F>
+void parallel_per_tensor(std::size_t n, KeyOf&& key, std::vector<Key>& keys, std::vector<Value>& out, F&& f) {
+  keys.resize(n);
+  out.resize(n);
+  at::parallel_for(0, static_cast<std::int64_t>(n), kEntriesGrain, [&](std::int64_t b, std::int64_t e) {
+    for (auto i = static_cast<std::size_t>(b); i < static_cast<std::size_t>(e); ++i) {
+      keys[i] = key(i);
+      out[i] = i > static_cast<std::size_t>(b) && keys[i] == keys[i - 1] ? out[i - 1] : f(keys[i]);
+    }
+  });
+}
+
 /// Runs a CPU kernel fn(chunk_begin, chunk_end) over every chunk of `plan`
 /// in one parallel region (ATen's thread pool, at::get_num_threads()), with
 /// subnormals flushed in every worker (cpu::FlushSubnormals).
