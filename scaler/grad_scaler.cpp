@@ -22,7 +22,6 @@
 
 #include "ampfuse/sdk/optimizer.h"
 #include "ampfuse/tensor_ops.h"
-#include "contract/torch/prefetch.h"
 #include "contract/torch/tensor_ops_views.h"
 #include "scaler/update_scale.h"
 
@@ -109,29 +108,41 @@ struct GradKey {
   const void* data = nullptr;
   std::int64_t numel = 0;
   c10::ScalarType dtype = c10::ScalarType::Undefined;
-  // For prefetching only: the grad's StorageImpl and the parameter's autograd metadata.
-  const void* storage = nullptr;
-  const void* autograd_meta = nullptr;
-  bool operator==(const GradKey& o) const {
-    return grad == o.grad && data == o.data && numel == o.numel && dtype == o.dtype;
-  }
 };
+
+// The address of a grad's first element (null without storage: sparse).
+const void* grad_data(const c10::TensorImpl* grad) {
+  const c10::StorageImpl* storage = grad->unsafe_storage().unsafeGetStorageImpl();
+  if (storage == nullptr) return nullptr;
+  return static_cast<const char*>(storage->data()) + grad->storage_offset() * static_cast<std::int64_t>(grad->itemsize());
+}
+
+// p's grad as the plan keeps it. Through the TensorImpl: Tensor::grad() also
+// asks autograd whether p is a leaf (to warn), calls per parameter that a
+// comparison does not need.
+const c10::TensorImpl* grad_of(const at::Tensor& p) {
+  if (!p.defined()) return nullptr;
+  const at::Tensor& g = p.unsafeGetTensorImpl()->grad();
+  return g.defined() ? g.unsafeGetTensorImpl() : nullptr;
+}
 
 GradKey grad_key(const at::Tensor& p) {
   GradKey k;
-  if (!p.defined()) return k;
-  k.autograd_meta = p.unsafeGetTensorImpl()->autograd_meta();
-  const at::Tensor& g = p.grad();
-  if (!g.defined()) return k;
-  k.grad = g.unsafeGetTensorImpl();
+  k.grad = grad_of(p);
+  if (k.grad == nullptr) return k;
   k.numel = k.grad->numel();
-  k.dtype = g.scalar_type();
-  const c10::StorageImpl* storage = k.grad->unsafe_storage().unsafeGetStorageImpl();
-  k.storage = storage;
-  if (storage != nullptr)
-    k.data = static_cast<const char*>(storage->data()) +
-             k.grad->storage_offset() * static_cast<std::int64_t>(k.grad->itemsize());
+  k.dtype = k.grad->dtype().toScalarType();
+  k.data = grad_data(k.grad);
   return k;
+}
+
+// Whether p's grad is the one `kept` recorded, each field compared as soon
+// as it is read.
+bool same_grad(const at::Tensor& p, const GradKey& kept) {
+  const c10::TensorImpl* grad = grad_of(p);
+  if (grad != kept.grad) return false;
+  return grad == nullptr || (grad->numel() == kept.numel && grad->dtype().toScalarType() == kept.dtype &&
+                             grad_data(grad) == kept.data);
 }
 
 bool has_sparse_grad(torch::optim::Optimizer& optimizer) {
@@ -191,16 +202,8 @@ const GradScaler::GradsPlan& GradScaler::grads_plan(torch::optim::Optimizer& opt
     std::atomic<bool> same{true};
     at::parallel_for(0, static_cast<std::int64_t>(params.size()), sdk::kEntriesGrain,
                      [&](std::int64_t b, std::int64_t e) {
-                       for (std::int64_t k = b; k < e && same.load(std::memory_order_relaxed); ++k) {
-                         if (k + sdk::kObjectsAhead < e) {
-                           const auto ahead = static_cast<std::size_t>(k + sdk::kObjectsAhead);
-                           sdk::prefetch_tensor_impl(params[ahead]->unsafeGetTensorImpl());
-                           sdk::prefetch_object(kept->keys[ahead].autograd_meta);
-                           sdk::prefetch_tensor_impl(kept->keys[ahead].grad);
-                           sdk::prefetch_object(kept->keys[ahead].storage);
-                         }
-                         if (!(grad_key(*params[k]) == kept->keys[k])) same = false;
-                       }
+                       for (std::int64_t k = b; k < e && same.load(std::memory_order_relaxed); ++k)
+                         if (!same_grad(*params[k], kept->keys[static_cast<std::size_t>(k)])) same = false;
                      });
     if (same) return *kept;
   }
