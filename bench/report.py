@@ -3,9 +3,10 @@
 of bench/RESULTS.md and a PNG plot.
 
 Benchmark names are <operation>/<contender>/<parameter set>[@cuda]. "ours" is
-ampfuse; contenders whose name starts with "ceiling" are traffic twins or the
-device-to-device copy, and are compared by bandwidth (bytes the operation must
-move per second); all others by time.
+ampfuse; contenders whose name starts with "ceiling" are traffic twins, the
+device-to-device copy or (Host) the object ceilings of bench/bench_host.cpp,
+and are compared by bandwidth (bytes the operation must move per second, the
+same for ours and the ceiling: a ratio of times); all others by time.
 
 usage: report.py RESULTS_JSON [--md bench/RESULTS.md] [--png bench/results.png]
        [--title TEXT] [--readme README.md] [--gpu bench/gpu/h200.json]

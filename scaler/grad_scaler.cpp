@@ -167,8 +167,9 @@ constexpr const char* kScaleFix =
 }  // namespace
 
 // An optimizer's grads by device, checked, with their views, kept while
-// every parameter has the same grad (same TensorImpl and data address).
-// In-place changes to a grad's metadata (resize_, set_) are not looked for.
+// every parameter has the same grad (same TensorImpl, data address, element
+// count and dtype). A change of a grad's shape or strides alone is not
+// looked for.
 // Not kept when a grad is sparse or staged through a dense copy: those are
 // collected again at every step.
 struct GradScaler::GradsPlan {

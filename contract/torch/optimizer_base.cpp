@@ -798,8 +798,8 @@ PlanMatch match_plan(torch::optim::Optimizer& opt, const StateStamp& stamp, cons
         !impl->is_non_overlapping_and_dense() || data_address(impl) != kept.param_data)
       return false;
     const c10::TensorImpl* grad = impl->grad().unsafeGetTensorImpl();
-    if (grad != kept.grad || grad->numel() != kept.grad_numel || grad->dtype().toScalarType() != kept.grad_dtype ||
-        data_address(grad) != kept.grad_data)
+    if (grad != kept.grad || grad->is_sparse() || grad->numel() != kept.grad_numel ||
+        grad->dtype().toScalarType() != kept.grad_dtype || data_address(grad) != kept.grad_data)
       return false;
     const auto it = states.find(const_cast<c10::TensorImpl*>(impl));
     return it != states.end() && it->second.get() == kept.state && stamp(*it->second) == kept.stamp;

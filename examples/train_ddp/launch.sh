@@ -4,8 +4,9 @@
 # program's own arguments passed on. Fails unless every rank exits 0; each is
 # killed after AMPFUSE_RANK_TIMEOUT seconds (default 120), so nothing hangs.
 # The port is found free, then released for rank 0 to bind: another process
-# can take it in between. A launch whose ranks failed on a port in use runs
-# again on another port (three tries), so that race fails nothing.
+# can take it in between. A launch whose rank 0 failed on a port in use runs
+# again on another port (three tries). Other ranks may have reached whoever
+# took the port meanwhile; they fail or time out, and the retry replaces them.
 # Usage: launch.sh <N> <program> [arguments...]
 set -uo pipefail
 world=$1
@@ -44,7 +45,7 @@ launch() {
 for try in 1 2 3; do
   port=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
   launch "$port" "$@" && exit 0
-  grep -qiE 'EADDRINUSE|address already in use' "$logs"/rank*.err || exit 1
+  grep -qiE 'EADDRINUSE|address already in use' "$logs/rank0.err" || exit 1
   echo "[ ranks    ] port $port was taken before rank 0 bound it (try $try of 3): again on another port" >&2
 done
 exit 1

@@ -476,7 +476,7 @@ sdk::Launch FusedAdamImpl<Base, Options, State, kDecoupled>::prepare_list(const 
         (kept->coded[i] != 0 ? coded_ptrs(Coded8List::kGrad) : list_ptrs(AdamList::kGrad))[i] = list[i]->grad.data_ptr();
       });
     }
-    // Two pow() per distinct step (and thread), not per tensor.
+    // Two pow() per run of equal steps (in each thread's range), not per tensor.
     sdk::parallel_per_tensor(
         n, [&](std::size_t i) { return kept->states[i]->step() + 1; }, kept->steps, kept->scalars,
         [&](std::int64_t step) { return fused::adam_step_scalars(o.lr(), beta1, beta2, static_cast<double>(step)); });
