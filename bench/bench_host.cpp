@@ -33,6 +33,7 @@
 #include <stdexcept>
 
 #include "bench/common.h"
+#include "contract/torch/data_address.h"
 
 namespace ampfuse_bench {
 namespace {
@@ -40,12 +41,6 @@ namespace {
 const ParamSet& host_set() {
   static const ParamSet set{"10000x1", std::vector<std::int64_t>(10000, 1)};
   return set;
-}
-
-// The address of t's first element, read through its storage.
-const void* element_address(const c10::TensorImpl* t) {
-  return static_cast<const char*>(t->unsafe_storage().unsafeGetStorageImpl()->data()) +
-         t->storage_offset() * static_cast<std::int64_t>(t->itemsize());
 }
 
 // What the ceilings keep from the first step of their own FusedAdam.
@@ -62,8 +57,8 @@ std::shared_ptr<KeptObjects> keep_objects(const std::vector<torch::Tensor>& para
   k->opt->step();  // makes the states
   for (const auto& p : k->opt->param_groups()[0].params()) {
     auto& s = static_cast<ampfuse::FusedAdamParamState&>(*k->opt->state().at(p.unsafeGetTensorImpl()));
-    k->param.push_back(element_address(p.unsafeGetTensorImpl()));
-    k->grad.push_back(element_address(p.grad().unsafeGetTensorImpl()));
+    k->param.push_back(ampfuse::sdk::data_address(p.unsafeGetTensorImpl()));
+    k->grad.push_back(ampfuse::sdk::data_address(p.grad().unsafeGetTensorImpl()));
     k->state.push_back(&s);
     k->p.push_back(p.data_ptr<float>());
     k->g.push_back(p.grad().data_ptr<float>());
@@ -78,7 +73,8 @@ bool objects_changed(const KeptObjects& k, std::size_t i) {
   const c10::TensorImpl* impl = k.opt->param_groups()[0].params()[i].unsafeGetTensorImpl();
   const auto& states = k.opt->state();
   const auto it = states.find(const_cast<c10::TensorImpl*>(impl));
-  return element_address(impl) != k.param[i] || element_address(impl->grad().unsafeGetTensorImpl()) != k.grad[i] ||
+  using ampfuse::sdk::data_address;
+  return data_address(impl) != k.param[i] || data_address(impl->grad().unsafeGetTensorImpl()) != k.grad[i] ||
          it == states.end() || it->second.get() != k.state[i];
 }
 

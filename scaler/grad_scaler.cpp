@@ -22,6 +22,7 @@
 
 #include "ampfuse/sdk/optimizer.h"
 #include "ampfuse/tensor_ops.h"
+#include "contract/torch/data_address.h"
 #include "contract/torch/tensor_ops_views.h"
 #include "scaler/update_scale.h"
 
@@ -110,13 +111,6 @@ struct GradKey {
   c10::ScalarType dtype = c10::ScalarType::Undefined;
 };
 
-// The address of a grad's first element (null without storage: sparse).
-const void* grad_data(const c10::TensorImpl* grad) {
-  const c10::StorageImpl* storage = grad->unsafe_storage().unsafeGetStorageImpl();
-  if (storage == nullptr) return nullptr;
-  return static_cast<const char*>(storage->data()) + grad->storage_offset() * static_cast<std::int64_t>(grad->itemsize());
-}
-
 // p's grad as the plan keeps it. Through the TensorImpl: Tensor::grad() also
 // asks autograd whether p is a leaf (to warn), calls per parameter that a
 // comparison does not need.
@@ -132,7 +126,7 @@ GradKey grad_key(const at::Tensor& p) {
   if (k.grad == nullptr) return k;
   k.numel = k.grad->numel();
   k.dtype = k.grad->dtype().toScalarType();
-  k.data = grad_data(k.grad);
+  k.data = sdk::data_address(k.grad);
   return k;
 }
 
@@ -142,7 +136,7 @@ bool same_grad(const at::Tensor& p, const GradKey& kept) {
   const c10::TensorImpl* grad = grad_of(p);
   if (grad != kept.grad) return false;
   return grad == nullptr || (grad->numel() == kept.numel && grad->dtype().toScalarType() == kept.dtype &&
-                             grad_data(grad) == kept.data);
+                             sdk::data_address(grad) == kept.data);
 }
 
 bool has_sparse_grad(torch::optim::Optimizer& optimizer) {

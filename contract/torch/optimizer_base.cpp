@@ -32,6 +32,8 @@
 #include "contract/torch/meta_cache.h"
 #endif
 
+#include "contract/torch/data_address.h"
+
 namespace ampfuse::sdk {
 
 namespace {
@@ -681,13 +683,6 @@ void check_saved_state_keys(torch::serialize::InputArchive& archive, const std::
 }
 
 namespace {
-
-// The address of t's first element, read without checks (for comparing).
-const void* data_address(const c10::TensorImpl* t) {
-  const c10::StorageImpl* storage = t->unsafe_storage().unsafeGetStorageImpl();
-  if (storage == nullptr) return nullptr;  // no storage (sparse)
-  return static_cast<const char*>(storage->data()) + t->storage_offset() * static_cast<std::int64_t>(t->itemsize());
-}
 
 // One parameter as a plan records it. Reads the TensorImpl, its storage,
 // the autograd metadata and the state map: a few cache misses, no checks.
