@@ -568,7 +568,73 @@ std::int64_t read_count(torch::serialize::InputArchive& archive, const std::stri
   return n;
 }
 
+// Every tensor a checkpoint holds, checked against its storage before
+// anything reads it: LibTorch's archive reader sets the sizes, strides and
+// storage offset the file gives without checking them against the storage
+// it read, so a damaged file would make the first read of the tensor (a
+// count's item(), a state's copy) read past the storage's end. `where`
+// starts the message (a group and parameter, or nothing); `path` names the
+// key. Modules are walked key by key; other values (lists, tuples, dicts)
+// through IValue::visit.
+void check_saved_tensor(const at::Tensor& t, const char* name, const std::string& where, const std::string& path) {
+  if (!t.defined()) return;
+  if (t.layout() == c10::kSparse) {
+    check_saved_tensor(t._indices(), name, where, path + " (indices)");
+    check_saved_tensor(t._values(), name, where, path + " (values)");
+    return;
+  }
+  TORCH_CHECK(t.layout() == c10::kStrided, name, ": ", where, "the checkpoint's tensor '", path, "' has layout ",
+              t.layout(), ", which no optimizer state has (a damaged checkpoint?)");
+  const c10::TensorImpl* impl = t.unsafeGetTensorImpl();
+  const c10::Storage& storage = impl->unsafe_storage();
+  TORCH_CHECK(fits_storage(impl->sizes(), impl->strides(), impl->storage_offset(),
+                           static_cast<std::int64_t>(impl->itemsize()), storage ? storage.nbytes() : 0),
+              name, ": ", where, "the checkpoint's tensor '", path, "' (sizes ", impl->sizes(), ", strides ",
+              impl->strides(), ", storage offset ", impl->storage_offset(), ", ", impl->itemsize(),
+              " bytes an element) reaches outside its storage of ", storage ? storage.nbytes() : 0,
+              " bytes (a damaged checkpoint?)");
+}
+
+void check_saved_tensors(torch::serialize::InputArchive& archive, const char* name, const std::string& where,
+                         const std::string& prefix, const char* skip = nullptr) {
+  for (const std::string& key : archive.keys()) {
+    if (skip && key == skip) continue;
+    c10::IValue value;
+    archive.read(key, value);
+    torch::serialize::InputArchive nested;
+    if (value.isModule() && archive.try_read(key, nested)) {
+      check_saved_tensors(nested, name, where, prefix + key + "/");
+      continue;
+    }
+    value.visit([&](const c10::IValue& v) {
+      if (v.isTensor()) check_saved_tensor(v.toTensor(), name, where, prefix + key);
+      return false;
+    });
+  }
+}
+
 }  // namespace
+
+bool fits_storage(c10::IntArrayRef sizes, c10::IntArrayRef strides, std::int64_t storage_offset,
+                  std::int64_t itemsize, std::size_t nbytes) {
+  if (sizes.size() != strides.size() || itemsize <= 0) return false;
+  for (const std::int64_t n : sizes) {
+    if (n < 0) return false;
+    if (n == 0) return true;  // no element: nothing is read
+  }
+  if (storage_offset < 0) return false;
+  // Each dimension's reach is below 2^126 (a size and a stride below 2^63),
+  // and one past 2^64 bytes is out of any storage: the sums stay far from
+  // __int128's range.
+  const __int128 limit = static_cast<__int128>(1) << 64;
+  __int128 low = storage_offset, high = storage_offset;
+  for (std::size_t d = 0; d < sizes.size(); ++d) {
+    const __int128 reach = static_cast<__int128>(sizes[d] - 1) * strides[d];
+    if (reach > limit || reach < -limit) return false;
+    (reach > 0 ? high : low) += reach;
+  }
+  return low >= 0 && (high + 1) * itemsize <= static_cast<__int128>(nbytes);
+}
 
 CheckpointLayout read_checkpoint_layout(torch::serialize::InputArchive& archive, const char* name,
                                         const std::vector<std::size_t>& group_sizes) {
@@ -584,6 +650,7 @@ CheckpointLayout read_checkpoint_layout(torch::serialize::InputArchive& archive,
   }
   TORCH_CHECK(version.isString() && version.toStringRef() == "1.5.0", name,
               ": the checkpoint's pytorch_version is not \"1.5.0\", LibTorch's optimizer format");
+  check_saved_tensors(archive, name, "", "", "state");  // the states: below, with their parameters
   torch::serialize::InputArchive states, groups;
   TORCH_CHECK(archive.try_read("state", states) && archive.try_read("param_groups", groups), name,
               ": the checkpoint has no state or no param_groups (a damaged checkpoint?)");
@@ -627,6 +694,7 @@ CheckpointLayout read_checkpoint_layout(torch::serialize::InputArchive& archive,
     torch::serialize::InputArchive one;
     TORCH_CHECK(states.try_read(text, one), name, ": param group ", g, ", param ", i,
                 ": the checkpoint's state is not an archive (a damaged checkpoint?)");
+    check_saved_tensors(one, name, "param group " + std::to_string(g) + ", param " + std::to_string(i) + ": ", "state/" + text + "/");
     layout.states.push_back({g, i, std::move(one)});
   }
   std::sort(layout.states.begin(), layout.states.end(), [](const auto& a, const auto& b) {

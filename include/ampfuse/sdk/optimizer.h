@@ -297,11 +297,21 @@ struct CheckpointLayout {
   std::vector<SavedState> states;
 };
 
+/// True when a strided tensor of these sizes, strides, storage offset and
+/// element size reaches only bytes [0, nbytes) of its storage (always when
+/// it has no element). Overflow-safe for any 64-bit values.
+bool fits_storage(c10::IntArrayRef sizes, c10::IntArrayRef strides, std::int64_t storage_offset,
+                  std::int64_t itemsize, std::size_t nbytes);
+
 /// Reads the layout of `archive`: throws, naming `name` and what is wrong,
 /// unless it holds LibTorch's optimizer format with group_sizes.size()
 /// groups of group_sizes[g] parameters each, every parameter's key a number
 /// that no other parameter has, and every state under a key that some
 /// parameter has.
+/// Every tensor in it (a state's naming its group and parameter) must fit
+/// its storage (fits_storage): LibTorch's archive reader does not check the
+/// sizes, strides and offset a file gives, and a damaged one would have the
+/// first read of such a tensor read outside its storage.
 CheckpointLayout read_checkpoint_layout(torch::serialize::InputArchive& archive, const char* name,
                                         const std::vector<std::size_t>& group_sizes);
 
