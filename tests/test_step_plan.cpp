@@ -187,6 +187,46 @@ TEST_P(StepPlanTest, FusedSGDAndFusedLAMBReuseTheirPlans) {
 // What a plan skips checking must be checked again when it changes: a new
 // grad of the wrong shape, and a state tensor replaced by one of the wrong
 // shape, are refused naming the group and the parameter, and change nothing.
+// Parameters without grads (frozen layers passed to the optimizer) keep the
+// plan; a grad appearing on one, or going away again, is seen.
+TEST_P(StepPlanTest, FrozenParametersKeepThePlanAndAGradOnOneIsSeen) {
+  Twins<ampfuse::FusedAdam> t({param({9}, torch::kFloat), param({5}, torch::kFloat), param({3000}, torch::kFloat)},
+                              maker<ampfuse::FusedAdam>(torch::optim::AdamOptions(1e-2)));
+  // New grads for the parameters in `with` (the same values in both twins), in place where there is one.
+  auto grads = [&t](std::vector<std::size_t> with) {
+    for (const std::size_t i : with) {
+      const torch::Tensor g = torch::randn_like(t.a[i]);
+      for (torch::Tensor* p : {&t.a[i], &t.b[i]}) {
+        if (p->grad().defined()) p->mutable_grad().copy_(g);
+        else p->mutable_grad() = g.clone();
+      }
+    }
+  };
+  grads({0, 2});
+  EXPECT_TRUE(t.step(PlanMatch::kChanged));  // the first step
+  for (int s = 0; s < 2; ++s) {
+    grads({0, 2});
+    EXPECT_TRUE(t.step(PlanMatch::kSame));
+  }
+  EXPECT_EQ(t.reused->state().count(t.a[1].unsafeGetTensorImpl()), 0u);
+  grads({0, 1, 2});  // unfrozen
+  EXPECT_TRUE(t.step(PlanMatch::kChanged));
+  grads({0, 1, 2});
+  EXPECT_TRUE(t.step(PlanMatch::kSame));
+  t.apply([](auto&, auto& params) { params[1].mutable_grad() = torch::Tensor(); });  // frozen again, with state
+  grads({0, 2});
+  EXPECT_TRUE(t.step(PlanMatch::kChanged));
+  for (int s = 0; s < 2; ++s) {
+    grads({0, 2});
+    EXPECT_TRUE(t.step(PlanMatch::kSame));
+  }
+  t.apply([](auto& opt, auto& params) { opt.state().erase(params[1].unsafeGetTensorImpl()); });  // its state dropped
+  grads({0, 2});
+  EXPECT_TRUE(t.step(PlanMatch::kChanged));
+  grads({0, 2});
+  EXPECT_TRUE(t.step(PlanMatch::kSame));
+}
+
 TEST_P(StepPlanTest, ChangesUnderAPlanAreValidated) {
   auto a = param({8}, torch::kFloat), b = param({9}, torch::kFloat);
   ampfuse::FusedAdam opt({a, b}, torch::optim::AdamOptions(1e-2));

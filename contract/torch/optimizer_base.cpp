@@ -852,19 +852,27 @@ PlanMatch match_plan(torch::optim::Optimizer& opt, const StateStamp& stamp, cons
   // Whether p, its grad and its state are those `kept` recorded: the common
   // case, read without building a PlanParam (fewer reads, no calls into
   // autograd); any difference goes through plan_param's comparison below.
+  // A parameter without a grad and without state (a frozen one) is the
+  // common case too: it stays without both.
   auto unchanged = [&](const at::Tensor& p, const PlanParam& kept) {
     const c10::TensorImpl* impl = p.unsafeGetTensorImpl();
-    if (impl != kept.param || kept.layout != 0 || kept.grad == nullptr || kept.grad_sparse || kept.state == nullptr ||
-        kept.stamp == kNoStamp)
+    if (impl != kept.param || kept.layout != 0 || kept.grad_sparse ||
+        (kept.state != nullptr && kept.stamp == kNoStamp))
       return false;
     if (impl->numel() != kept.numel || impl->dtype().toScalarType() != kept.dtype ||
         !impl->is_non_overlapping_and_dense() || data_address(impl) != kept.param_data)
       return false;
-    const c10::TensorImpl* grad = impl->grad().unsafeGetTensorImpl();
-    if (grad != kept.grad || grad->is_sparse() || grad->numel() != kept.grad_numel ||
-        grad->dtype().toScalarType() != kept.grad_dtype || data_address(grad) != kept.grad_data)
-      return false;
+    const at::Tensor& grad_tensor = impl->grad();
+    if (!grad_tensor.defined()) {
+      if (kept.grad != nullptr) return false;
+    } else {
+      const c10::TensorImpl* grad = grad_tensor.unsafeGetTensorImpl();
+      if (grad != kept.grad || grad->is_sparse() || grad->numel() != kept.grad_numel ||
+          grad->dtype().toScalarType() != kept.grad_dtype || data_address(grad) != kept.grad_data)
+        return false;
+    }
     const auto it = states.find(const_cast<c10::TensorImpl*>(impl));
+    if (kept.state == nullptr) return it == states.end();
     return it != states.end() && it->second.get() == kept.state && stamp(*it->second) == kept.stamp;
   };
   std::atomic<bool> changed{false};
