@@ -663,6 +663,7 @@ void ZeroOptimizer::load(torch::serialize::InputArchive& archive) {
               "load: the checkpoint was saved for other parameters (groups, shapes, dtypes or devices differ)");
   torch::serialize::InputArchive inner;
   TORCH_CHECK(archive.try_read("ampfuse_zero/inner", inner), kWhere, "load: the archive has no ampfuse_zero/inner");
+  sdk::check_saved_tensors(inner, "ZeroOptimizer::load");  // the wrapped optimizer may be LibTorch's, which does not
   inner_->load(inner);
   // The options loaded into the wrapped optimizer are this optimizer's now.
   auto& mine = param_groups();

@@ -427,6 +427,9 @@ TEST(FitsStorage, ReachIsCheckedAtBothEndsWithoutOverflow) {
   EXPECT_FALSE(fits_storage({4}, {-1}, 2, 4, 16));         // ... reaching before the first
   EXPECT_FALSE(fits_storage({2}, {1}, -1, 4, 16));
   EXPECT_FALSE(fits_storage({-2}, {1}, 0, 4, 16));
+  EXPECT_FALSE(fits_storage({0, -1}, {1, 1}, 0, 4, 16));  // a negative size beside a zero one
+  EXPECT_FALSE(fits_storage({0}, {1}, -1, 4, 16));        // no element, but a negative offset
+  EXPECT_FALSE(fits_storage({3, 3}, {kMax, kMax}, 0, kMax, ~std::size_t{0}));  // reach times itemsize past 2^127
   EXPECT_FALSE(fits_storage({2, 2}, {1}, 0, 4, 16));       // sizes and strides of other lengths
   EXPECT_TRUE(fits_storage({0, 5}, {kMax, kMax}, kMax, 4, 0));  // no element: nothing is read
   EXPECT_TRUE(fits_storage({}, {}, 3, 4, 16));             // a scalar
@@ -759,7 +762,6 @@ TEST_F(CheckpointTest, FuzzedArchivesAreRefusedWholeOrAcceptedWhole) {
     Rig victim = stepped(k, seed_, 2), twin = stepped(k, seed_, 2);
     std::mt19937_64 grads_victim(seed_ + 1), grads_twin(seed_ + 1);
     for (int it = 0; it < kBytesPerKind + kTreesPerKind; ++it) {
-      ++iterations;
       std::string bytes;
       if (it < kBytesPerKind) {
         // Mostly this kind's file; sometimes another optimizer's, damaged or not.
@@ -778,6 +780,7 @@ TEST_F(CheckpointTest, FuzzedArchivesAreRefusedWholeOrAcceptedWhole) {
           continue;  // a tree the archive writer refuses: not a file anyone can load
         }
       }
+      ++iterations;
       const Snapshot before = snapshot(victim);
       std::string message;
       bool threw_other = false;
@@ -847,10 +850,13 @@ TEST_F(CheckpointTest, FuzzedArchivesAreRefusedWholeOrAcceptedWhole) {
   std::ostringstream file;
   torch::save(source, file);
   for (int it = 0; it < kScaler; ++it) {
-    ++iterations;
     std::string bytes;
     if (it % 2 == 0) {
       bytes = mutate_bytes(file.str(), rng);
+      if (marks_a_directory(bytes)) {
+        ++directories;
+        continue;
+      }
     } else {
       Tree tree = read_tree(file.str());
       mutate_tree(tree, rng);
@@ -865,6 +871,7 @@ TEST_F(CheckpointTest, FuzzedArchivesAreRefusedWholeOrAcceptedWhole) {
         continue;
       }
     }
+    ++iterations;
     const double scale = victim.get_scale();
     const std::int64_t tracker = victim.get_growth_tracker();
     const auto options = victim.options();

@@ -772,6 +772,49 @@ TEST(ZeroOptimizer, ShardedCheckpointResumesBitForBit) {
   });
 }
 
+// A damaged checkpoint whose tensor reaches outside its storage (LibTorch's
+// reader does not check) is refused before the wrapped optimizer reads it,
+// also when that optimizer is LibTorch's, which would read it unchecked.
+TEST(ZeroOptimizer, ATensorReachingOutsideItsStorageIsRefusedForAWrappedLibTorchOptimizer) {
+  const auto seed = ampfuse_test::seed_for_test();
+  const Kind k = kinds()[5];
+  ASSERT_EQ(k.name, "torch::optim::Adam");
+  const Scenario s = make_scenario(seed, 1, /*inf_step=*/-1);
+  on_ranks(1, [&](int, const Group& pg) {
+    auto params = fresh_params(s);
+    auto opt = k.zero(groups_of(params, k), pg, {});
+    for (std::size_t i = 0; i < params.size(); ++i) params[i].mutable_grad() = s.grads[0][0][i];
+    opt->step();
+    torch::serialize::OutputArchive saved;
+    opt->save(saved);
+    std::ostringstream bytes;
+    saved.save_to(bytes);
+    torch::serialize::InputArchive good;
+    std::istringstream in(bytes.str());
+    good.load_from(in);
+    // The same header, and an inner archive with a tensor of 4 elements whose offset is past its storage's 4.
+    torch::serialize::OutputArchive damaged, inner;
+    for (const char* key : {"ampfuse_zero/world_size", "ampfuse_zero/rank", "ampfuse_zero/layout"}) {
+      c10::IValue v;
+      good.read(key, v);
+      damaged.write(key, v);
+    }
+    torch::Tensor bad = torch::zeros({4});
+    bad.unsafeGetTensorImpl()->set_sizes_and_strides(c10::IntArrayRef{4}, c10::IntArrayRef{1}, 6);
+    inner.write("pytorch_version", c10::IValue(std::string("1.5.0")));
+    inner.write("exp_avg", bad);
+    damaged.write("ampfuse_zero/inner", inner);
+    std::ostringstream damaged_bytes;
+    damaged.save_to(damaged_bytes);
+    torch::serialize::InputArchive archive;
+    std::istringstream damaged_in(damaged_bytes.str());
+    archive.load_from(damaged_in);
+    EXPECT_THAT(error_of([&] { opt->load(archive); }),
+                ::testing::HasSubstr("ZeroOptimizer::load: the checkpoint's tensor 'exp_avg' (sizes [4], strides [1], "
+                                     "storage offset 6, 4 bytes an element) reaches outside its storage of 16 bytes"));
+  });
+}
+
 std::string to_bytes(const std::function<void(torch::serialize::OutputArchive&)>& save) {
   torch::serialize::OutputArchive archive;
   save(archive);

@@ -568,14 +568,16 @@ std::int64_t read_count(torch::serialize::InputArchive& archive, const std::stri
   return n;
 }
 
-// Every tensor a checkpoint holds, checked against its storage before
-// anything reads it: LibTorch's archive reader sets the sizes, strides and
-// storage offset the file gives without checking them against the storage
-// it read, so a damaged file would make the first read of the tensor (a
-// count's item(), a state's copy) read past the storage's end. `where`
-// starts the message (a group and parameter, or nothing); `path` names the
-// key. Modules are walked key by key; other values (lists, tuples, dicts)
-// through IValue::visit.
+// A tensor of a checkpoint, checked against its storage before anything
+// reads it: LibTorch's archive reader sets the sizes, strides and storage
+// offset the file gives without checking them against the storage it read,
+// so a damaged file would make the first read of the tensor (a count's
+// item(), a state's copy) read past the storage's end. `where` starts the
+// message (a group and parameter, or nothing); `path` names the key. Other
+// layouts than strided and sparse COO (whose parts are strided) have no
+// storage of their own to check, nor do sub-byte quantized dtypes (two or
+// four elements a byte): no state holds them, and check_state refuses them
+// in a state.
 void check_saved_tensor(const at::Tensor& t, const char* name, const std::string& where, const std::string& path) {
   if (!t.defined()) return;
   if (t.layout() == c10::kSparse) {
@@ -583,8 +585,7 @@ void check_saved_tensor(const at::Tensor& t, const char* name, const std::string
     check_saved_tensor(t._values(), name, where, path + " (values)");
     return;
   }
-  TORCH_CHECK(t.layout() == c10::kStrided, name, ": ", where, "the checkpoint's tensor '", path, "' has layout ",
-              t.layout(), ", which no optimizer state has (a damaged checkpoint?)");
+  if (t.layout() != c10::kStrided || t.scalar_type() == at::kQUInt4x2 || t.scalar_type() == at::kQUInt2x4) return;
   const c10::TensorImpl* impl = t.unsafeGetTensorImpl();
   const c10::Storage& storage = impl->unsafe_storage();
   TORCH_CHECK(fits_storage(impl->sizes(), impl->strides(), impl->storage_offset(),
@@ -595,37 +596,67 @@ void check_saved_tensor(const at::Tensor& t, const char* name, const std::string
               " bytes (a damaged checkpoint?)");
 }
 
+// The tensors in a value: containers and objects are walked to a bounded
+// depth (a damaged file's pickle could make a list that holds itself).
+void check_saved_value(const c10::IValue& v, const char* name, const std::string& where, const std::string& path,
+                       int depth) {
+  constexpr int kMaxDepth = 32;
+  TORCH_CHECK(depth < kMaxDepth, name, ": ", where, "the checkpoint's value '", path, "' nests deeper than ", kMaxDepth,
+              " levels (a damaged checkpoint?)");
+  const auto each = [&](const c10::IValue& x) { check_saved_value(x, name, where, path, depth + 1); };
+  if (v.isTensor()) {
+    check_saved_tensor(v.toTensor(), name, where, path);
+  } else if (v.isTensorList()) {
+    for (const at::Tensor& t : v.toTensorList().vec()) check_saved_tensor(t, name, where, path);
+  } else if (v.isList()) {
+    for (const c10::IValue& x : v.toListRef()) each(x);
+  } else if (v.isTuple()) {
+    for (const c10::IValue& x : v.toTupleRef().elements()) each(x);
+  } else if (v.isGenericDict()) {
+    for (const auto& entry : v.toGenericDict()) {
+      each(entry.key());
+      each(entry.value());
+    }
+  } else if (v.isObject()) {
+    const auto object = v.toObject();
+    for (std::size_t k = 0; k < object->slots().size(); ++k) each(object->getSlot(k));
+  }
+}
+
 void check_saved_tensors(torch::serialize::InputArchive& archive, const char* name, const std::string& where,
-                         const std::string& prefix, const char* skip = nullptr) {
+                         const std::string& prefix, const char* skip, int depth) {
   for (const std::string& key : archive.keys()) {
     if (skip && key == skip) continue;
     c10::IValue value;
     archive.read(key, value);
     torch::serialize::InputArchive nested;
     if (value.isModule() && archive.try_read(key, nested)) {
-      check_saved_tensors(nested, name, where, prefix + key + "/");
-      continue;
+      TORCH_CHECK(depth < 32, name, ": ", where, "the checkpoint's archive '", prefix + key,
+                  "' nests deeper than 32 levels (a damaged checkpoint?)");
+      check_saved_tensors(nested, name, where, prefix + key + "/", nullptr, depth + 1);
+    } else {
+      check_saved_value(value, name, where, prefix + key, 0);
     }
-    value.visit([&](const c10::IValue& v) {
-      if (v.isTensor()) check_saved_tensor(v.toTensor(), name, where, prefix + key);
-      return false;
-    });
   }
 }
 
 }  // namespace
 
+void check_saved_tensors(torch::serialize::InputArchive& archive, const char* name) {
+  check_saved_tensors(archive, name, "", "", nullptr, 0);
+}
+
 bool fits_storage(c10::IntArrayRef sizes, c10::IntArrayRef strides, std::int64_t storage_offset,
                   std::int64_t itemsize, std::size_t nbytes) {
-  if (sizes.size() != strides.size() || itemsize <= 0) return false;
-  for (const std::int64_t n : sizes) {
+  if (sizes.size() != strides.size() || itemsize <= 0 || storage_offset < 0) return false;
+  for (const std::int64_t n : sizes)
     if (n < 0) return false;
+  for (const std::int64_t n : sizes)
     if (n == 0) return true;  // no element: nothing is read
-  }
-  if (storage_offset < 0) return false;
-  // Each dimension's reach is below 2^126 (a size and a stride below 2^63),
-  // and one past 2^64 bytes is out of any storage: the sums stay far from
-  // __int128's range.
+  // Each dimension's reach is below 2^126 (a size and a stride below 2^63)
+  // and is refused past 2^64; one past 2^64 bytes is out of any storage:
+  // low and high stay within 64 * 2^64 + 2^63, and the product is taken
+  // only below 2^64 * 2^63.
   const __int128 limit = static_cast<__int128>(1) << 64;
   __int128 low = storage_offset, high = storage_offset;
   for (std::size_t d = 0; d < sizes.size(); ++d) {
@@ -633,7 +664,7 @@ bool fits_storage(c10::IntArrayRef sizes, c10::IntArrayRef strides, std::int64_t
     if (reach > limit || reach < -limit) return false;
     (reach > 0 ? high : low) += reach;
   }
-  return low >= 0 && (high + 1) * itemsize <= static_cast<__int128>(nbytes);
+  return low >= 0 && high < limit && (high + 1) * itemsize <= static_cast<__int128>(nbytes);
 }
 
 CheckpointLayout read_checkpoint_layout(torch::serialize::InputArchive& archive, const char* name,
@@ -650,7 +681,7 @@ CheckpointLayout read_checkpoint_layout(torch::serialize::InputArchive& archive,
   }
   TORCH_CHECK(version.isString() && version.toStringRef() == "1.5.0", name,
               ": the checkpoint's pytorch_version is not \"1.5.0\", LibTorch's optimizer format");
-  check_saved_tensors(archive, name, "", "", "state");  // the states: below, with their parameters
+  check_saved_tensors(archive, name, "", "", "state", 0);  // the states: below, with their parameters
   torch::serialize::InputArchive states, groups;
   TORCH_CHECK(archive.try_read("state", states) && archive.try_read("param_groups", groups), name,
               ": the checkpoint has no state or no param_groups (a damaged checkpoint?)");
@@ -694,7 +725,8 @@ CheckpointLayout read_checkpoint_layout(torch::serialize::InputArchive& archive,
     torch::serialize::InputArchive one;
     TORCH_CHECK(states.try_read(text, one), name, ": param group ", g, ", param ", i,
                 ": the checkpoint's state is not an archive (a damaged checkpoint?)");
-    check_saved_tensors(one, name, "param group " + std::to_string(g) + ", param " + std::to_string(i) + ": ", "state/" + text + "/");
+    check_saved_tensors(one, name, "param group " + std::to_string(g) + ", param " + std::to_string(i) + ": ",
+                        "state/" + text + "/", nullptr, 0);
     layout.states.push_back({g, i, std::move(one)});
   }
   std::sort(layout.states.begin(), layout.states.end(), [](const auto& a, const auto& b) {

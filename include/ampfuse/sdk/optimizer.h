@@ -297,6 +297,15 @@ struct CheckpointLayout {
   std::vector<SavedState> states;
 };
 
+/// Throws, naming `name` and the key, unless every tensor in `archive` (its
+/// nested archives and values included) fits its storage (fits_storage).
+/// LibTorch's archive reader does not check the sizes, strides and offset
+/// a file gives: a damaged one would have the first read of such a tensor
+/// read outside its storage. read_checkpoint_layout calls it; an archive
+/// handed to code that reads tensors without it (LibTorch's optimizers'
+/// load) should pass through it first.
+void check_saved_tensors(torch::serialize::InputArchive& archive, const char* name);
+
 /// True when a strided tensor of these sizes, strides, storage offset and
 /// element size reaches only bytes [0, nbytes) of its storage (always when
 /// it has no element). Overflow-safe for any 64-bit values.
@@ -309,9 +318,7 @@ bool fits_storage(c10::IntArrayRef sizes, c10::IntArrayRef strides, std::int64_t
 /// that no other parameter has, and every state under a key that some
 /// parameter has.
 /// Every tensor in it (a state's naming its group and parameter) must fit
-/// its storage (fits_storage): LibTorch's archive reader does not check the
-/// sizes, strides and offset a file gives, and a damaged one would have the
-/// first read of such a tensor read outside its storage.
+/// its storage (check_saved_tensors).
 CheckpointLayout read_checkpoint_layout(torch::serialize::InputArchive& archive, const char* name,
                                         const std::vector<std::size_t>& group_sizes);
 
