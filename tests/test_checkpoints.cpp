@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <functional>
 #include <iterator>
 #include <limits>
@@ -479,6 +480,80 @@ TEST_F(CheckpointTest, TensorsReachingOutsideTheirStorageAreRefused) {
   }
 }
 
+// What ampfuse::verify_checkpoint says of `bytes`: "" when it accepts them.
+std::string verify_error(const std::string& bytes) {
+  std::istringstream in(bytes);
+  try {
+    ampfuse::verify_checkpoint(in);
+    return "";
+  } catch (const c10::Error& e) {
+    return e.what_without_backtrace();
+  }
+}
+
+// LibTorch's reader checks no CRC-32: bytes damaged inside a tensor load as
+// they are, and a record marked as a directory loads as unwritten memory.
+// verify_checkpoint, run before torch::load, refuses both.
+TEST_F(CheckpointTest, VerifyCheckpointAcceptsWhatTorchSaveWritesAndRefusesDamage) {
+  for (Kind k : kKinds) EXPECT_EQ(verify_error(stepped(k, seed_, 2).save()), "") << kind_name(k);
+  ampfuse::GradScaler scaler;
+  std::ostringstream scaler_file;
+  torch::save(scaler, scaler_file);
+  EXPECT_EQ(verify_error(scaler_file.str()), "");
+
+  Rig rig = stepped(Kind::kAdam, seed_, 2);
+  const std::string bytes = rig.save();
+  // The whole stream, as torch::load reads it; the position is put back.
+  std::istringstream in(bytes);
+  in.seekg(7);
+  EXPECT_NO_THROW(ampfuse::verify_checkpoint(in));
+  EXPECT_EQ(in.tellg(), std::streampos(7));
+  torch::load(*rig.opt, in);  // and the stream still loads
+
+  // A byte inside param 1's exp_avg (found by its bits): LibTorch loads the damaged value.
+  const auto& state = static_cast<const ampfuse::FusedAdamParamState&>(
+      *rig.opt->state().at(rig.params[1].unsafeGetTensorImpl()));
+  const torch::Tensor exp_avg = state.exp_avg().contiguous();
+  const std::string bits(static_cast<const char*>(exp_avg.data_ptr()), exp_avg.nbytes());
+  const std::size_t at = bytes.find(bits);
+  ASSERT_NE(at, std::string::npos);
+  std::string damaged = bytes;
+  damaged[at + 5] = static_cast<char>(damaged[at + 5] ^ 0x10);
+  Rig victim = stepped(Kind::kAdam, seed_ + 3, 2);
+  EXPECT_EQ(load_error(*victim.opt, damaged), "") << "LibTorch's reader checks CRC-32s now: the docs need updating";
+  EXPECT_THAT(verify_error(damaged), ::testing::AllOf(::testing::HasSubstr("verify_checkpoint: record 'archive/data/"),
+                                                      ::testing::HasSubstr("its bytes are damaged")));
+  // A record marked as a directory in the central directory.
+  damaged = bytes;
+  const std::size_t entry = damaged.find("PK\x01\x02");
+  ASSERT_NE(entry, std::string::npos);
+  damaged[entry + 38] = static_cast<char>(damaged[entry + 38] | 0x10);
+  EXPECT_THAT(verify_error(damaged), ::testing::HasSubstr("is marked as a directory"));
+  // CRC-32s not written (Python's compute_crc32 = False records 0 for every record): the layout is
+  // checked; one record's CRC-32 zeroed in a file that has them is damage.
+  std::string no_crcs = bytes, one_zeroed = bytes;
+  bool zeroed = false;
+  for (std::size_t e = bytes.find("PK\x01\x02"); e != std::string::npos; e = bytes.find("PK\x01\x02", e + 4)) {
+    std::fill_n(no_crcs.begin() + static_cast<std::ptrdiff_t>(e + 16), 4, '\0');
+    if (!zeroed && bytes.compare(e + 46, 13, "archive/data/") == 0) {
+      std::fill_n(one_zeroed.begin() + static_cast<std::ptrdiff_t>(e + 16), 4, '\0');
+      zeroed = true;
+    }
+  }
+  ASSERT_TRUE(zeroed);
+  EXPECT_EQ(verify_error(no_crcs), "");
+  EXPECT_THAT(verify_error(one_zeroed), ::testing::HasSubstr("its bytes are damaged"));
+  // Truncated, anywhere.
+  for (const std::size_t n : {std::size_t{0}, std::size_t{10}, bytes.size() / 2, bytes.size() - 1})
+    EXPECT_NE(verify_error(bytes.substr(0, n)), "") << "truncated to " << n << " bytes";
+  // A file on disk, and a missing one.
+  const std::string path = ::testing::TempDir() + "ampfuse_verify_checkpoint.pt";
+  torch::save(*rig.opt, path);
+  EXPECT_NO_THROW(ampfuse::verify_checkpoint(path));
+  EXPECT_THROW(ampfuse::verify_checkpoint(path + ".missing"), c10::Error);
+  std::remove(path.c_str());
+}
+
 TEST_F(CheckpointTest, MissingOrUnknownKeysAreRefusedNamingTheKey) {
   struct Case {
     Kind kind;
@@ -754,6 +829,7 @@ TEST_F(CheckpointTest, FuzzedArchivesAreRefusedWholeOrAcceptedWhole) {
   std::mt19937_64 rng(seed_);
   constexpr int kBytesPerKind = 25, kTreesPerKind = 40, kScaler = 50;
   int iterations = 0, refused = 0, accepted = 0, bytes_refused = 0, reader_refused = 0, directories = 0;
+  int bytes_accepted = 0, verify_refused = 0;
   std::vector<std::string> files;
   for (Kind k : kKinds) files.push_back(canonical(stepped(k, seed_ + 100, 3).save()));
   for (std::size_t a = 0; a < std::size(kKinds); ++a) {
@@ -769,6 +845,7 @@ TEST_F(CheckpointTest, FuzzedArchivesAreRefusedWholeOrAcceptedWhole) {
         bytes = rng() % 8 == 0 ? files[from] : mutate_bytes(files[from], rng);
         if (marks_a_directory(bytes)) {
           ++directories;
+          EXPECT_NE(verify_error(bytes), "") << "iteration " << it << ": verify_checkpoint took a directory record";
           continue;
         }
       } else {
@@ -818,6 +895,10 @@ TEST_F(CheckpointTest, FuzzedArchivesAreRefusedWholeOrAcceptedWhole) {
       } else {
         ++accepted;
         ASSERT_EQ(load_error(*twin.opt, bytes), "") << "iteration " << it;
+        if (it < kBytesPerKind && bytes != files[a]) {
+          ++bytes_accepted;
+          verify_refused += verify_error(bytes).empty() ? 0 : 1;
+        }
       }
       victim.step(grads_victim);
       twin.step(grads_twin);
@@ -906,7 +987,9 @@ TEST_F(CheckpointTest, FuzzedArchivesAreRefusedWholeOrAcceptedWhole) {
             << " refused, " << accepted << " accepted whole; of the " << bytes_refused
             << " optimizer files refused after byte mutations, " << reader_refused
             << " by LibTorch's archive reader; " << directories
-            << " files not loaded: damaged so that a record reads as a directory\n";
+            << " files not loaded: damaged so that a record reads as a directory (verify_checkpoint refused each); "
+            << "of the " << bytes_accepted << " byte-damaged optimizer files load() accepted, verify_checkpoint refused "
+            << verify_refused << "\n";
   ::testing::Test::RecordProperty("fuzz_iterations", std::to_string(iterations));
   EXPECT_GT(refused, iterations / 2);
 }

@@ -1,6 +1,7 @@
 #pragma once
 // The whole public API of ampfuse.
 
+#include "ampfuse/checkpoint.h"
 #include "ampfuse/config.h"
 #include "ampfuse/contract.h"
 #include "ampfuse/distributed.h"
