@@ -37,10 +37,9 @@ std::uint32_t crc32_update(std::uint32_t crc, const unsigned char* p, std::size_
   const auto& t = tables.t;
   crc = ~crc;
   for (; n >= 8; n -= 8, p += 8) {
-    std::uint32_t lo, hi;
-    std::memcpy(&lo, p, 4);
-    std::memcpy(&hi, p + 4, 4);
-    lo ^= crc;  // little-endian bytes, as x86-64 and AArch64 load them
+    // The bytes in little-endian order, whatever the processor's (one load where it is little-endian).
+    const std::uint32_t lo = (p[0] | p[1] << 8 | p[2] << 16 | static_cast<std::uint32_t>(p[3]) << 24) ^ crc;
+    const std::uint32_t hi = p[4] | p[5] << 8 | p[6] << 16 | static_cast<std::uint32_t>(p[7]) << 24;
     crc = t[7][lo & 0xFFu] ^ t[6][(lo >> 8) & 0xFFu] ^ t[5][(lo >> 16) & 0xFFu] ^ t[4][lo >> 24] ^
           t[3][hi & 0xFFu] ^ t[2][(hi >> 8) & 0xFFu] ^ t[1][(hi >> 16) & 0xFFu] ^ t[0][hi >> 24];
   }
@@ -138,6 +137,7 @@ void verify(File& file) {
     std::uint32_t crc;
   };
   std::vector<Stored> stored;  // records stored uncompressed: their CRC-32s are checked once the layout is
+  bool recorded = false;       // whether any record of some bytes has a CRC-32 other than 0
   std::uint64_t at = 0;
   for (std::uint64_t k = 0; k < d.entries; ++k) {
     constexpr std::uint64_t kFixed = 46;
@@ -167,13 +167,18 @@ void verify(File& file) {
       }
       x += 4 + field_size;
     }
-    TORCH_CHECK(!name.empty() && name.back() != '/' && (le(e + 38, 4) & 0x10u) == 0, kWhat, record,
+    TORCH_CHECK(!name.empty(), kWhat, "entry ", k, " of the central directory has no name (a damaged file)");
+    TORCH_CHECK(name.back() != '/' && (le(e + 38, 4) & 0x10u) == 0, kWhat, record,
                 " is marked as a directory: LibTorch's reader would leave its bytes unwritten (a damaged file)");
     TORCH_CHECK(names.insert(name).second, kWhat, record, " appears twice in the central directory (a damaged file?)");
     TORCH_CHECK(method == 0 || method == 8, kWhat, record, " is stored with compression method ", method,
                 ", which torch::save does not write (a damaged file?)");
     TORCH_CHECK(method != 0 || compressed == size, kWhat, record, " is stored uncompressed but its sizes differ (",
                 compressed, " and ", size, " bytes; a damaged file?)");
+    // Deflate expands at most 1032-fold: a larger size read from a damaged
+    // entry would have LibTorch's reader allocate it before inflating.
+    TORCH_CHECK(method != 8 || size / 1032 <= compressed + 1, kWhat, record, " says ", compressed,
+                " compressed bytes inflate to ", size, ", more than deflate can (a damaged file)");
     const std::vector<unsigned char> h = file.read(local, 30, ("the local header of " + record).c_str());
     const std::uint64_t local_name = le(&h[26], 2), local_extra = le(&h[28], 2);
     TORCH_CHECK(le(&h[0], 4) == kLocal && local_name == name_size &&
@@ -183,12 +188,12 @@ void verify(File& file) {
     const std::uint64_t data = local + 30 + local_name + local_extra;
     TORCH_CHECK(data <= d.offset && compressed <= d.offset - data, kWhat, record, " (", compressed,
                 " bytes at offset ", data, ") runs into the central directory or past the file's end (a damaged file?)");
+    recorded = recorded || (size > 0 && crc != 0);
     if (method == 0 && compressed > 0) stored.push_back({record, data, compressed, static_cast<std::uint32_t>(crc)});
     at += kFixed + name_size + extra_size + comment_size;
   }
   // A file written with CRC-32s off (Python's torch.serialization.config.save.compute_crc32 = False)
   // records 0 for every record: its layout is all there is to check.
-  const bool recorded = std::any_of(stored.begin(), stored.end(), [](const Stored& r) { return r.crc != 0; });
   for (const Stored& r : stored) {
     if (!recorded) break;
     const std::uint32_t got = file.crc(r.data, r.size, r.record);
@@ -200,21 +205,27 @@ void verify(File& file) {
 }  // namespace
 
 void verify_checkpoint(std::istream& in) {
-  TORCH_CHECK(in.good(), kWhat, "the stream cannot be read");
+  TORCH_CHECK(!in.bad() && !in.fail(), kWhat, "the stream cannot be read");
+  in.clear();  // an end-of-file flag alone: seeking clears it, as LibTorch's reader seeks
   const std::streampos start = in.tellg();
+  TORCH_CHECK(start >= 0, kWhat, "the stream cannot seek (a file or memory stream is needed)");
+  // However it ends, the stream is left readable where it was.
+  struct Restore {
+    std::istream& in;
+    std::streampos start;
+    ~Restore() {
+      try {
+        in.clear();
+        in.seekg(start);
+      } catch (...) {  // a stream that throws on failure: it stays where the failure left it
+      }
+    }
+  } restore{in, start};
   in.seekg(0, std::ios::end);
   const std::streampos end = in.tellg();
-  TORCH_CHECK(start >= 0 && end >= 0, kWhat, "the stream cannot seek (a file or memory stream is needed)");
+  TORCH_CHECK(end >= 0, kWhat, "the stream cannot seek to its end (a file or memory stream is needed)");
   File file(in, 0, static_cast<std::uint64_t>(end));  // the whole stream, as LibTorch's reader takes it
-  try {
-    verify(file);
-  } catch (...) {
-    in.clear();
-    in.seekg(start);
-    throw;
-  }
-  in.clear();
-  in.seekg(start);
+  verify(file);
 }
 
 void verify_checkpoint(const std::string& path) {

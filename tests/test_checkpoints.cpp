@@ -509,6 +509,13 @@ TEST_F(CheckpointTest, VerifyCheckpointAcceptsWhatTorchSaveWritesAndRefusesDamag
   EXPECT_NO_THROW(ampfuse::verify_checkpoint(in));
   EXPECT_EQ(in.tellg(), std::streampos(7));
   torch::load(*rig.opt, in);  // and the stream still loads
+  // A stream at its end (end-of-file flag alone) is read whole; a failed one is refused.
+  std::istringstream at_end(bytes);
+  at_end.setstate(std::ios::eofbit);
+  EXPECT_NO_THROW(ampfuse::verify_checkpoint(at_end));
+  std::istringstream failed(bytes);
+  failed.setstate(std::ios::failbit);
+  EXPECT_THROW(ampfuse::verify_checkpoint(failed), c10::Error);
 
   // A byte inside param 1's exp_avg (found by its bits): LibTorch loads the damaged value.
   const auto& state = static_cast<const ampfuse::FusedAdamParamState&>(
@@ -543,6 +550,31 @@ TEST_F(CheckpointTest, VerifyCheckpointAcceptsWhatTorchSaveWritesAndRefusesDamag
   ASSERT_TRUE(zeroed);
   EXPECT_EQ(verify_error(no_crcs), "");
   EXPECT_THAT(verify_error(one_zeroed), ::testing::HasSubstr("its bytes are damaged"));
+  // A compressed record whose size says it inflates past what deflate can:
+  // LibTorch's reader would allocate that size first.
+  std::size_t compressed_entry = std::string::npos;
+  for (std::size_t e = bytes.find("PK\x01\x02"); e != std::string::npos; e = bytes.find("PK\x01\x02", e + 4))
+    if (bytes[e + 10] == 8 && bytes[e + 11] == 0) {
+      compressed_entry = e;
+      break;
+    }
+  ASSERT_NE(compressed_entry, std::string::npos) << "torch::save compressed no record";
+  damaged = bytes;
+  std::fill_n(damaged.begin() + static_cast<std::ptrdiff_t>(compressed_entry + 24), 3, '\xFF');
+  EXPECT_THAT(verify_error(damaged), ::testing::HasSubstr("more than deflate can"));
+  // Every byte of the central directory and the end records, flipped: each
+  // file is refused with a c10::Error or accepted, never read out of bounds
+  // (this test runs under AddressSanitizer too).
+  const std::size_t directory = bytes.find("PK\x01\x02");
+  int sweep_refused = 0;
+  for (std::size_t at = directory; at < bytes.size(); ++at) {
+    damaged = bytes;
+    damaged[at] = static_cast<char>(~damaged[at]);
+    sweep_refused += verify_error(damaged).empty() ? 0 : 1;
+  }
+  std::cout << "[ verify   ] " << sweep_refused << " of " << bytes.size() - directory
+            << " flipped bytes of the central directory and end records refused\n";
+  EXPECT_GT(sweep_refused, static_cast<int>(bytes.size() - directory) / 4);
   // Truncated, anywhere.
   for (const std::size_t n : {std::size_t{0}, std::size_t{10}, bytes.size() / 2, bytes.size() - 1})
     EXPECT_NE(verify_error(bytes.substr(0, n)), "") << "truncated to " << n << " bytes";

@@ -17,10 +17,12 @@
 // header at its offset with the same name, its bytes within the file, no
 // name twice) and the CRC-32 of every stored record (all of a tensor's
 // bytes: torch::save stores them uncompressed; a file written with CRC-32s
-// off, which records 0 for each, has its layout checked). Compressed records (the
-// TorchScript source LibTorch writes beside the data, which its reader
-// parses and refuses when damaged) have their layout checked, not their
-// CRC-32. It reads the whole file once.
+// off, which records 0 for each, has its layout checked). Compressed
+// records (the TorchScript source LibTorch writes beside the data, which
+// its reader parses and refuses when damaged) have their layout checked and
+// their inflated size bounded by what deflate can reach (LibTorch's reader
+// allocates that size before inflating), not their CRC-32. It reads the
+// whole file once.
 
 #include <istream>
 #include <string>
