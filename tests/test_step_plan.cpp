@@ -227,6 +227,56 @@ TEST_P(StepPlanTest, FrozenParametersKeepThePlanAndAGradOnOneIsSeen) {
   EXPECT_TRUE(t.step(PlanMatch::kSame));
 }
 
+// New grads at every step take the plan's fast path for moved grads, which
+// reads each new grad without rebuilding the parameter's record: a new grad
+// of another layout, dtype or kind, or one beside a changed state, must still
+// be seen as such.
+TEST_P(StepPlanTest, NewGradsOfAnotherKindAreSeen) {
+  Twins<ampfuse::FusedAdam> t({param({4, 5}, torch::kFloat), param({33}, torch::kFloat)},
+                              maker<ampfuse::FusedAdam>(torch::optim::AdamOptions(1e-2)));
+  t.grads(false);
+  EXPECT_TRUE(t.step(PlanMatch::kChanged));
+  t.grads(false);
+  EXPECT_TRUE(t.step(PlanMatch::kGradsMoved));
+  const torch::Tensor g0 = torch::randn({5, 4}, t.a[0].options()), g1 = torch::randn_like(t.a[1]);
+  t.apply([&](auto&, auto& params) {  // a transposed grad: read through a copy from now on
+    params[0].mutable_grad() = g0.clone().t();
+    params[1].mutable_grad() = g1.clone();
+  });
+  EXPECT_TRUE(t.step(PlanMatch::kChanged));
+  t.grads(false);  // dense again
+  EXPECT_TRUE(t.step(PlanMatch::kChanged));
+  t.grads(false);
+  EXPECT_TRUE(t.step(PlanMatch::kGradsMoved));
+  t.apply([&](auto& opt, auto& params) {  // a new grad and a state tensor replaced at once
+    params[1].mutable_grad() = g1.clone();
+    auto& s = static_cast<ampfuse::FusedAdamParamState&>(*opt.state().at(params[1].unsafeGetTensorImpl()));
+    s.exp_avg(s.exp_avg().clone());
+  });
+  EXPECT_TRUE(t.step(PlanMatch::kChanged));
+  t.grads(false);
+  EXPECT_TRUE(t.step(PlanMatch::kGradsMoved));
+  // A new grad of another dtype, then a sparse one: refused, naming the parameter, nothing written.
+  for (const bool sparse : {false, true}) {
+    const torch::Tensor before = t.a[1].detach().clone();
+    t.a[1].mutable_grad() = sparse ? torch::randn_like(t.a[1]).to_sparse() : torch::randn_like(t.a[1]).to(torch::kDouble);
+    try {
+      t.reused->step();
+      ADD_FAILURE() << "a new grad " << (sparse ? "that is sparse" : "of another dtype") << " was taken";
+    } catch (const c10::Error& e) {
+      EXPECT_THAT(e.what(), HasSubstr("param group 0, param 1"));
+      EXPECT_THAT(e.what(), HasSubstr(sparse ? "sparse" : "grad dtype"));
+    }
+    EXPECT_TRUE(bitwise_equal(t.a[1].detach(), before));
+    t.a[1].mutable_grad() = torch::randn_like(t.a[1]);
+    t.reused->step();  // a failed step forgets the plan: this one builds it again
+    EXPECT_EQ(t.reused->last_plan_match(), PlanMatch::kChanged);
+    t.a[1].mutable_grad() = torch::randn_like(t.a[1]);
+    t.reused->step();
+    EXPECT_EQ(t.reused->last_plan_match(), PlanMatch::kGradsMoved);
+  }
+}
+
 TEST_P(StepPlanTest, ChangesUnderAPlanAreValidated) {
   auto a = param({8}, torch::kFloat), b = param({9}, torch::kFloat);
   ampfuse::FusedAdam opt({a, b}, torch::optim::AdamOptions(1e-2));

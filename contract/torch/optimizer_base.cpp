@@ -881,31 +881,41 @@ PlanMatch match_plan(torch::optim::Optimizer& opt, const StateStamp& stamp, cons
     return std::make_pair(g, k - starts[g].second);
   };
   const auto& states = opt.state();
-  // Whether p, its grad and its state are those `kept` recorded: the common
-  // case, read without building a PlanParam (fewer reads, no calls into
-  // autograd); any difference goes through plan_param's comparison below.
-  // A parameter without a grad and without state (a frozen one) is the
-  // common case too: it stays without both.
-  auto unchanged = [&](const at::Tensor& p, const PlanParam& kept) {
+  // Whether p, its grad and its state are those `kept` recorded (kAll: the
+  // common case), or all but a dense grad that replaced a dense grad
+  // (kAllButGrad: new grads at every step, as after zero_grad() and a
+  // backward; *grad_now is the new one as a PlanParam records it), read
+  // without building a PlanParam (fewer reads, no calls into autograd);
+  // anything else (kNo) goes through plan_param's comparison below. A
+  // parameter without a grad and without state (a frozen one) is the common
+  // case too: it stays without both.
+  enum class Same { kAll, kAllButGrad, kNo };
+  auto compare = [&](const at::Tensor& p, const PlanParam& kept, PlanParam* grad_now) {
     const c10::TensorImpl* impl = p.unsafeGetTensorImpl();
     if (impl != kept.param || kept.layout != 0 || kept.grad_sparse ||
         (kept.state != nullptr && kept.stamp == kNoStamp))
-      return false;
+      return Same::kNo;
     if (impl->numel() != kept.numel || impl->dtype().toScalarType() != kept.dtype ||
         !impl->is_non_overlapping_and_dense() || data_address(impl) != kept.param_data)
-      return false;
-    const at::Tensor& grad_tensor = impl->grad();
-    if (!grad_tensor.defined()) {
-      if (kept.grad != nullptr) return false;
-    } else {
-      const c10::TensorImpl* grad = grad_tensor.unsafeGetTensorImpl();
-      if (grad != kept.grad || grad->is_sparse() || grad->numel() != kept.grad_numel ||
-          grad->dtype().toScalarType() != kept.grad_dtype || data_address(grad) != kept.grad_data)
-        return false;
-    }
+      return Same::kNo;
     const auto it = states.find(const_cast<c10::TensorImpl*>(impl));
-    if (kept.state == nullptr) return it == states.end();
-    return it != states.end() && it->second.get() == kept.state && stamp(*it->second) == kept.stamp;
+    if (kept.state == nullptr ? it != states.end()
+                              : it == states.end() || it->second.get() != kept.state || stamp(*it->second) != kept.stamp)
+      return Same::kNo;
+    const at::Tensor& grad_tensor = impl->grad();
+    if (!grad_tensor.defined()) return kept.grad == nullptr ? Same::kAll : Same::kNo;
+    const c10::TensorImpl* grad = grad_tensor.unsafeGetTensorImpl();
+    if (kept.grad == nullptr || grad->is_sparse()) return Same::kNo;
+    const void* const grad_data = data_address(grad);
+    const c10::ScalarType grad_dtype = grad->dtype().toScalarType();
+    if (grad == kept.grad && grad->numel() == kept.grad_numel && grad_dtype == kept.grad_dtype &&
+        grad_data == kept.grad_data)
+      return Same::kAll;
+    grad_now->grad = grad;
+    grad_now->grad_data = grad_data;
+    grad_now->grad_numel = grad->numel();
+    grad_now->grad_dtype = grad_dtype;
+    return Same::kAllButGrad;
   };
   std::atomic<bool> changed{false};
   std::atomic<bool> moved{false};
@@ -926,17 +936,19 @@ PlanMatch match_plan(torch::optim::Optimizer& opt, const StateStamp& stamp, cons
       }
       const at::Tensor& p = groups[g].params()[i];
       PlanParam& kept = keys.params[static_cast<std::size_t>(k)];
-      if (unchanged(p, kept)) {
+      PlanParam now;
+      const Same same = compare(p, kept, &now);
+      if (same == Same::kAll) {
         ++i;
         continue;
       }
-      const PlanParam now = plan_param(p, opt, stamp);
-      if (now.param != kept.param || now.param_data != kept.param_data || now.numel != kept.numel ||
+      if (same == Same::kNo) now = plan_param(p, opt, stamp);
+      if (same == Same::kNo && (now.param != kept.param || now.param_data != kept.param_data || now.numel != kept.numel ||
           now.layout != kept.layout ||
           now.dtype != kept.dtype || now.state != kept.state || now.stamp != kept.stamp ||
           (now.state != nullptr && now.stamp == kNoStamp) ||
           (now.grad == nullptr) != (kept.grad == nullptr) || kept.grad_sparse ||
-          (now.grad != nullptr && now.grad->is_sparse())) {
+          (now.grad != nullptr && now.grad->is_sparse()))) {
         changed = true;  // (a step with sparse grads validates from scratch: they are new tensors each step)
         break;
       }
