@@ -9,13 +9,19 @@
 #include <algorithm>
 #include <array>
 #include <cstdint>
-#include <cstring>
 #include <fstream>
 #include <set>
 #include <vector>
 
 namespace ampfuse {
 namespace {
+
+// The little-endian number of `bytes` bytes at p, whatever the processor's order.
+std::uint64_t le(const unsigned char* p, int bytes) {
+  std::uint64_t v = 0;
+  for (int i = bytes - 1; i >= 0; --i) v = (v << 8) | p[i];
+  return v;
+}
 
 // CRC-32 (the zip polynomial, reflected), eight bytes a step: table[k][b]
 // is the CRC of byte b followed by k zero bytes.
@@ -37,20 +43,12 @@ std::uint32_t crc32_update(std::uint32_t crc, const unsigned char* p, std::size_
   const auto& t = tables.t;
   crc = ~crc;
   for (; n >= 8; n -= 8, p += 8) {
-    // The bytes in little-endian order, whatever the processor's (one load where it is little-endian).
-    const std::uint32_t lo = (p[0] | p[1] << 8 | p[2] << 16 | static_cast<std::uint32_t>(p[3]) << 24) ^ crc;
-    const std::uint32_t hi = p[4] | p[5] << 8 | p[6] << 16 | static_cast<std::uint32_t>(p[7]) << 24;
+    const auto lo = static_cast<std::uint32_t>(le(p, 4)) ^ crc, hi = static_cast<std::uint32_t>(le(p + 4, 4));
     crc = t[7][lo & 0xFFu] ^ t[6][(lo >> 8) & 0xFFu] ^ t[5][(lo >> 16) & 0xFFu] ^ t[4][lo >> 24] ^
           t[3][hi & 0xFFu] ^ t[2][(hi >> 8) & 0xFFu] ^ t[1][(hi >> 16) & 0xFFu] ^ t[0][hi >> 24];
   }
   for (; n > 0; --n, ++p) crc = (crc >> 8) ^ t[0][(crc ^ *p) & 0xFFu];
   return ~crc;
-}
-
-std::uint64_t le(const unsigned char* p, int bytes) {
-  std::uint64_t v = 0;
-  for (int i = bytes - 1; i >= 0; --i) v = (v << 8) | p[i];
-  return v;
 }
 
 constexpr char kWhat[] = "verify_checkpoint: ";
