@@ -21,6 +21,9 @@ sanitize="-fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit
 # the run with a non-zero status; print_stacktrace=1: it says where.
 export ASAN_OPTIONS=detect_leaks=0:halt_on_error=1
 export UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1
+# The shards run side by side, each with ATen's OpenMP pool of one thread per core: libgomp's
+# default spin-wait of idle threads would take the cores from the working ones (docs/testing.md).
+export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE}
 # The soak's numeric coverage is the plain run's; here 30 of its random
 # configurations look for memory errors (each runs 3 torch::optim twins).
 export AMPFUSE_SOAK_CONFIGS=${AMPFUSE_SOAK_CONFIGS:-30}

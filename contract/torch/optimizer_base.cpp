@@ -596,12 +596,16 @@ void check_saved_tensor(const at::Tensor& t, const char* name, const std::string
               " bytes (a damaged checkpoint?)");
 }
 
-// The tensors in a value: containers and objects are walked to a bounded
-// depth (a damaged file's pickle could make a list that holds itself).
+// How deep the walk of a checkpoint goes, in nested archives and in the
+// containers of one value (a damaged file's pickle could make a list that
+// holds itself).
+constexpr int kMaxSavedDepth = 32;
+
+// The tensors in a value: containers and objects are walked to a bounded depth.
 void check_saved_value(const c10::IValue& v, const char* name, const std::string& where, const std::string& path,
                        int depth) {
-  constexpr int kMaxDepth = 32;
-  TORCH_CHECK(depth < kMaxDepth, name, ": ", where, "the checkpoint's value '", path, "' nests deeper than ", kMaxDepth,
+  TORCH_CHECK(depth < kMaxSavedDepth, name, ": ", where, "the checkpoint's value '", path, "' nests deeper than ",
+              kMaxSavedDepth,
               " levels (a damaged checkpoint?)");
   const auto each = [&](const c10::IValue& x) { check_saved_value(x, name, where, path, depth + 1); };
   if (v.isTensor()) {
@@ -631,8 +635,8 @@ void check_saved_tensors(torch::serialize::InputArchive& archive, const char* na
     archive.read(key, value);
     torch::serialize::InputArchive nested;
     if (value.isModule() && archive.try_read(key, nested)) {
-      TORCH_CHECK(depth < 32, name, ": ", where, "the checkpoint's archive '", prefix + key,
-                  "' nests deeper than 32 levels (a damaged checkpoint?)");
+      TORCH_CHECK(depth < kMaxSavedDepth, name, ": ", where, "the checkpoint's archive '", prefix + key,
+                  "' nests deeper than ", kMaxSavedDepth, " levels (a damaged checkpoint?)");
       check_saved_tensors(nested, name, where, prefix + key + "/", nullptr, depth + 1);
     } else {
       check_saved_value(value, name, where, prefix + key, 0);
