@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <fstream>
 #include <functional>
 #include <iterator>
 #include <limits>
@@ -584,6 +585,74 @@ TEST_F(CheckpointTest, VerifyCheckpointAcceptsWhatTorchSaveWritesAndRefusesDamag
   EXPECT_NO_THROW(ampfuse::verify_checkpoint(path));
   EXPECT_THROW(ampfuse::verify_checkpoint(path + ".missing"), c10::Error);
   std::remove(path.c_str());
+}
+
+TEST_F(CheckpointTest, LoadCheckpointLoadsAnIntactFileAndLeavesEverythingAsItWasForADamagedOne) {
+  Rig saved = stepped(Kind::kAdam, seed_, 3);
+  const std::string bytes = saved.save();
+  const std::string path = ::testing::TempDir() + "ampfuse_load_checkpoint.pt";
+  {
+    std::ofstream out(path, std::ios::binary);
+    out << bytes;
+  }
+  // Intact: the same state as torch::load gives, from a path and from a stream.
+  Rig by_torch = stepped(Kind::kAdam, seed_ + 1, 1), by_path = stepped(Kind::kAdam, seed_ + 1, 1),
+      by_stream = stepped(Kind::kAdam, seed_ + 1, 1);
+  torch::load(*by_torch.opt, path);
+  ampfuse::load_checkpoint(*by_path.opt, path);
+  std::istringstream in(bytes);
+  ampfuse::load_checkpoint(*by_stream.opt, in);
+  const Snapshot want = snapshot(by_torch);
+  for (const Rig* rig : {&by_path, &by_stream}) {
+    const Snapshot got = snapshot(*rig);
+    ASSERT_EQ(got.views.size(), want.views.size());
+    for (std::size_t k = 0; k < want.views.size(); ++k)
+      for (std::size_t t = 0; t < want.views[k].tensors.size(); ++t) {
+        const torch::Tensor &x = got.views[k].tensors[t], &y = want.views[k].tensors[t];
+        ASSERT_EQ(x.defined(), y.defined()) << "param " << k << " tensor " << t;
+        if (x.defined()) EXPECT_TRUE(bitwise_equal(x, y)) << "param " << k << " tensor " << t;
+      }
+    EXPECT_EQ(got.options, want.options);
+  }
+  // The scaler too.
+  ampfuse::GradScaler scaler(ampfuse::GradScalerOptions().init_scale(1024.0)), loaded;
+  scaler.scale(torch::ones({1}));
+  std::ostringstream scaler_file;
+  torch::save(scaler, scaler_file);
+  std::istringstream scaler_in(scaler_file.str());
+  ampfuse::load_checkpoint(loaded, scaler_in);
+  EXPECT_EQ(loaded.get_scale(), 1024.0);
+
+  // One byte of a moment flipped: torch::load would take it; load_checkpoint refuses it and changes nothing.
+  const auto& state = static_cast<const ampfuse::FusedAdamParamState&>(
+      *saved.opt->state().at(saved.params[0].unsafeGetTensorImpl()));
+  const torch::Tensor exp_avg_sq = state.exp_avg_sq().contiguous();
+  const std::size_t at =
+      bytes.find(std::string(static_cast<const char*>(exp_avg_sq.data_ptr()), exp_avg_sq.nbytes()));
+  ASSERT_NE(at, std::string::npos);
+  std::string damaged = bytes;
+  damaged[at + 3] = static_cast<char>(damaged[at + 3] ^ 0x40);
+  {
+    std::ofstream out(path, std::ios::binary | std::ios::trunc);
+    out << damaged;
+  }
+  Rig victim = stepped(Kind::kAdam, seed_ + 2, 2);
+  const Snapshot before = snapshot(victim);
+  try {
+    ampfuse::load_checkpoint(*victim.opt, path);
+    ADD_FAILURE() << "a damaged file was loaded";
+  } catch (const c10::Error& e) {
+    EXPECT_THAT(e.what_without_backtrace(), ::testing::HasSubstr("its bytes are damaged"));
+  }
+  EXPECT_TRUE(same(before, snapshot(victim)));
+  std::remove(path.c_str());
+  try {
+    ampfuse::load_checkpoint(*victim.opt, path);
+    ADD_FAILURE() << "a missing file was loaded";
+  } catch (const c10::Error& e) {
+    EXPECT_THAT(e.what_without_backtrace(), ::testing::HasSubstr("cannot open " + path));
+  }
+  EXPECT_TRUE(same(before, snapshot(victim)));
 }
 
 TEST_F(CheckpointTest, MissingOrUnknownKeysAreRefusedNamingTheKey) {

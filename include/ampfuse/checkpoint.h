@@ -12,6 +12,11 @@
 //   ampfuse::verify_checkpoint(path);  // throws c10::Error naming the record
 //   torch::load(optimizer, path);
 //
+// or, in one call that reads the file it checked (one open file, so a file
+// replaced at `path` in between cannot be loaded unchecked):
+//
+//   ampfuse::load_checkpoint(optimizer, path);
+//
 // It checks the archive's layout (the end records, zip64 included, and the
 // central directory within the file), every entry (not a directory, a local
 // header at its offset with the same name, its bytes within the file, no
@@ -24,6 +29,9 @@
 // allocates that size before inflating), not their CRC-32. It reads the
 // whole file once.
 
+#include <torch/serialize.h>
+
+#include <fstream>
 #include <istream>
 #include <string>
 
@@ -37,5 +45,23 @@ void verify_checkpoint(std::istream& in);
 
 /// The same for the file at `path`.
 void verify_checkpoint(const std::string& path);
+
+/// verify_checkpoint(in), then torch::load(value, in): anything torch::load
+/// takes (an optimizer, a GradScaler, a module) is loaded from `in` only when
+/// its archive is intact, and is untouched when it is not. The bytes checked
+/// are the bytes loaded.
+template <typename Value>
+void load_checkpoint(Value& value, std::istream& in) {
+  verify_checkpoint(in);
+  torch::load(value, in);
+}
+
+/// The same for the file at `path`, opened once for both.
+template <typename Value>
+void load_checkpoint(Value& value, const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  TORCH_CHECK(in.is_open(), "ampfuse::load_checkpoint: cannot open ", path);
+  load_checkpoint(value, in);
+}
 
 }  // namespace ampfuse
