@@ -605,8 +605,7 @@ constexpr int kMaxSavedDepth = 32;
 void check_saved_value(const c10::IValue& v, const char* name, const std::string& where, const std::string& path,
                        int depth) {
   TORCH_CHECK(depth < kMaxSavedDepth, name, ": ", where, "the checkpoint's value '", path, "' nests deeper than ",
-              kMaxSavedDepth,
-              " levels (a damaged checkpoint?)");
+              kMaxSavedDepth, " levels (a damaged checkpoint?)");
   const auto each = [&](const c10::IValue& x) { check_saved_value(x, name, where, path, depth + 1); };
   if (v.isTensor()) {
     check_saved_tensor(v.toTensor(), name, where, path);
