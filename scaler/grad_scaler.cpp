@@ -279,10 +279,10 @@ void GradScaler::check_grads(torch::optim::Optimizer& optimizer, OptimizerState&
   for (std::size_t i = 0; i < devices.size(); ++i) {
     DeviceState& ds = devices[i];
     if (unscale_in_place) {
-      detail::scale(plan.views[i].views, ds.device, ds.inv_scale, &ds.found_inf);
+      detail::scale(plan.views[i], ds.device, ds.inv_scale, &ds.found_inf);
       ds.inv_scale = at::Tensor();  // grads are unscaled now
     } else {
-      detail::check_non_finite(plan.views[i].views, ds.device, ds.found_inf);
+      detail::check_non_finite(plan.views[i], ds.device, ds.found_inf);
     }
   }
   if (unscale_in_place) plan.write_back();
@@ -412,7 +412,7 @@ at::Tensor GradScaler::clip_grad_norm_(torch::optim::Optimizer& optimizer, doubl
     const c10::Device device = grads[i].first;
     DeviceState ds{device, at::zeros({}, f32_on(device)), scaled ? inv_scale_on(device) : at::Tensor(), {}};
     at::Tensor sum_sq = at::zeros({}, at::TensorOptions().dtype(at::kDouble).device(device));
-    detail::check_non_finite(plan.views[i].views, device, ds.found_inf, sum_sq);
+    detail::check_non_finite(plan.views[i], device, ds.found_inf, sum_sq);
     total_sq = total_sq.defined() ? total_sq.add_(to_device(sum_sq, total_sq.device())) : sum_sq;
     devices.push_back(std::move(ds));
   }
@@ -498,7 +498,7 @@ void GradScaler::apply_deferred_factors(torch::optim::Optimizer& optimizer, cons
         factor = at::where(found != 0, at::ones_like(factor), factor);
       }
     }
-    detail::scale(plan.views[i].views, ds->device, factor.reshape({1}), nullptr);
+    detail::scale(plan.views[i], ds->device, factor.reshape({1}), nullptr);
   }
   plan.write_back();
 }

@@ -256,23 +256,45 @@ void check_non_finite(at::TensorList tensors, const at::Tensor& found_inf, const
   check_scalar(found_inf, op, "found_inf", device);
   if (sum_sq) check_scalar(*sum_sq, op, "sum_sq", device, /*allow_double=*/true);
   const detail::CheckedList list = detail::make_views(pointers(tensors), "tensors", op, /*in_place=*/false);
-  if (device) detail::check_non_finite(list.views, *device, found_inf, sum_sq);
+  if (device) detail::check_non_finite(list, *device, found_inf, sum_sq);
 }
 
 namespace detail {
 
-void check_non_finite(const TensorListsView& views, c10::Device device, const at::Tensor& found_inf,
+struct CpuGroups {
+  struct One {
+    ScalarType dtype;
+    Plan plan;
+    std::vector<void*> ptrs;
+  };
+  std::vector<One> groups;
+};
+
+namespace {
+
+const CpuGroups& cpu_groups(const CheckedList& list) {
+  if (!list.cpu_groups) {
+    auto made = std::make_shared<CpuGroups>();
+    for (Group& g : make_groups(list.views, sdk::cpu::kChunkSize))
+      made->groups.push_back({g.dtype, std::move(g.plan), data_pointers(*g.view)});
+    list.cpu_groups = std::move(made);
+  }
+  return *list.cpu_groups;
+}
+
+}  // namespace
+
+void check_non_finite(const CheckedList& list, c10::Device device, const at::Tensor& found_inf,
                       const c10::optional<at::Tensor>& sum_sq) {
   if (device.is_cpu()) {
     const cpu::Kernels& k = cpu::kernels();
     bool any_non_finite = false;
     double total = 0.0;
-    for (const Group& g : make_groups(views, sdk::cpu::kChunkSize)) {
-      const std::vector<void*> ptrs = data_pointers(*g.view);
+    for (const CpuGroups::One& g : cpu_groups(list).groups) {
       const std::int64_t num_chunks = g.plan.num_chunks();
       std::vector<unsigned char> chunk_non_finite(static_cast<std::size_t>(num_chunks));
       std::vector<double> chunk_sum_sq(sum_sq ? static_cast<std::size_t>(num_chunks) : 0);
-      const cpu::CheckArgs args{sdk::cpu::plan_ref(g.plan), ptrs.data(), g.dtype, chunk_non_finite.data(),
+      const cpu::CheckArgs args{sdk::cpu::plan_ref(g.plan), g.ptrs.data(), g.dtype, chunk_non_finite.data(),
                                 sum_sq ? chunk_sum_sq.data() : nullptr};
       at::parallel_for(0, num_chunks, 1, [&](std::int64_t b, std::int64_t e) {
         const sdk::cpu::FlushSubnormals flush;
@@ -293,7 +315,7 @@ void check_non_finite(const TensorListsView& views, c10::Device device, const at
     return;
   }
 #if defined(AMPFUSE_WITH_CUDA)
-  for_each_cuda_group(views, device, [&](const Group& g, const sdk::cuda::LaunchMeta& meta, sdk::cuda::Stream stream) {
+  for_each_cuda_group(list.views, device, [&](const Group& g, const sdk::cuda::LaunchMeta& meta, sdk::cuda::Stream stream) {
     at::Tensor workspace;
     if (sum_sq)
       workspace = at::empty({static_cast<std::int64_t>(cuda::check_workspace_bytes(meta.num_chunks))},
@@ -307,15 +329,14 @@ void check_non_finite(const TensorListsView& views, c10::Device device, const at
 #endif
 }
 
-void scale(const TensorListsView& views, c10::Device device, const at::Tensor& scale, const at::Tensor* found_inf) {
+void scale(const CheckedList& list, c10::Device device, const at::Tensor& scale, const at::Tensor* found_inf) {
   if (device.is_cpu()) {
     const cpu::Kernels& k = cpu::kernels();
     const float s = *scale.data_ptr<float>();
     bool any_non_finite = false;
-    for (const Group& g : make_groups(views, sdk::cpu::kChunkSize)) {
-      const std::vector<void*> ptrs = data_pointers(*g.view);
+    for (const CpuGroups::One& g : cpu_groups(list).groups) {
       std::vector<unsigned char> chunk_non_finite(found_inf ? static_cast<std::size_t>(g.plan.num_chunks()) : 0);
-      const cpu::ScaleArgs args{sdk::cpu::plan_ref(g.plan), ptrs.data(), g.dtype, s,
+      const cpu::ScaleArgs args{sdk::cpu::plan_ref(g.plan), g.ptrs.data(), g.dtype, s,
                                 found_inf ? chunk_non_finite.data() : nullptr};
       at::parallel_for(0, g.plan.num_chunks(), 1, [&](std::int64_t b, std::int64_t e) {
         const sdk::cpu::FlushSubnormals flush;
@@ -327,7 +348,7 @@ void scale(const TensorListsView& views, c10::Device device, const at::Tensor& s
     return;
   }
 #if defined(AMPFUSE_WITH_CUDA)
-  for_each_cuda_group(views, device, [&](const Group& g, const sdk::cuda::LaunchMeta& meta, sdk::cuda::Stream stream) {
+  for_each_cuda_group(list.views, device, [&](const Group& g, const sdk::cuda::LaunchMeta& meta, sdk::cuda::Stream stream) {
     cuda::scale(meta, g.dtype, scale.data_ptr<float>(), found_inf ? found_inf->data_ptr<float>() : nullptr, stream);
   });
 #endif
@@ -343,7 +364,7 @@ void scale_impl(const char* op, at::TensorList tensors, const at::Tensor& scale,
   if (found_inf) check_scalar(*found_inf, op, "found_inf", device);
   const detail::CheckedList list = detail::make_views(pointers(tensors), "tensors", op, /*in_place=*/true);
   if (!device) return;
-  detail::scale(list.views, *device, scale, found_inf);
+  detail::scale(list, *device, scale, found_inf);
   list.write_back();
 }
 

@@ -7,6 +7,7 @@
 #include <c10/core/Device.h>
 #include <c10/util/Optional.h>
 
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
@@ -17,9 +18,15 @@ namespace ampfuse::detail {
 
 /// One checked list: its views, and the tensors that are not dense (views
 /// with gaps), each with the dense copy its view points to.
+struct CpuGroups;
+
 struct CheckedList {
   TensorListsView views;
   std::vector<std::pair<at::Tensor, at::Tensor>> staged;  ///< (original, dense copy)
+  /// On CPU: the list's dtype groups, each with its chunk plan and pointer
+  /// array, made by the first op on the list and reused by the next ones
+  /// (the GradScaler keeps a checked list while its grads are unchanged).
+  mutable std::shared_ptr<const CpuGroups> cpu_groups;
 
   /// After an in-place op: copies each dense copy back into its original.
   void write_back() const;
@@ -32,11 +39,11 @@ struct CheckedList {
 CheckedList make_views(const std::vector<const at::Tensor*>& tensors, const std::string& name, const char* op,
                        bool in_place);
 
-/// ampfuse::check_non_finite on checked views of one device.
-void check_non_finite(const TensorListsView& views, c10::Device device, const at::Tensor& found_inf,
+/// ampfuse::check_non_finite on a checked list of one device.
+void check_non_finite(const CheckedList& list, c10::Device device, const at::Tensor& found_inf,
                       const c10::optional<at::Tensor>& sum_sq = c10::nullopt);
 
-/// ampfuse::scale_ (found_inf null) or ampfuse::unscale_ on checked views of one device.
-void scale(const TensorListsView& views, c10::Device device, const at::Tensor& scale, const at::Tensor* found_inf);
+/// ampfuse::scale_ (found_inf null) or ampfuse::unscale_ on a checked list of one device.
+void scale(const CheckedList& list, c10::Device device, const at::Tensor& scale, const at::Tensor* found_inf);
 
 }  // namespace ampfuse::detail
