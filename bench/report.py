@@ -159,7 +159,8 @@ def markdown(context, table, title, setup=None):
           "Ceiling = ampfuse bandwidth / ceiling bandwidth, the ceiling measured in the same "
           "process on the same bytes (a traffic twin on CPU, a device-to-device copy on CUDA; for Host, "
           "ceiling_objects: one pass reading only the objects a step must check per parameter, then updating "
-          "through kept pointers, see bench/bench_host.cpp).", ""]
+          "through kept pointers, see bench/bench_host.cpp)." +
+          ("" if setup else " The Host rows ran in a process of their own (scripts/bench.sh)."), ""]
     for (op, pset), (ours, lines) in table.items():
         md.append(f"## {op} — {pset}")
         md.append("")
