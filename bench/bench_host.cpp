@@ -132,10 +132,10 @@ void register_host(torch::Device device) {
   auto data = [device]() -> OptimizerData& { return optimizer_data(host_set(), device); };
   // The parameters and grads every Host contender shares are made now,
   // before any benchmark runs, as a model's are made before training. Made
-  // at the first Host run instead, after the large sets had come and gone,
-  // their 10,000 TensorImpls, storages and elements lay scattered over the
-  // heap those left, and every contender's time per parameter depended on
-  // which benchmarks happened to run first.
+  // at the first Host run, after the large sets had come and gone, their
+  // 10,000 TensorImpls, storages and elements would lie scattered over the
+  // heap those left, and every contender's time per parameter would depend
+  // on which benchmarks happened to run first.
   data();
   const std::int64_t bytes = 28 * total_numel(host_set());
   register_one("Host/ours" + tail, device, [=] {

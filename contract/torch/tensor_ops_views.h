@@ -16,10 +16,10 @@
 
 namespace ampfuse::detail {
 
-/// One checked list: its views, and the tensors that are not dense (views
-/// with gaps), each with the dense copy its view points to.
 struct CpuGroups;
 
+/// One checked list: its views, and the tensors that are not dense (views
+/// with gaps), each with the dense copy its view points to.
 struct CheckedList {
   TensorListsView views;
   std::vector<std::pair<at::Tensor, at::Tensor>> staged;  ///< (original, dense copy)
