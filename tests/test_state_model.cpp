@@ -389,6 +389,117 @@ TEST_P(StateModelTest, AdvanceStepCountersOfZeroElementParameters) {
   EXPECT_EQ(steps[1].item<double>(), 16777218.0);
 }
 
+// The pool carves what was reserved side by side, in the order taken, each
+// tensor at a multiple of 16 bytes (64 from 64 bytes up) with the sizes and
+// strides of the tensor it stands for; a large or non-dense tensor, or one
+// beyond what was reserved, gets memory of its own.
+TEST_P(StateModelTest, SmallStatePoolCarvesAlignedViewsInOrder) {
+  const auto opts = torch::TensorOptions().dtype(torch::kFloat).device(device_);
+  const torch::Tensor one = torch::empty({1}, opts), row = torch::empty({3, 5}, opts),
+                      channels_last = torch::empty({2, 3, 2, 2}, opts).contiguous(torch::MemoryFormat::ChannelsLast),
+                      large = torch::empty({2048}, opts), gaps = torch::empty({4, 4}, opts).slice(1, 0, 2);
+  ampfuse::sdk::SmallStatePool pool(opts, 0.5);
+  for (const auto* t : {&one, &row, &channels_last, &large, &gaps}) pool.reserve(*t);
+  std::vector<torch::Tensor> taken;
+  for (const auto* t : {&one, &row, &channels_last, &large, &gaps, &row}) taken.push_back(pool.take(*t));
+  const auto address = [](const torch::Tensor& t) { return reinterpret_cast<std::uintptr_t>(t.data_ptr()); };
+  for (int k = 0; k < 3; ++k) {
+    EXPECT_TRUE(taken[k].storage().is_alias_of(taken[0].storage())) << "tensor " << k;
+    EXPECT_EQ(address(taken[k]) % (k == 2 ? 64 : 16), 0u) << "tensor " << k;
+  }
+  EXPECT_EQ(taken[0].storage_offset(), 0);
+  EXPECT_EQ(taken[1].storage_offset(), 4);   // after one's 16 bytes
+  EXPECT_EQ(taken[2].storage_offset(), 32);  // row's 60 bytes end at 76: the next multiple of 64
+  // The reservation (256 bytes, padding included) ends before a second row fits after channels_last's 96 bytes.
+  for (int k : {3, 4, 5}) EXPECT_FALSE(taken[k].storage().is_alias_of(taken[0].storage())) << "tensor " << k;
+  const torch::Tensor* like[] = {&one, &row, &channels_last, &large, &gaps, &row};
+  for (std::size_t k = 0; k < taken.size(); ++k) {
+    EXPECT_EQ(taken[k].sizes(), like[k]->sizes()) << "tensor " << k;
+    if (like[k]->is_non_overlapping_and_dense()) EXPECT_EQ(taken[k].strides(), like[k]->strides()) << "tensor " << k;
+    EXPECT_TRUE(taken[k].eq(0.5).all().item<bool>()) << "tensor " << k;
+    taken[k].fill_(static_cast<double>(k));
+  }
+  for (std::size_t k = 0; k < taken.size(); ++k)
+    EXPECT_TRUE(taken[k].eq(static_cast<double>(k)).all().item<bool>()) << "tensor " << k << " overlaps another";
+}
+
+// FusedAdam's and FusedLAMB's first step carve the moments (and LAMB's
+// counters) of small parameters from one buffer per list. A checkpoint
+// writes that buffer once, not once per tensor, and loads into LibTorch's
+// Adam and into a fresh FusedAdam with the same values; the loaded
+// optimizer steps as the saved one does.
+TEST_P(StateModelTest, SmallParametersShareOneStateBufferThatCheckpointsWriteOnce) {
+  const auto opts = torch::TensorOptions().dtype(torch::kFloat).device(device_);
+  auto make_params = [&] {
+    std::vector<torch::Tensor> params;
+    for (int i = 0; i < 50; ++i) params.push_back(torch::randn({3}, opts).requires_grad_());
+    params.push_back(torch::randn({4096}, opts).requires_grad_());
+    for (auto& p : params) p.mutable_grad() = torch::randn_like(p);
+    return params;
+  };
+  const std::vector<torch::Tensor> params = make_params();
+  ampfuse::FusedAdam adam(params, torch::optim::AdamOptions(1e-2));
+  for (int i = 0; i < 3; ++i) adam.step();
+  auto adam_state = [](torch::optim::Optimizer& opt, const torch::Tensor& p) -> ampfuse::FusedAdamParamState& {
+    return static_cast<ampfuse::FusedAdamParamState&>(*opt.state().at(p.unsafeGetTensorImpl()));
+  };
+  const c10::Storage& buffer = adam_state(adam, params[0]).exp_avg().storage();
+  EXPECT_TRUE(adam_state(adam, params[49]).exp_avg_sq().storage().is_alias_of(buffer));
+  EXPECT_FALSE(adam_state(adam, params[50]).exp_avg().storage().is_alias_of(buffer));
+
+  ampfuse::FusedLAMB lamb(make_params(), ampfuse::FusedLAMBOptions(1e-2));
+  lamb.step();
+  const auto& lamb_params = lamb.param_groups()[0].params();
+  auto lamb_state = [&](std::size_t i) -> ampfuse::FusedLAMBParamState& {
+    return static_cast<ampfuse::FusedLAMBParamState&>(*lamb.state().at(lamb_params[i].unsafeGetTensorImpl()));
+  };
+  EXPECT_TRUE(lamb_state(49).exp_avg().storage().is_alias_of(lamb_state(0).exp_avg_sq().storage()));
+  EXPECT_TRUE(lamb_state(50).step().storage().is_alias_of(lamb_state(0).step().storage()));
+  EXPECT_FALSE(lamb_state(50).exp_avg().storage().is_alias_of(lamb_state(0).exp_avg().storage()));
+
+  // The same states, each tensor in memory of its own, as LibTorch's Adam keeps them.
+  torch::optim::Adam separate(params, torch::optim::AdamOptions(1e-2));
+  for (const auto& p : params) {
+    const auto& s = adam_state(adam, p);
+    auto own = std::make_unique<torch::optim::AdamParamState>();
+    own->step(s.step());
+    own->exp_avg(s.exp_avg().clone());
+    own->exp_avg_sq(s.exp_avg_sq().clone());
+    separate.state()[p.unsafeGetTensorImpl()] = std::move(own);
+  }
+  std::stringstream pooled_archive, separate_archive;
+  torch::save(adam, pooled_archive);
+  torch::save(separate, separate_archive);
+  EXPECT_LE(pooled_archive.str().size(), separate_archive.str().size() + 4096)
+      << "the shared buffer was written once per tensor";
+
+  const std::vector<torch::Tensor> copies = [&] {
+    std::vector<torch::Tensor> out;
+    for (const auto& p : params) {
+      out.push_back(p.detach().clone().requires_grad_());
+      out.back().mutable_grad() = p.grad().clone();
+    }
+    return out;
+  }();
+  torch::optim::Adam libtorch(copies, torch::optim::AdamOptions(1e-2));
+  ampfuse::FusedAdam loaded(copies, torch::optim::AdamOptions(1e-2));
+  pooled_archive.seekg(0);
+  torch::load(libtorch, pooled_archive);
+  pooled_archive.seekg(0);
+  torch::load(loaded, pooled_archive);
+  for (std::size_t i = 0; i < params.size(); ++i) {
+    const auto& want = adam_state(adam, params[i]);
+    const auto& got = static_cast<const torch::optim::AdamParamState&>(*libtorch.state().at(copies[i].unsafeGetTensorImpl()));
+    EXPECT_EQ(got.step(), want.step()) << "param " << i;
+    EXPECT_TRUE(bitwise_equal(got.exp_avg(), want.exp_avg())) << "param " << i;
+    EXPECT_TRUE(bitwise_equal(got.exp_avg_sq(), want.exp_avg_sq())) << "param " << i;
+  }
+  adam.step();
+  loaded.step();
+  for (std::size_t i = 0; i < params.size(); ++i)
+    EXPECT_TRUE(bitwise_equal(copies[i], params[i])) << "param " << i;
+}
+
 INSTANTIATE_TEST_SUITE_P(All, StateModelTest, ::testing::Values("cpu", "cuda"),
                          [](const ::testing::TestParamInfo<std::string>& info) { return info.param; });
 

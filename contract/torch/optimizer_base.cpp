@@ -10,8 +10,10 @@
 #include <ATen/ops/cat.h>
 #include <ATen/ops/sort.h>
 #include <ATen/ops/full.h>
+#include <ATen/ops/full_like.h>
 #include <ATen/ops/zeros.h>
 #include <c10/util/Exception.h>
+#include <c10/util/strides.h>
 
 #include <algorithm>
 #include <functional>
@@ -920,6 +922,7 @@ PlanMatch match_plan(torch::optim::Optimizer& opt, const StateStamp& stamp, cons
     grad_now->grad_dtype = grad_dtype;
     return Same::kAllButGrad;
   };
+  constexpr std::int64_t kPrefetchAhead = 8;  // parameters
   std::atomic<bool> changed{false};
   std::atomic<bool> moved{false};
   std::mutex mutex;
@@ -939,6 +942,17 @@ PlanMatch match_plan(torch::optim::Optimizer& opt, const StateStamp& stamp, cons
       }
       const at::Tensor& p = groups[g].params()[i];
       PlanParam& kept = keys.params[static_cast<std::size_t>(k)];
+      if (k + kPrefetchAhead < end) {
+        // The objects a later parameter's comparison reads, as kept: on a
+        // heap that earlier work left fragmented they lie on lines of their
+        // own, and a comparison that waited for each in turn would wait on
+        // every miss (a pointer kept from a freed tensor is harmless to a
+        // prefetch, which does not fault).
+        const PlanParam& ahead = keys.params[static_cast<std::size_t>(k + kPrefetchAhead)];
+        __builtin_prefetch(ahead.state);
+        __builtin_prefetch(ahead.param);
+        __builtin_prefetch(ahead.grad);
+      }
       PlanParam now;
       const Same same = compare(p, kept, &now);
       if (same == Same::kAll) {
@@ -1021,6 +1035,44 @@ bool stream_capturing(c10::Device device) {
   (void)device;
   return false;
 #endif
+}
+
+std::int64_t SmallStatePool::pooled_bytes(c10::IntArrayRef sizes) const {
+  const std::int64_t bytes =
+      c10::multiply_integers(sizes) * static_cast<std::int64_t>(c10::elementSize(options_.dtype().toScalarType()));
+  return bytes <= kMaxBytes ? bytes : 0;
+}
+
+std::int64_t SmallStatePool::pooled_bytes(const at::Tensor& like) const {
+  return like.is_non_overlapping_and_dense() ? pooled_bytes(like.sizes()) : 0;
+}
+
+void SmallStatePool::reserve(std::int64_t bytes, int count) {
+  if (bytes == 0) return;
+  const std::int64_t a = alignment(bytes);
+  // Every slot ends on a multiple of 16: the padding before one is at most a - 16.
+  reserved_ += count * ((bytes + a - 1) / a * a + a - 16);
+}
+
+at::Tensor SmallStatePool::carve(std::int64_t bytes, c10::IntArrayRef sizes, c10::IntArrayRef strides) {
+  if (bytes == 0) return {};
+  const std::int64_t a = alignment(bytes);
+  const std::int64_t start = (used_ + a - 1) / a * a;
+  if (start + bytes > reserved_) return {};
+  const auto itemsize = static_cast<std::int64_t>(c10::elementSize(options_.dtype().toScalarType()));
+  if (!buffer_.defined()) buffer_ = at::full({reserved_ / itemsize}, fill_, options_);
+  used_ = (start + bytes + 15) / 16 * 16;
+  return buffer_.as_strided(sizes, strides, start / itemsize);
+}
+
+at::Tensor SmallStatePool::take(const at::Tensor& like) {
+  at::Tensor t = carve(pooled_bytes(like), like.sizes(), like.strides());
+  return t.defined() ? t : at::full_like(like, fill_, options_, at::MemoryFormat::Preserve);
+}
+
+at::Tensor SmallStatePool::take(c10::IntArrayRef sizes) {
+  at::Tensor t = carve(pooled_bytes(sizes), sizes, c10::contiguous_strides(sizes));
+  return t.defined() ? t : at::full(sizes, fill_, options_);
 }
 
 void refuse_under_capture(const Entry& e, const char* optimizer, const char* what) {

@@ -5,7 +5,6 @@
 
 #include "lion.h"
 
-#include <ATen/ops/zeros_like.h>
 #include <ampfuse/sdk/cpu.h>
 #include <c10/util/Exception.h>
 
@@ -66,14 +65,16 @@ ampfuse::sdk::Launch FusedLion::prepare_list(const ampfuse::sdk::ParamList& list
   const std::size_t n = list.entries.size();
   std::vector<void*> param(n), grad(n), exp_avg(n);
   std::vector<std::int64_t> numel(n);
+  // exp_avg starts at zero, in the parameter's dtype and layout. On CUDA a
+  // first step that the scaler skips (found_inf is only known on the device)
+  // still creates it: zero is where a fresh optimizer starts. Small
+  // parameters' exp_avg are carved from one buffer, in the order kernels read them.
+  ampfuse::sdk::SmallStatePool pool(list.entries.front()->param.options());
+  for (const ampfuse::sdk::Entry* e : list.entries)
+    if (e->state == nullptr) pool.reserve(e->param);
   for (std::size_t i = 0; i < n; ++i) {
     const torch::Tensor& p = list.entries[i]->param;
-    // exp_avg starts at zero, in the parameter's dtype and layout. On CUDA a
-    // first step that the scaler skips (found_inf is only known on the
-    // device) still creates it: zero is where a fresh optimizer starts.
-    LionParamState& s = state_for(*list.entries[i], [&](LionParamState& st) {
-      st.exp_avg(at::zeros_like(p, at::MemoryFormat::Preserve));
-    });
+    LionParamState& s = state_for(*list.entries[i], [&](LionParamState& st) { st.exp_avg(pool.take(p)); });
     param[i] = p.data_ptr();
     grad[i] = list.entries[i]->grad.data_ptr();
     exp_avg[i] = s.exp_avg().data_ptr();

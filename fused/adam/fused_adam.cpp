@@ -384,10 +384,13 @@ sdk::Launch FusedAdamImpl<Base, Options, State, kDecoupled>::prepare_list(const 
     k.coded.assign(n, 0);
     std::vector<std::int64_t> numels8(n, 0);
     bool any_coded = false;
+    sdk::SmallStatePool pool(list.front()->param.options().dtype(state_st_torch));
+    for (const sdk::Entry* e : list)
+      if (e->state == nullptr && !coded_8bit(e->user_param())) pool.reserve(e->param, o.amsgrad() ? 3 : 2);
     for (std::size_t i = 0; i < n; ++i) {  // creates state (first step): on this thread
       const sdk::Entry& e = *list[i];
       const at::Tensor& p = e.param;
-      const auto zeros = [&] { return at::zeros_like(p, p.options().dtype(state_st_torch), at::MemoryFormat::Preserve); };
+      const auto zeros = [&] { return pool.take(p); };
       const bool coded = coded_8bit(e.user_param());
       State& state = this->state_for(e, [&](State& s) {
         s.step(0);

@@ -295,14 +295,21 @@ sdk::Launch FusedLAMB::prepare_list(const sdk::ParamList& pl) {
   if (fresh) {
     kept = std::make_shared<LambKept>();
     kept->master = master;
+    const at::Tensor& first = list.front()->param;
+    sdk::SmallStatePool steps(first.options().dtype(at::kDouble));
+    sdk::SmallStatePool moments(first.options().dtype(lamb_state_dtype(first)));
+    for (const sdk::Entry* e : list)
+      if (e->state == nullptr) {
+        steps.reserve({1});
+        moments.reserve(e->param, 2);
+      }
     for (std::size_t i = 0; i < n; ++i) {
       const sdk::Entry& e = *list[i];
       const at::Tensor& p = e.param;
       kept->states.push_back(&state_for(e, [&](FusedLAMBParamState& s) {
-        const auto state_options = p.options().dtype(lamb_state_dtype(p));
-        s.step(at::zeros({1}, p.options().dtype(at::kDouble)));
-        s.exp_avg(at::zeros_like(p, state_options, at::MemoryFormat::Preserve));
-        s.exp_avg_sq(at::zeros_like(p, state_options, at::MemoryFormat::Preserve));
+        s.step(steps.take({1}));
+        s.exp_avg(moments.take(p));
+        s.exp_avg_sq(moments.take(p));
       }));
       kept->numels.push_back(p.numel());
     }

@@ -50,10 +50,13 @@ sdk::Launch FusedRMSprop::prepare_list(const sdk::ParamList& list) {
   const bool on_cuda = list.device.is_cuda();
   const std::size_t n = entries.size();
   std::vector<FusedRMSpropParamState*> states(n);
+  sdk::SmallStatePool pool(entries.front()->param.options());
+  for (const sdk::Entry* e : entries)
+    if (e->state == nullptr) pool.reserve(e->param, 1 + (momentum ? 1 : 0) + (centered ? 1 : 0));
   for (std::size_t i = 0; i < n; ++i) {  // creates state (first step): on this thread
     const sdk::Entry& e = *entries[i];
     const at::Tensor& p = e.param;
-    const auto zeros = [&] { return at::zeros_like(p, at::MemoryFormat::Preserve); };
+    const auto zeros = [&] { return pool.take(p); };
     FusedRMSpropParamState& s = state_for(e, [&](FusedRMSpropParamState& made) {
       made.step(0);
       made.square_avg(zeros());

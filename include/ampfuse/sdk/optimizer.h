@@ -268,6 +268,49 @@ void check_state_step(std::int64_t step, const char* name, std::size_t group, st
 void check_device_step(const at::Tensor& step, const at::Tensor& p, const char* name, std::size_t group,
                        std::size_t index);
 
+/// State tensors for a list's small parameters, carved side by side from one
+/// buffer, for the state a step makes. Made one by one, 10,000 moments of
+/// one-element parameters land wherever the allocator has room: on a heap
+/// that earlier work left fragmented, every later step reads each of them
+/// from another cache line. Carved in order, they lie in the order the kernels
+/// read them, and their first step makes one allocation (one fill on CUDA)
+/// instead of one per tensor. Reserve every tensor the step may make, then
+/// take them; a tensor that is large, not dense, or beyond what was reserved
+/// gets memory of its own. Each tensor is a view that keeps the buffer alive:
+/// a state erased from the optimizer frees its bytes only with the others.
+class SmallStatePool {
+ public:
+  /// A tensor takes from the pool up to this many bytes.
+  static constexpr std::int64_t kMaxBytes = 4096;
+
+  /// Tensors of `options`' dtype and device, filled with `fill`.
+  explicit SmallStatePool(at::TensorOptions options, double fill = 0) : options_(options), fill_(fill) {}
+
+  /// Room for `count` tensors shaped as `like` (or contiguous of `sizes`).
+  void reserve(const at::Tensor& like, int count = 1) { reserve(pooled_bytes(like), count); }
+  void reserve(c10::IntArrayRef sizes, int count = 1) { reserve(pooled_bytes(sizes), count); }
+
+  /// A tensor with like's sizes and strides (or contiguous of `sizes`), filled with `fill`.
+  at::Tensor take(const at::Tensor& like);
+  at::Tensor take(c10::IntArrayRef sizes);
+
+ private:
+  // Where a tensor of `bytes` starts (a multiple of 16, of 64 from 64 bytes up).
+  static std::int64_t alignment(std::int64_t bytes) { return bytes >= 64 ? 64 : 16; }
+  // The bytes a tensor takes from the pool; 0 when it gets its own memory.
+  std::int64_t pooled_bytes(const at::Tensor& like) const;
+  std::int64_t pooled_bytes(c10::IntArrayRef sizes) const;
+  void reserve(std::int64_t bytes, int count);
+  // A view of `bytes` from the buffer with `sizes` and `strides`; undefined when not reserved.
+  at::Tensor carve(std::int64_t bytes, c10::IntArrayRef sizes, c10::IntArrayRef strides);
+
+  at::TensorOptions options_;
+  double fill_;
+  std::int64_t reserved_ = 0;  // bytes
+  std::int64_t used_ = 0;      // bytes
+  at::Tensor buffer_;          // made at the first take()
+};
+
 /// Writes state `s` (a BaseState, LibTorch's, extended with a device step
 /// counter `device_step`) as a BaseState whose step is the device count
 /// when there is one (reading it: a sync, as any save from a GPU), so that
