@@ -197,8 +197,13 @@ const GradScaler::GradsPlan& GradScaler::grads_plan(torch::optim::Optimizer& opt
     std::atomic<bool> same{true};
     at::parallel_for(0, static_cast<std::int64_t>(params.size()), sdk::kEntriesGrain,
                      [&](std::int64_t b, std::int64_t e) {
-                       for (std::int64_t k = b; k < e && same.load(std::memory_order_relaxed); ++k)
+                       for (std::int64_t k = b; k < e && same.load(std::memory_order_relaxed); ++k) {
+                         if (k + sdk::kPrefetchAhead < e) {
+                           sdk::prefetch(params[k + sdk::kPrefetchAhead]->unsafeGetTensorImpl());
+                           sdk::prefetch(kept->keys[static_cast<std::size_t>(k + sdk::kPrefetchAhead)].grad);
+                         }
                          if (!same_grad(*params[k], kept->keys[static_cast<std::size_t>(k)])) same = false;
+                       }
                      });
     if (same) return *kept;
   }

@@ -922,7 +922,6 @@ PlanMatch match_plan(torch::optim::Optimizer& opt, const StateStamp& stamp, cons
     grad_now->grad_dtype = grad_dtype;
     return Same::kAllButGrad;
   };
-  constexpr std::int64_t kPrefetchAhead = 8;  // parameters
   std::atomic<bool> changed{false};
   std::atomic<bool> moved{false};
   std::mutex mutex;
@@ -942,16 +941,11 @@ PlanMatch match_plan(torch::optim::Optimizer& opt, const StateStamp& stamp, cons
       }
       const at::Tensor& p = groups[g].params()[i];
       PlanParam& kept = keys.params[static_cast<std::size_t>(k)];
-      if (k + kPrefetchAhead < end) {
-        // The objects a later parameter's comparison reads, as kept: on a
-        // heap that earlier work left fragmented they lie on lines of their
-        // own, and a comparison that waited for each in turn would wait on
-        // every miss (a pointer kept from a freed tensor is harmless to a
-        // prefetch, which does not fault).
+      if (k + kPrefetchAhead < end) {  // from the record: the loads overlap instead of waiting in turn
         const PlanParam& ahead = keys.params[static_cast<std::size_t>(k + kPrefetchAhead)];
-        __builtin_prefetch(ahead.state);
-        __builtin_prefetch(ahead.param);
-        __builtin_prefetch(ahead.grad);
+        prefetch(ahead.state);
+        prefetch(ahead.param);
+        prefetch(ahead.grad);
       }
       PlanParam now;
       const Same same = compare(p, kept, &now);
