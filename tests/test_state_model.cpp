@@ -421,6 +421,12 @@ TEST_P(StateModelTest, SmallStatePoolCarvesAlignedViewsInOrder) {
   }
   for (std::size_t k = 0; k < taken.size(); ++k)
     EXPECT_TRUE(taken[k].eq(static_cast<double>(k)).all().item<bool>()) << "tensor " << k << " overlaps another";
+  // Tensors of their own over one storage, as LibTorch's states are tensors of
+  // their own: not autograd views, each with its own version counter.
+  const auto version = taken[1]._version();
+  taken[0].add_(1);
+  EXPECT_EQ(taken[1]._version(), version) << "a write into one state moved another's version counter";
+  for (std::size_t k = 0; k < taken.size(); ++k) EXPECT_FALSE(taken[k].is_view()) << "tensor " << k;
 }
 
 // FusedAdam's and FusedLAMB's first step carve the moments (and LAMB's

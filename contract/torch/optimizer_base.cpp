@@ -1056,7 +1056,11 @@ at::Tensor SmallStatePool::carve(std::int64_t bytes, c10::IntArrayRef sizes, c10
   const auto itemsize = static_cast<std::int64_t>(c10::elementSize(options_.dtype().toScalarType()));
   if (!buffer_.defined()) buffer_ = at::full({reserved_ / itemsize}, fill_, options_);
   used_ = (start + bytes + 15) / 16 * 16;
-  return buffer_.as_strided(sizes, strides, start / itemsize);
+  // A tensor over the buffer's storage, not a view of it: as a tensor of
+  // its own, it has its own version counter and no autograd view history
+  // (an in-place write under grad mode is not refused as one into a view
+  // made without grad).
+  return at::empty({0}, options_).set_(buffer_.storage(), start / itemsize, sizes, strides);
 }
 
 at::Tensor SmallStatePool::take(const at::Tensor& like) {

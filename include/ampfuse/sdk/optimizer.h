@@ -276,8 +276,9 @@ void check_device_step(const at::Tensor& step, const at::Tensor& p, const char* 
 /// read them, and their first step makes one allocation (one fill on CUDA)
 /// instead of one per tensor. Reserve every tensor the step may make, then
 /// take them; a tensor that is large, not dense, or beyond what was reserved
-/// gets memory of its own. Each tensor is a view that keeps the buffer alive:
-/// a state erased from the optimizer frees its bytes only with the others.
+/// gets memory of its own. Each tensor shares the buffer's storage (it is not
+/// an autograd view of it) and keeps it alive: a state erased from the
+/// optimizer frees its bytes only with the others.
 class SmallStatePool {
  public:
   /// A tensor takes from the pool up to this many bytes.
