@@ -302,7 +302,7 @@ class SmallStatePool {
   std::int64_t pooled_bytes(const at::Tensor& like) const;
   std::int64_t pooled_bytes(c10::IntArrayRef sizes) const;
   void reserve(std::int64_t bytes, int count);
-  // A view of `bytes` from the buffer with `sizes` and `strides`; undefined when not reserved.
+  // A tensor over `bytes` of the buffer's storage with `sizes` and `strides`; undefined when not reserved.
   at::Tensor carve(std::int64_t bytes, c10::IntArrayRef sizes, c10::IntArrayRef strides);
 
   at::TensorOptions options_;
