@@ -109,6 +109,10 @@ struct GradKey {
   const void* data = nullptr;
   std::int64_t numel = 0;
   c10::ScalarType dtype = c10::ScalarType::Undefined;
+  // What else a comparison reads, kept only to be prefetched (it may dangle).
+  const void* autograd_meta = nullptr;
+  const void* grad_slot = nullptr;
+  const void* storage = nullptr;
 };
 
 // p's grad as the plan keeps it. Through the TensorImpl: Tensor::grad() also
@@ -123,7 +127,12 @@ const c10::TensorImpl* grad_of(const at::Tensor& p) {
 GradKey grad_key(const at::Tensor& p) {
   GradKey k;
   k.grad = grad_of(p);
+  if (p.defined()) {
+    k.autograd_meta = p.unsafeGetTensorImpl()->autograd_meta();
+    k.grad_slot = &p.unsafeGetTensorImpl()->grad();
+  }
   if (k.grad == nullptr) return k;
+  k.storage = k.grad->unsafe_storage().unsafeGetStorageImpl();
   k.numel = k.grad->numel();
   k.dtype = k.grad->dtype().toScalarType();
   k.data = sdk::data_address(k.grad);
@@ -199,8 +208,14 @@ const GradScaler::GradsPlan& GradScaler::grads_plan(torch::optim::Optimizer& opt
                      [&](std::int64_t b, std::int64_t e) {
                        for (std::int64_t k = b; k < e && same.load(std::memory_order_relaxed); ++k) {
                          if (k + sdk::kPrefetchAhead < e) {
+                           const GradKey& ahead = kept->keys[static_cast<std::size_t>(k + sdk::kPrefetchAhead)];
                            sdk::prefetch(params[k + sdk::kPrefetchAhead]->unsafeGetTensorImpl());
-                           sdk::prefetch(kept->keys[static_cast<std::size_t>(k + sdk::kPrefetchAhead)].grad);
+                           sdk::prefetch(ahead.autograd_meta);
+                           sdk::prefetch(ahead.grad_slot);
+                           if (ahead.grad != nullptr) {
+                             sdk::prefetch_object(ahead.grad, sizeof(c10::TensorImpl));
+                             sdk::prefetch_object(ahead.storage, sizeof(c10::StorageImpl));
+                           }
                          }
                          if (!same_grad(*params[k], kept->keys[static_cast<std::size_t>(k)])) same = false;
                        }

@@ -799,6 +799,9 @@ PlanParam plan_param(const at::Tensor& p, const torch::optim::Optimizer& opt, co
   k.numel = impl->numel();
   k.dtype = p.scalar_type();
   k.param_data = data_address(impl);
+  k.param_storage = impl->unsafe_storage().unsafeGetStorageImpl();
+  k.autograd_meta = impl->autograd_meta();
+  k.grad_slot = &impl->grad();
   if (!impl->is_non_overlapping_and_dense()) {
     // A staged parameter's copy and write-back follow its sizes and strides:
     // a view re-pointed in place to another layout must be prepared again.
@@ -813,12 +816,14 @@ PlanParam plan_param(const at::Tensor& p, const torch::optim::Optimizer& opt, co
   if (g.defined()) {
     k.grad = g.unsafeGetTensorImpl();
     k.grad_data = data_address(k.grad);
+    k.grad_storage = k.grad->unsafe_storage().unsafeGetStorageImpl();
     k.grad_numel = k.grad->numel();
     k.grad_dtype = g.scalar_type();
   }
   const auto& states = opt.state();
   const auto it = states.find(const_cast<c10::TensorImpl*>(impl));
   if (it != states.end()) {
+    k.state_entry = &*it;
     k.state = it->second.get();
     k.stamp = stamp(*it->second);
   }
@@ -867,7 +872,8 @@ std::vector<std::int64_t> kernel_strides(const at::Tensor& p) {
 }
 
 PlanMatch match_plan(torch::optim::Optimizer& opt, const StateStamp& stamp, const char* name,
-                     const StepSignals* signals, PlanKeys& keys, bool float64, bool stage_grads) {
+                     const StepSignals* signals, PlanKeys& keys, bool float64, bool stage_grads,
+                     std::size_t state_bytes) {
   const auto& groups = opt.param_groups();
   if (groups.size() != keys.groups.size()) return PlanMatch::kChanged;
   for (std::size_t g = 0; g < groups.size(); ++g)
@@ -943,9 +949,16 @@ PlanMatch match_plan(torch::optim::Optimizer& opt, const StateStamp& stamp, cons
       PlanParam& kept = keys.params[static_cast<std::size_t>(k)];
       if (k + kPrefetchAhead < end) {  // from the record: the loads overlap instead of waiting in turn
         const PlanParam& ahead = keys.params[static_cast<std::size_t>(k + kPrefetchAhead)];
-        prefetch(ahead.state);
-        prefetch(ahead.param);
-        prefetch(ahead.grad);
+        prefetch_object(ahead.param, sizeof(c10::TensorImpl));
+        prefetch_object(ahead.param_storage, sizeof(c10::StorageImpl));
+        prefetch(ahead.autograd_meta);
+        prefetch(ahead.grad_slot);
+        if (ahead.grad != nullptr) {
+          prefetch_object(ahead.grad, sizeof(c10::TensorImpl));
+          prefetch_object(ahead.grad_storage, sizeof(c10::StorageImpl));
+        }
+        prefetch(ahead.state_entry);
+        prefetch_object(ahead.state, state_bytes);
       }
       PlanParam now;
       const Same same = compare(p, kept, &now);

@@ -271,27 +271,81 @@ constexpr std::size_t size_of(ScalarType st) { return element_size(st); }
 // The largest storage element (fp64): a tail block holds kWidth of them.
 constexpr std::size_t kMaxElementSize = 8;
 
+/// One chunk of a plan: elements [begin, begin + n) of tensor `tensor`.
+struct ChunkRef {
+  std::int64_t chunk, tensor, begin, n;
+};
+
+// How far ahead, in elements, for_each_block_lists prefetches each list:
+// 1 KiB of fp32. The hardware prefetchers restart at every 4 KiB page and at
+// every tensor; with many small tensors (10,000 x 4,096) a kernel that does
+// real math per element (sqrt, two divisions for Adam) then waits on memory
+// a third of the time, while a software prefetch keeps every stream ahead.
+constexpr std::int64_t kPrefetchElements = 256;
+
+// The same for for_each_block_read, twice as far: a read-only pass does so
+// little per line that its four streams, 1 KiB ahead, still waited on memory;
+// 2 KiB ahead it reads as fast as a plain read of the same bytes.
+constexpr std::int64_t kReadPrefetchElements = 2 * kPrefetchElements;
+
+// How far ahead, in chunks, kernels prefetch chunks smaller than
+// kPrefetchElements (ChunkLookahead).
+constexpr std::int64_t kChunksAhead = 8;
+
+// Finds chunks of a plan in increasing order: at(c) for c at or past the
+// chunk asked before (and past `first`) walks the slots forward from there.
+class ChunkCursor {
+ public:
+  ChunkCursor(const PlanRef& plan, std::int64_t first) : plan_(plan) {
+    std::int64_t lo = 0, hi = plan.num_slots;  // last slot whose first chunk <= first
+    while (hi - lo > 1) {
+      const std::int64_t mid = lo + (hi - lo) / 2;
+      if (plan.chunk_offsets[mid] <= first) lo = mid; else hi = mid;
+    }
+    slot_ = lo;
+  }
+  ChunkRef at(std::int64_t c) {
+    while (plan_.chunk_offsets[slot_ + 1] <= c) ++slot_;
+    const std::int64_t begin = (c - plan_.chunk_offsets[slot_]) * plan_.chunk_size;
+    const std::int64_t rest = plan_.slot_numel[slot_] - begin;
+    return ChunkRef{c, plan_.slot_tensor[slot_], begin, rest < plan_.chunk_size ? rest : plan_.chunk_size};
+  }
+
+ private:
+  const PlanRef& plan_;
+  std::int64_t slot_;
+};
+
 // Calls f(chunk, tensor, begin, size) for chunks [chunk_begin, chunk_end).
 template <class F>
 inline void for_each_chunk(const PlanRef& plan, std::int64_t chunk_begin, std::int64_t chunk_end, F&& f) {
   if (chunk_begin >= chunk_end) return;
-  std::int64_t lo = 0, hi = plan.num_slots;  // last slot whose first chunk <= chunk_begin
-  while (hi - lo > 1) {
-    const std::int64_t mid = lo + (hi - lo) / 2;
-    if (plan.chunk_offsets[mid] <= chunk_begin) lo = mid; else hi = mid;
-  }
-  std::int64_t slot = lo;
+  ChunkCursor cursor(plan, chunk_begin);
   for (std::int64_t c = chunk_begin; c < chunk_end; ++c) {
-    while (plan.chunk_offsets[slot + 1] <= c) ++slot;
-    const std::int64_t begin = (c - plan.chunk_offsets[slot]) * plan.chunk_size;
-    const std::int64_t rest = plan.slot_numel[slot] - begin;
-    f(c, plan.slot_tensor[slot], begin, rest < plan.chunk_size ? rest : plan.chunk_size);
+    const ChunkRef ch = cursor.at(c);
+    f(c, ch.tensor, ch.begin, ch.n);
   }
 }
 
-/// One chunk of a plan: elements [begin, begin + n) of tensor `tensor`.
-struct ChunkRef {
-  std::int64_t chunk, tensor, begin, n;
+// For chunks too small for the block loops' prefetch to run ahead of them
+// (many small tensors, each its own allocation): the chunk kChunksAhead
+// further in the range, whose first lines a kernel prefetches so that the
+// misses of consecutive chunks overlap instead of coming one after another.
+class ChunkLookahead {
+ public:
+  ChunkLookahead(const PlanRef& plan, std::int64_t chunk_begin, std::int64_t chunk_end)
+      : cursor_(plan, chunk_begin), end_(chunk_end) {}
+  /// The chunk to prefetch while running ch; null when ch is large or none is that far.
+  const ChunkRef* far(const ChunkRef& ch) {
+    if (ch.n >= kPrefetchElements || ch.chunk + kChunksAhead >= end_) return nullptr;
+    far_ = cursor_.at(ch.chunk + kChunksAhead);
+    return &far_;
+  }
+
+ private:
+  ChunkCursor cursor_;
+  std::int64_t end_;
+  ChunkRef far_{};
 };
 
 // Calls f(chunk, next) for chunks [chunk_begin, chunk_end), next pointing at
@@ -468,18 +522,6 @@ inline VecF vmax(VecF a, VecF b) { return a > b ? a : b; }
 // instruction) where 0 + x, which turns -0 into +0, had to be computed.
 inline VecF splat(float x) { return x - VecF{}; }
 
-// How far ahead, in elements, for_each_block_lists prefetches each list:
-// 1 KiB of fp32. The hardware prefetchers restart at every 4 KiB page and at
-// every tensor; with many small tensors (10,000 x 4,096) a kernel that does
-// real math per element (sqrt, two divisions for Adam) then waits on memory
-// a third of the time, while a software prefetch keeps every stream ahead.
-constexpr std::int64_t kPrefetchElements = 256;
-
-// The same for for_each_block_read, twice as far: a read-only pass does so
-// little per line that its four streams, 1 KiB ahead, still waited on memory;
-// 2 KiB ahead it reads as fast as a plain read of the same bytes.
-constexpr std::int64_t kReadPrefetchElements = 2 * kPrefetchElements;
-
 // Prefetches the element `ahead` of a walk over n elements at base, or, past
 // the end, element ahead - n of the next_n that follow at next.
 inline void prefetch_ahead(const char* base, const char* next, std::int64_t next_n, std::size_t elem_size,
@@ -643,11 +685,18 @@ inline void for_each_chunk_block(const PlanRef& plan, std::int64_t chunk_begin, 
     for (int l = 0; l < Depth; ++l)
       base[l] = ((kUsed >> l) & 1u) != 0 ? static_cast<char*>(lists[l][ch.tensor]) + ch.begin * elem_size[l] : nullptr;
   };
+  ChunkLookahead lookahead(plan, chunk_begin, chunk_end);
   for_each_chunk_with_next(plan, chunk_begin, chunk_end, [&](const ChunkRef& ch, const ChunkRef* next) {
     char* base[Depth];
     char* next_base[Depth] = {};
     bases(ch, base);
     if (next) bases(*next, next_base);
+    if (const ChunkRef* far = lookahead.far(ch)) {
+      char* far_base[Depth];
+      bases(*far, far_base);
+      for (int l = 0; l < Depth; ++l)
+        if (((kUsed >> l) & 1u) != 0) __builtin_prefetch(far_base[l]);
+    }
     for_each_block_lists<Depth, kUsed, kWritten>(base, next_base, next ? next->n : 0, elem_size, ch.n,
                                                  [&](void* const (&blocks)[Depth]) { block_fn(ch.tensor, blocks); });
     chunk_fn(ch.tensor, ch.chunk);

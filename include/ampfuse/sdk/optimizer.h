@@ -221,6 +221,13 @@ struct PlanParam {
   c10::ScalarType grad_dtype = c10::ScalarType::Undefined;
   bool grad_staged = false;     ///< the grad is read through a StagedGrad
   bool grad_sparse = false;     ///< the grad is sparse (a plan with one is never reused)
+  /// What else a match reads, kept only to be prefetched (it may dangle):
+  /// the storages, the autograd metadata and its grad field, the state map's entry.
+  const void* param_storage = nullptr;
+  const void* autograd_meta = nullptr;
+  const void* grad_slot = nullptr;
+  const void* grad_storage = nullptr;
+  const void* state_entry = nullptr;
 };
 
 /// A fingerprint of a state object's tensors (their TensorImpl addresses),
@@ -244,9 +251,11 @@ void record_plan(torch::optim::Optimizer& opt, const StateStamp& stamp, PlanKeys
 
 /// Compares opt's parameters, grads and states with `keys`. A grad that
 /// moved is checked against its parameter as validate_params would (throwing
-/// its error, naming `name`) and recorded in `keys`.
+/// its error, naming `name`) and recorded in `keys`. `state_bytes` is the
+/// size of a state object (what the match prefetches of each).
 PlanMatch match_plan(torch::optim::Optimizer& opt, const StateStamp& stamp, const char* name,
-                     const StepSignals* signals, PlanKeys& keys, bool float64 = false, bool stage_grads = false);
+                     const StepSignals* signals, PlanKeys& keys, bool float64 = false, bool stage_grads = false,
+                     std::size_t state_bytes = 64);
 
 /// Throws unless state tensor `s` (when defined) fits parameter p: its
 /// shape, strides and device, and the dtype the optimizer keeps it in.
@@ -991,7 +1000,8 @@ class FusedOptimizer : public Base, public ScalerAware {
     try {
       if (plan_valid_) {
         if (signals) check_signals(*signals, name());
-        match = match_plan(*this, stamp, name(), signals, plan_keys_, takes_float64(), /*stage_grads=*/true);
+        match = match_plan(*this, stamp, name(), signals, plan_keys_, takes_float64(), /*stage_grads=*/true,
+                           sizeof(State));
       }
       if (match == PlanMatch::kChanged) {
         forget_plan();
