@@ -10,10 +10,18 @@
 #include <ampfuse/fused_sgd.h>
 #include <ampfuse/grad_scaler.h>
 
+#include <algorithm>
+#include <atomic>
 #include <cmath>
+#include <cstdint>
+#include <iterator>
+#include <random>
+#include <set>
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <thread>
+#include <utility>
 #include <vector>
 
 #include "tests/common.h"
@@ -50,13 +58,13 @@ class FailingPrepare : public Opt {
 
 // Every tensor of every state, in parameter order, cloned (undefined kept).
 template <class Base>
-std::vector<torch::Tensor> snapshot(const ampfuse::FusedAdamParamStateT<Base>& s) {
+std::vector<torch::Tensor> state_tensors(const ampfuse::FusedAdamParamStateT<Base>& s) {
   return {torch::tensor(s.step()), s.exp_avg(), s.exp_avg_sq(), s.max_exp_avg_sq(), s.master(), s.device_step()};
 }
-std::vector<torch::Tensor> snapshot(const ampfuse::FusedSGDParamState& s) {
+std::vector<torch::Tensor> state_tensors(const ampfuse::FusedSGDParamState& s) {
   return {s.momentum_buffer(), s.momentum_initialized()};
 }
-std::vector<torch::Tensor> snapshot(const ampfuse::FusedLAMBParamState& s) {
+std::vector<torch::Tensor> state_tensors(const ampfuse::FusedLAMBParamState& s) {
   return {s.step(), s.exp_avg(), s.exp_avg_sq(), s.master()};
 }
 
@@ -73,7 +81,7 @@ std::vector<torch::Tensor> snapshot(torch::optim::Optimizer& opt) {
         continue;
       }
       out.push_back(torch::ones({1}));
-      for (const auto& t : snapshot(static_cast<const State&>(*it->second)))
+      for (const auto& t : state_tensors(static_cast<const State&>(*it->second)))
         out.push_back(t.defined() ? t.clone() : t);
     }
   return out;
@@ -504,6 +512,121 @@ TEST_P(StateModelTest, SmallParametersShareOneStateBufferThatCheckpointsWriteOnc
   loaded.step();
   for (std::size_t i = 0; i < params.size(); ++i)
     EXPECT_TRUE(bitwise_equal(copies[i], params[i])) << "param " << i;
+}
+
+// The state objects a first step makes lie in a few slabs (what a step over
+// many small parameters then reads as a stream), and the slabs go back once
+// every state is deleted.
+TEST(PooledStateTest, StatesOfAFirstStepShareFewSlabsThatGoBackWhenCleared) {
+  const std::size_t slabs_before = ampfuse::sdk::pooled_state_slabs();
+  std::vector<torch::Tensor> params;
+  for (int i = 0; i < 3000; ++i) {
+    params.push_back(torch::randn({1}).requires_grad_());
+    params.back().mutable_grad() = torch::randn({1});
+  }
+  ampfuse::FusedAdam opt(params, torch::optim::AdamOptions(1e-3));
+  constexpr std::size_t kSlot = (sizeof(ampfuse::FusedAdamParamState) + 15) / 16 * 16;
+  for (int round = 0; round < 2; ++round) {
+    opt.step();
+    std::vector<std::uintptr_t> at;
+    for (const auto& p : params)
+      at.push_back(reinterpret_cast<std::uintptr_t>(opt.state().at(p.unsafeGetTensorImpl()).get()));
+    const std::size_t per_slab = (64 * 1024 - 64) / kSlot;
+    std::set<std::uintptr_t> slabs;
+    for (std::size_t i = 0; i < at.size(); ++i) {
+      EXPECT_EQ(at[i] % 16, 0u) << "state " << i;
+      slabs.insert(at[i] / (64 * 1024));
+    }
+    // A few may fill places that earlier tests' states left in a slab.
+    EXPECT_LE(slabs.size(), at.size() / per_slab + 3) << "round " << round << ": states spread over many slabs";
+    EXPECT_GE(ampfuse::sdk::pooled_state_slabs(), slabs_before + at.size() / per_slab) << "round " << round;
+    opt.state().clear();  // the next step makes them again, side by side again
+    EXPECT_LE(ampfuse::sdk::pooled_state_slabs(), slabs_before + 1) << "round " << round << ": slabs kept";
+  }
+}
+
+template <std::size_t kBytes>
+struct PooledThing : ampfuse::sdk::PooledState {
+  explicit PooledThing(std::uint64_t tag) { std::fill(std::begin(words), std::end(words), tag); }
+  bool intact(std::uint64_t tag) const {
+    return std::all_of(std::begin(words), std::end(words), [tag](std::uint64_t w) { return w == tag; });
+  }
+  std::uint64_t words[kBytes / 8];
+};
+struct alignas(64) AlignedThing : ampfuse::sdk::PooledState {
+  double x = 1;
+};
+
+// Objects of one size come side by side in the order they are made, from
+// fresh slabs and again once all of them were deleted (in any order).
+TEST(PooledStateTest, ObjectsComeSideBySideInTheOrderTheyAreMade) {
+  const std::uint64_t seed = ampfuse_test::seed_for_test();
+  std::mt19937_64 rng(seed);
+  using Thing = PooledThing<72>;  // a size no other test makes
+  constexpr std::size_t kSlot = 80, kCount = 2000, kPerSlab = (64 * 1024 - 64) / kSlot;
+  for (int round = 0; round < 2; ++round) {
+    std::vector<Thing*> made;
+    for (std::size_t i = 0; i < kCount; ++i) made.push_back(new Thing(i));
+    std::size_t apart = 0;
+    for (std::size_t i = 0; i + 1 < kCount; ++i)
+      apart += reinterpret_cast<std::uintptr_t>(made[i + 1]) - reinterpret_cast<std::uintptr_t>(made[i]) != kSlot;
+    EXPECT_LE(apart, kCount / kPerSlab + 1) << "round " << round;
+    std::shuffle(made.begin(), made.end(), rng);
+    for (Thing* t : made) delete t;
+  }
+}
+
+// Threads making and deleting objects of three sizes (one too large for a
+// slab) in a random order: no object overlaps another (each keeps its tag),
+// deleted places are reused, and every slab goes back at the end.
+TEST(PooledStateTest, ThreadsMakeAndDeleteObjectsOfSeveralSizesWithoutOverlap) {
+  const std::uint64_t seed = ampfuse_test::seed_for_test();
+  const std::size_t slabs_before = ampfuse::sdk::pooled_state_slabs();
+  std::atomic<int> bad{0};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 4; ++t)
+    threads.emplace_back([&, t] {
+      std::mt19937_64 rng(seed + static_cast<std::uint64_t>(t));
+      std::vector<std::pair<std::uint64_t, PooledThing<40>*>> small;
+      std::vector<std::pair<std::uint64_t, PooledThing<200>*>> medium;
+      std::vector<std::pair<std::uint64_t, PooledThing<6000>*>> large;
+      std::uint64_t next_tag = static_cast<std::uint64_t>(t) << 40;
+      auto step = [&](auto& live, auto make) {
+        if (!live.empty() && rng() % 2 == 0) {
+          const std::size_t k = rng() % live.size();
+          if (!live[k].second->intact(live[k].first)) ++bad;
+          delete live[k].second;
+          live[k] = live.back();
+          live.pop_back();
+        } else {
+          const std::uint64_t tag = ++next_tag;
+          live.emplace_back(tag, make(tag));
+          if (reinterpret_cast<std::uintptr_t>(live.back().second) % 16 != 0) ++bad;
+        }
+      };
+      for (int i = 0; i < 20000; ++i) {
+        const auto pick = rng() % 16;
+        if (pick < 10) step(small, [](std::uint64_t tag) { return new PooledThing<40>(tag); });
+        else if (pick < 15) step(medium, [](std::uint64_t tag) { return new PooledThing<200>(tag); });
+        else step(large, [](std::uint64_t tag) { return new PooledThing<6000>(tag); });
+        auto* aligned = new AlignedThing;
+        if (reinterpret_cast<std::uintptr_t>(aligned) % 64 != 0) ++bad;
+        delete aligned;
+      }
+      const auto drop = [&](auto& live) {
+        for (auto& [tag, p] : live) {
+          if (!p->intact(tag)) ++bad;
+          delete p;
+        }
+      };
+      drop(small);
+      drop(medium);
+      drop(large);
+    });
+  for (auto& th : threads) th.join();
+  EXPECT_EQ(bad.load(), 0) << "an object was overwritten by another, or misaligned";
+  // What stays: at most the slab each size last carved from (three sizes and the aligned one).
+  EXPECT_LE(ampfuse::sdk::pooled_state_slabs(), slabs_before + 4);
 }
 
 INSTANTIATE_TEST_SUITE_P(All, StateModelTest, ::testing::Values("cpu", "cuda"),

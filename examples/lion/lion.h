@@ -36,7 +36,8 @@ struct LionOptions : public torch::optim::OptimizerCloneableOptions<LionOptions>
   void set_lr(const double lr) override { this->lr(lr); }
 };
 
-struct LionParamState : public torch::optim::OptimizerCloneableParamState<LionParamState> {
+struct LionParamState : public torch::optim::OptimizerCloneableParamState<LionParamState>,
+                        public ampfuse::sdk::PooledState {
   TORCH_ARG(torch::Tensor, exp_avg);
 
  public:

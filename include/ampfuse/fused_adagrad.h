@@ -43,7 +43,7 @@ struct FusedAdagradOptions {
 
 /// FusedAdagrad's per-parameter state: torch::optim::Adagrad's, under the
 /// same checkpoint keys, and on CUDA the device step counter.
-struct FusedAdagradParamState : torch::optim::AdagradParamState {
+struct FusedAdagradParamState : torch::optim::AdagradParamState, sdk::PooledState {
   /// CUDA: the step counter the kernels read on the device, fp64, one
   /// element. Not saved: the checkpoint's step is its value.
   TORCH_ARG(at::Tensor, device_step);

@@ -77,7 +77,7 @@ struct FusedAdamOptions {
 /// FusedAdamW (AdamWParamState): LibTorch's, under the same checkpoint keys,
 /// and the fused step's own tensors.
 template <class BaseState>
-struct FusedAdamParamStateT : BaseState {
+struct FusedAdamParamStateT : BaseState, sdk::PooledState {
   /// CUDA: the step counter the kernel reads and advances on the device,
   /// fp64, one element. Not saved: the checkpoint's step is its value.
   TORCH_ARG(at::Tensor, device_step);

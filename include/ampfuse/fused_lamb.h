@@ -68,7 +68,8 @@ struct FusedLAMBOptions : public torch::optim::OptimizerCloneableOptions<FusedLA
   void set_lr(const double lr) override { this->lr(lr); }
 };
 
-struct FusedLAMBParamState : public torch::optim::OptimizerCloneableParamState<FusedLAMBParamState> {
+struct FusedLAMBParamState : public torch::optim::OptimizerCloneableParamState<FusedLAMBParamState>,
+                             public sdk::PooledState {
   /// Steps applied: an fp64 tensor of one element on the parameter's device
   /// (advanced by the kernel on CUDA, so a skipped step is decided there).
   TORCH_ARG(torch::Tensor, step);

@@ -37,7 +37,7 @@ struct FusedRMSpropOptions {
 
 /// FusedRMSprop's per-parameter state: torch::optim::RMSprop's, under the
 /// same checkpoint keys, and on CUDA the device step counter.
-struct FusedRMSpropParamState : torch::optim::RMSpropParamState {
+struct FusedRMSpropParamState : torch::optim::RMSpropParamState, sdk::PooledState {
   /// CUDA: the step counter advanced on the device, fp64, one element. Not
   /// saved: the checkpoint's step is its value.
   TORCH_ARG(at::Tensor, device_step);

@@ -41,7 +41,7 @@ struct FusedSGDOptions {
 
 /// FusedSGD's per-parameter state: torch::optim::SGD's, under the same
 /// checkpoint keys, and on CUDA the momentum buffer's device flag.
-struct FusedSGDParamState : torch::optim::SGDParamState {
+struct FusedSGDParamState : torch::optim::SGDParamState, sdk::PooledState {
   /// CUDA with momentum: fp32, one element, non-zero once a step has filled
   /// momentum_buffer. Not saved.
   TORCH_ARG(at::Tensor, momentum_initialized);

@@ -67,6 +67,7 @@
 #include <iterator>
 #include <map>
 #include <memory>
+#include <new>
 #include <string>
 #include <tuple>
 #include <typeinfo>
@@ -276,6 +277,27 @@ void check_state_step(std::int64_t step, const char* name, std::size_t group, st
 /// tensor of one element on p's device.
 void check_device_step(const at::Tensor& step, const at::Tensor& p, const char* name, std::size_t group,
                        std::size_t index);
+
+/// A base for State types (beside LibTorch's state type) whose objects are
+/// made side by side. A step over many small parameters reads every state
+/// object (its stamp, its step counter); made one by one with new, on a heap
+/// that earlier work left fragmented, they lie scattered and each read waits
+/// on a miss of its own, where objects side by side are read as a stream.
+/// Objects of one size are carved in order from 64 KiB slabs, and a deleted
+/// object's place is reused by the next one of its size. A slab goes back to
+/// the system when its last object is deleted, except the one objects of that
+/// size are carved from now, which starts over from its beginning.
+/// Thread-safe. Used by every ampfuse state and by examples/lion: derive from it as
+/// `struct MyState : torch::optim::OptimizerCloneableParamState<MyState>, sdk::PooledState`.
+struct PooledState {
+  static void* operator new(std::size_t bytes);
+  static void* operator new(std::size_t bytes, std::align_val_t align);  ///< up to 64 bytes
+  static void operator delete(void* p) noexcept;
+  static void operator delete(void* p, std::align_val_t align) noexcept;
+};
+
+/// The slabs PooledState holds now, all sizes together (for tests).
+std::size_t pooled_state_slabs();
 
 /// State tensors for a list's small parameters, carved side by side from one
 /// buffer, for the state a step makes. Made one by one, 10,000 moments of
