@@ -4,7 +4,9 @@
 
 #include <ampfuse/fused_adam.h>
 #include <ampfuse/fused_sgd.h>
+#include <ampfuse/tensor_ops.h>
 
+#include "bench/ceilings.h"
 #include "bench/common.h"
 
 namespace ampfuse_bench {
@@ -29,6 +31,33 @@ std::vector<torch::Tensor> f64_params(const ParamSet& set, torch::Device device,
     it = cache.emplace(key, std::move(params)).first;
   }
   return it->second;
+}
+
+// A traffic twin's pointers over fp64 data: each array read as twice as many
+// floats, with a plan of twice the elements in chunks of twice the size, so
+// that the twin moves the same bytes in the same pieces as the fp64 step.
+struct Twin64 {
+  std::vector<torch::Tensor> keep;
+  std::vector<float*> p, g, m, v;
+  std::shared_ptr<ampfuse::Plan> plan;
+};
+
+std::shared_ptr<Twin64> twin64(const ParamSet& set, torch::Device device) {
+  auto t = std::make_shared<Twin64>();
+  std::vector<std::int64_t> floats;
+  auto as_floats = [&t](const torch::Tensor& x) {
+    t->keep.push_back(x);
+    return reinterpret_cast<float*>(x.data_ptr<double>());
+  };
+  for (const auto& p : f64_params(set, device, "twin")) {
+    t->p.push_back(as_floats(p.detach()));
+    t->g.push_back(as_floats(p.grad()));
+    t->m.push_back(as_floats(torch::zeros_like(p.detach())));
+    t->v.push_back(as_floats(torch::zeros_like(p.detach())));
+    floats.push_back(2 * p.numel());
+  }
+  t->plan = std::make_shared<ampfuse::Plan>(floats, 2 * ampfuse::cpu_chunk_size());
+  return t;
 }
 
 }  // namespace
@@ -62,6 +91,12 @@ void register_float64(torch::Device device) {
       at::_fused_adam_(detached, grads, m, v, {}, steps, kLr, 0.9, 0.999, 0.0, 1e-8, false, false);
     });
   }, adam_bytes);
+  if (device.is_cpu()) {
+    register_one("AdamF64/ceiling_twin" + tail, device, [=] {
+      const auto t = twin64(set, device);
+      return Fn([=] { adam_twin(t->p, t->g, t->m, t->v, *t->plan); });
+    }, adam_bytes);
+  }
   // SGD with momentum reads p, g, buf and writes p, buf: 40 bytes per fp64 parameter.
   const std::int64_t sgd_bytes = 40 * total_numel(set);
   const auto sgd_options = torch::optim::SGDOptions(kLr).momentum(0.9);
@@ -73,6 +108,12 @@ void register_float64(torch::Device device) {
     auto opt = std::make_shared<torch::optim::SGD>(f64_params(set, device, "torch"), sgd_options);
     return Fn([=] { opt->step(); });
   }, sgd_bytes);
+  if (device.is_cpu()) {
+    register_one("SGDF64/ceiling_twin" + tail, device, [=] {
+      const auto t = twin64(set, device);
+      return Fn([=] { sgd_twin(t->p, t->g, t->m, *t->plan); });
+    }, sgd_bytes);
+  }
 }
 
 }  // namespace ampfuse_bench
