@@ -926,6 +926,7 @@ PlanMatch match_plan(torch::optim::Optimizer& opt, const StateStamp& stamp, cons
     grad_now->grad_data = grad_data;
     grad_now->grad_numel = grad->numel();
     grad_now->grad_dtype = grad_dtype;
+    grad_now->grad_storage = grad->unsafe_storage().unsafeGetStorageImpl();
     return Same::kAllButGrad;
   };
   std::atomic<bool> changed{false};
@@ -996,6 +997,7 @@ PlanMatch match_plan(torch::optim::Optimizer& opt, const StateStamp& stamp, cons
         kept.grad_data = now.grad_data;
         kept.grad_numel = now.grad_numel;
         kept.grad_dtype = now.grad_dtype;
+        kept.grad_storage = now.grad_storage;  // what the next match prefetches
         any_moved = true;
       }
       ++i;

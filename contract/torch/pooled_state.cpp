@@ -8,11 +8,15 @@
 #include <map>
 #include <mutex>
 #include <new>
-#include <vector>
 
 #include "ampfuse/sdk/optimizer.h"
 
-#if defined(__SANITIZE_ADDRESS__)
+#if defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define AMPFUSE_ASAN 1
+#endif
+#endif
+#if defined(__SANITIZE_ADDRESS__) || defined(AMPFUSE_ASAN)
 #include <sanitizer/asan_interface.h>
 // A deleted object's bytes are poisoned until its place is reused, so that
 // AddressSanitizer reports a use after delete as it would with new.
@@ -37,6 +41,8 @@ struct Slab {
   std::size_t live = 0;   // objects made and not deleted
   char* bump = nullptr;   // the first place never used
   void* free = nullptr;   // places deleted since, linked through their first bytes
+  Slab* prev = nullptr;   // in its size's list of slabs with room (not the current one)
+  Slab* next = nullptr;
 };
 static_assert(sizeof(Slab) <= kHeaderBytes, "a slab's header fits before its first object");
 
@@ -46,10 +52,23 @@ Slab* slab_of(void* p) {
 }
 
 // The slabs of one object size: the one objects are carved from, and the
-// others that have a deleted object's place to reuse.
+// others that have a deleted object's place to reuse (a list through their
+// headers: taking one out allocates nothing, as a delete must not).
 struct SizeClass {
   Slab* current = nullptr;
-  std::vector<Slab*> with_room;
+  Slab* with_room = nullptr;
+
+  void add(Slab* s) {
+    s->prev = nullptr;
+    s->next = with_room;
+    if (with_room != nullptr) with_room->prev = s;
+    with_room = s;
+  }
+  void remove(Slab* s) {
+    (s->prev != nullptr ? s->prev->next : with_room) = s->next;
+    if (s->next != nullptr) s->next->prev = s->prev;
+    s->prev = s->next = nullptr;
+  }
 };
 
 struct Pool {
@@ -85,7 +104,8 @@ void free_slab(Pool& pool, Slab* s) {
 }
 
 bool has_room(const Slab* s) {
-  return s->free != nullptr || s->bump + s->slot <= reinterpret_cast<const char*>(s) + kSlabBytes;
+  const char* end = reinterpret_cast<const char*>(s) + kSlabBytes;
+  return s->free != nullptr || s->slot <= static_cast<std::size_t>(end - s->bump);
 }
 
 void* allocate(std::size_t bytes, std::size_t align) {
@@ -104,9 +124,9 @@ void* allocate(std::size_t bytes, std::size_t align) {
   }
   SizeClass& c = p.classes[slot];
   if (c.current == nullptr || !has_room(c.current)) {
-    if (!c.with_room.empty()) {
-      c.current = c.with_room.back();
-      c.with_room.pop_back();
+    if (c.with_room != nullptr) {
+      c.current = c.with_room;
+      c.remove(c.current);
     } else {
       c.current = new_slab(p, slot, kSlabBytes);
     }
@@ -135,7 +155,7 @@ void deallocate(void* obj) noexcept {
     free_slab(p, s);
     return;
   }
-  SizeClass& c = p.classes[s->slot];
+  SizeClass& c = p.classes.find(s->slot)->second;  // made with the slab; find allocates nothing
   AMPFUSE_UNPOISON(obj, sizeof(void*));
   const bool was_full = !has_room(s);
   *static_cast<void**>(obj) = s->free;
@@ -152,16 +172,11 @@ void deallocate(void* obj) noexcept {
     return;
   }
   if (s->live == 0) {
-    if (!was_full)
-      for (auto it = c.with_room.begin(); it != c.with_room.end(); ++it)
-        if (*it == s) {
-          c.with_room.erase(it);
-          break;
-        }
+    if (!was_full) c.remove(s);
     free_slab(p, s);
     return;
   }
-  if (was_full) c.with_room.push_back(s);
+  if (was_full) c.add(s);
 }
 
 }  // namespace

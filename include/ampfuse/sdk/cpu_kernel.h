@@ -312,7 +312,7 @@ class ChunkCursor {
   }
 
  private:
-  const PlanRef& plan_;
+  PlanRef plan_;  // a copy: a few pointers, and no reference to a temporary
   std::int64_t slot_;
 };
 
