@@ -210,12 +210,7 @@ const GradScaler::GradsPlan& GradScaler::grads_plan(torch::optim::Optimizer& opt
                          if (k + sdk::kPrefetchAhead < e) {
                            const GradKey& ahead = kept->keys[static_cast<std::size_t>(k + sdk::kPrefetchAhead)];
                            sdk::prefetch(params[k + sdk::kPrefetchAhead]->unsafeGetTensorImpl());
-                           sdk::prefetch(ahead.autograd_meta);
-                           sdk::prefetch(ahead.grad_slot);
-                           if (ahead.grad != nullptr) {
-                             sdk::prefetch_object(ahead.grad, sizeof(c10::TensorImpl));
-                             sdk::prefetch_object(ahead.storage, sizeof(c10::StorageImpl));
-                           }
+                           sdk::prefetch_grad(ahead.autograd_meta, ahead.grad_slot, ahead.grad, ahead.storage);
                          }
                          if (!same_grad(*params[k], kept->keys[static_cast<std::size_t>(k)])) same = false;
                        }

@@ -34,4 +34,16 @@ inline void prefetch_object(const void* p, std::size_t bytes) {
   for (std::uintptr_t a = first; a <= last; a += 64) __builtin_prefetch(reinterpret_cast<const void*>(a));
 }
 
+/// What reading a parameter's grad and its data address touches, from
+/// addresses kept at an earlier step: the autograd metadata, its grad field,
+/// and (null without a grad) the grad's TensorImpl and storage.
+inline void prefetch_grad(const void* autograd_meta, const void* grad_slot, const c10::TensorImpl* grad,
+                          const void* grad_storage) {
+  prefetch(autograd_meta);
+  prefetch(grad_slot);
+  if (grad == nullptr) return;
+  prefetch_object(grad, sizeof(c10::TensorImpl));
+  prefetch_object(grad_storage, sizeof(c10::StorageImpl));
+}
+
 }  // namespace ampfuse::sdk

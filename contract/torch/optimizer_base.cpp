@@ -952,12 +952,7 @@ PlanMatch match_plan(torch::optim::Optimizer& opt, const StateStamp& stamp, cons
         const PlanParam& ahead = keys.params[static_cast<std::size_t>(k + kPrefetchAhead)];
         prefetch_object(ahead.param, sizeof(c10::TensorImpl));
         prefetch_object(ahead.param_storage, sizeof(c10::StorageImpl));
-        prefetch(ahead.autograd_meta);
-        prefetch(ahead.grad_slot);
-        if (ahead.grad != nullptr) {
-          prefetch_object(ahead.grad, sizeof(c10::TensorImpl));
-          prefetch_object(ahead.grad_storage, sizeof(c10::StorageImpl));
-        }
+        prefetch_grad(ahead.autograd_meta, ahead.grad_slot, ahead.grad, ahead.grad_storage);
         prefetch(ahead.state_entry);
         prefetch_object(ahead.state, state_bytes);
       }
