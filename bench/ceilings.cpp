@@ -143,11 +143,17 @@ void adam8_twin(const Twin8Pointers& t, const ampfuse::Plan& plan) {
       std::uint8_t* m = t.m[ch.tensor] + ch.begin;
       std::uint8_t* v = t.v[ch.tensor] + ch.begin;
       std::int64_t i = 0;
-      // 64 elements at a time: four cache lines of p and of g, one of each moment.
+      // 64 elements at a time: four cache lines of p and of g, one of each
+      // moment, every one of them prefetched 256 elements ahead, as the
+      // other twins and the 8-bit kernel prefetch (with only the first line
+      // of p and of g prefetched, the hardware was left the other six and
+      // the twin moved a third fewer bytes per second than Adam's).
       for (; i + 64 <= ch.size; i += 64) {
         if (i + 256 < ch.size) {
-          __builtin_prefetch(p + i + 256);
-          __builtin_prefetch(g + i + 256);
+          for (int k = 0; k < 4; ++k) {
+            __builtin_prefetch(p + i + 256 + 16 * k);
+            __builtin_prefetch(g + i + 256 + 16 * k);
+          }
           __builtin_prefetch(m + i + 256);
           __builtin_prefetch(v + i + 256);
         }
