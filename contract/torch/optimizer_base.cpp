@@ -901,7 +901,17 @@ PlanMatch match_plan(torch::optim::Optimizer& opt, const StateStamp& stamp, cons
   // parameter without a grad and without state (a frozen one) is the common
   // case too: it stays without both.
   enum class Same { kAll, kAllButGrad, kNo };
-  auto compare = [&](const at::Tensor& p, const PlanParam& kept, PlanParam* grad_now) {
+  // What compare() reads of a new grad (kAllButGrad): a few words, where a
+  // PlanParam made for every parameter was 120 bytes zeroed per parameter
+  // (a `rep stos` that took a tenth of the match).
+  struct GradNow {
+    const c10::TensorImpl* grad;
+    const void* grad_data;
+    std::int64_t grad_numel;
+    c10::ScalarType grad_dtype;
+    const void* grad_storage;
+  };
+  auto compare = [&](const at::Tensor& p, const PlanParam& kept, GradNow* grad_now) {
     const c10::TensorImpl* impl = p.unsafeGetTensorImpl();
     if (impl != kept.param || kept.layout != 0 || kept.grad_sparse ||
         (kept.state != nullptr && kept.stamp == kNoStamp))
@@ -922,11 +932,7 @@ PlanMatch match_plan(torch::optim::Optimizer& opt, const StateStamp& stamp, cons
     if (grad == kept.grad && grad->numel() == kept.grad_numel && grad_dtype == kept.grad_dtype &&
         grad_data == kept.grad_data)
       return Same::kAll;
-    grad_now->grad = grad;
-    grad_now->grad_data = grad_data;
-    grad_now->grad_numel = grad->numel();
-    grad_now->grad_dtype = grad_dtype;
-    grad_now->grad_storage = grad->unsafe_storage().unsafeGetStorageImpl();
+    *grad_now = {grad, grad_data, grad->numel(), grad_dtype, grad->unsafe_storage().unsafeGetStorageImpl()};
     return Same::kAllButGrad;
   };
   std::atomic<bool> changed{false};
@@ -956,21 +962,23 @@ PlanMatch match_plan(torch::optim::Optimizer& opt, const StateStamp& stamp, cons
         prefetch(ahead.state_entry);
         prefetch_object(ahead.state, state_bytes);
       }
-      PlanParam now;
+      GradNow now;
       const Same same = compare(p, kept, &now);
       if (same == Same::kAll) {
         ++i;
         continue;
       }
-      if (same == Same::kNo) now = plan_param(p, opt, stamp);
-      if (same == Same::kNo && (now.param != kept.param || now.param_data != kept.param_data || now.numel != kept.numel ||
-          now.layout != kept.layout ||
-          now.dtype != kept.dtype || now.state != kept.state || now.stamp != kept.stamp ||
-          (now.state != nullptr && now.stamp == kNoStamp) ||
-          (now.grad == nullptr) != (kept.grad == nullptr) || kept.grad_sparse ||
-          (now.grad != nullptr && now.grad->is_sparse()))) {
-        changed = true;  // (a step with sparse grads validates from scratch: they are new tensors each step)
-        break;
+      if (same == Same::kNo) {
+        const PlanParam full = plan_param(p, opt, stamp);
+        if (full.param != kept.param || full.param_data != kept.param_data || full.numel != kept.numel ||
+            full.layout != kept.layout || full.dtype != kept.dtype || full.state != kept.state ||
+            full.stamp != kept.stamp || (full.state != nullptr && full.stamp == kNoStamp) ||
+            (full.grad == nullptr) != (kept.grad == nullptr) || kept.grad_sparse ||
+            (full.grad != nullptr && full.grad->is_sparse())) {
+          changed = true;  // (a step with sparse grads validates from scratch: they are new tensors each step)
+          break;
+        }
+        now = {full.grad, full.grad_data, full.grad_numel, full.grad_dtype, full.grad_storage};
       }
       if (now.grad != kept.grad || now.grad_data != kept.grad_data || now.grad_numel != kept.grad_numel ||
           now.grad_dtype != kept.grad_dtype) {
