@@ -194,12 +194,17 @@ const GradScaler::GradsPlan& GradScaler::grads_plan(torch::optim::Optimizer& opt
   // starts over rather than keeping theirs.
   if (grads_plans_.plans.size() > 64 && grads_plans_.plans.count(&optimizer) == 0) grads_plans_.plans.clear();
   std::shared_ptr<GradsPlan>& kept = grads_plans_.plans[&optimizer];
-  std::vector<const at::Tensor*> params;
   std::vector<std::pair<const void*, std::size_t>> groups;
+  groups.reserve(optimizer.param_groups().size());
+  std::size_t total = 0;
   for (const auto& group : optimizer.param_groups()) {
     groups.emplace_back(group.params().data(), group.params().size());
-    for (const at::Tensor& p : group.params()) params.push_back(&p);
+    total += group.params().size();
   }
+  std::vector<const at::Tensor*> params;  // reserved: grown one at a time, it was copied over a dozen times
+  params.reserve(total);
+  for (const auto& group : optimizer.param_groups())
+    for (const at::Tensor& p : group.params()) params.push_back(&p);
   // A reusable plan has no staged grads: its checks hold for in-place ops too.
   if (kept && kept->reusable && kept->groups == groups &&
       kept->keys.size() == params.size()) {
