@@ -935,6 +935,24 @@ PlanMatch match_plan(torch::optim::Optimizer& opt, const StateStamp& stamp, cons
     *grad_now = {grad, grad_data, grad->numel(), grad_dtype, grad->unsafe_storage().unsafeGetStorageImpl()};
     return Same::kAllButGrad;
   };
+  // The kind of a new grad (check_param's). After compare() found all but
+  // the grad as recorded (param_checked), the parameter passed check_param
+  // when the plan was recorded and is the same dense tensor: only the grad's
+  // own checks are left, made here on what compare() read. A grad that does
+  // not pass them, or is laid out otherwise than its parameter, goes
+  // through check_param, for its kind or its error.
+  auto moved_grad_kind = [&](const at::Tensor& p, bool param_checked, std::size_t g, std::size_t i, bool float64_ok,
+                             bool staged_ok) {
+    if (param_checked) {
+      const c10::TensorImpl* impl = p.unsafeGetTensorImpl();
+      const c10::TensorImpl* grad = impl->grad().unsafeGetTensorImpl();
+      if (grad->layout() == c10::kStrided && grad->dtype() == impl->dtype() && grad->device() == impl->device() &&
+          grad->sizes() == impl->sizes() && grad->strides() == impl->strides() &&
+          (signals == nullptr || signals->contains(impl->device())))
+        return GradKind::kInPlace;
+    }
+    return check_param(p, g, i, name, signals, float64_ok, staged_ok, false, staged_ok);
+  };
   std::atomic<bool> changed{false};
   std::atomic<bool> moved{false};
   std::mutex mutex;
@@ -983,7 +1001,7 @@ PlanMatch match_plan(torch::optim::Optimizer& opt, const StateStamp& stamp, cons
       if (now.grad != kept.grad || now.grad_data != kept.grad_data || now.grad_numel != kept.grad_numel ||
           now.grad_dtype != kept.grad_dtype) {
         try {
-          if ((check_param(p, g, i, name, signals, float64_ok, staged_ok, false, staged_ok) == GradKind::kStaged) !=
+          if ((moved_grad_kind(p, same == Same::kAllButGrad, g, i, float64_ok, staged_ok) == GradKind::kStaged) !=
               kept.grad_staged) {
             changed = true;  // a grad now read through a copy, or no longer: its Entry changes
             break;
