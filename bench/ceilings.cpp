@@ -145,9 +145,9 @@ void adam8_twin(const Twin8Pointers& t, const ampfuse::Plan& plan) {
       std::int64_t i = 0;
       // 64 elements at a time: four cache lines of p and of g, one of each
       // moment, every one of them prefetched 256 elements ahead, as the
-      // other twins and the 8-bit kernel prefetch (with only the first line
-      // of p and of g prefetched, the hardware was left the other six and
-      // the twin moved a third fewer bytes per second than Adam's).
+      // other twins and the 8-bit kernel prefetch: a ceiling that left most
+      // lines to the hardware prefetchers would wait on memory where the
+      // kernel does not.
       for (; i + 64 <= ch.size; i += 64) {
         if (i + 256 < ch.size) {
           for (int k = 0; k < 4; ++k) {

@@ -201,7 +201,7 @@ const GradScaler::GradsPlan& GradScaler::grads_plan(torch::optim::Optimizer& opt
     groups.emplace_back(group.params().data(), group.params().size());
     total += group.params().size();
   }
-  std::vector<const at::Tensor*> params;  // reserved: grown one at a time, it was copied over a dozen times
+  std::vector<const at::Tensor*> params;  // reserved: a pointer per parameter, every step
   params.reserve(total);
   for (const auto& group : optimizer.param_groups())
     for (const at::Tensor& p : group.params()) params.push_back(&p);

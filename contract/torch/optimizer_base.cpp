@@ -901,9 +901,8 @@ PlanMatch match_plan(torch::optim::Optimizer& opt, const StateStamp& stamp, cons
   // parameter without a grad and without state (a frozen one) is the common
   // case too: it stays without both.
   enum class Same { kAll, kAllButGrad, kNo };
-  // What compare() reads of a new grad (kAllButGrad): a few words, where a
-  // PlanParam made for every parameter was 120 bytes zeroed per parameter
-  // (a `rep stos` that took a tenth of the match).
+  // What compare() reads of a new grad (kAllButGrad): a few words, so that
+  // a parameter that matches costs no PlanParam (120 bytes, zeroed).
   struct GradNow {
     const c10::TensorImpl* grad;
     const void* grad_data;
@@ -935,17 +934,16 @@ PlanMatch match_plan(torch::optim::Optimizer& opt, const StateStamp& stamp, cons
     *grad_now = {grad, grad_data, grad->numel(), grad_dtype, grad->unsafe_storage().unsafeGetStorageImpl()};
     return Same::kAllButGrad;
   };
-  // The kind of a new grad (check_param's). After compare() found all but
-  // the grad as recorded (param_checked), the parameter passed check_param
-  // when the plan was recorded and is the same dense tensor: only the grad's
-  // own checks are left, made here on what compare() read. A grad that does
+  // The kind of a new grad (check_param's). When compare() found all but
+  // the grad as recorded (it passes the new grad's TensorImpl, else null),
+  // the parameter passed check_param when the plan was recorded and is the
+  // same dense tensor: only the grad's own checks are left. A grad that does
   // not pass them, or is laid out otherwise than its parameter, goes
   // through check_param, for its kind or its error.
-  auto moved_grad_kind = [&](const at::Tensor& p, bool param_checked, std::size_t g, std::size_t i, bool float64_ok,
-                             bool staged_ok) {
-    if (param_checked) {
+  auto moved_grad_kind = [&](const at::Tensor& p, const c10::TensorImpl* grad, std::size_t g, std::size_t i,
+                             bool float64_ok, bool staged_ok) {
+    if (grad != nullptr) {
       const c10::TensorImpl* impl = p.unsafeGetTensorImpl();
-      const c10::TensorImpl* grad = impl->grad().unsafeGetTensorImpl();
       if (grad->layout() == c10::kStrided && grad->dtype() == impl->dtype() && grad->device() == impl->device() &&
           grad->sizes() == impl->sizes() && grad->strides() == impl->strides() &&
           (signals == nullptr || signals->contains(impl->device())))
@@ -1001,7 +999,7 @@ PlanMatch match_plan(torch::optim::Optimizer& opt, const StateStamp& stamp, cons
       if (now.grad != kept.grad || now.grad_data != kept.grad_data || now.grad_numel != kept.grad_numel ||
           now.grad_dtype != kept.grad_dtype) {
         try {
-          if ((moved_grad_kind(p, same == Same::kAllButGrad, g, i, float64_ok, staged_ok) == GradKind::kStaged) !=
+          if ((moved_grad_kind(p, same == Same::kAllButGrad ? now.grad : nullptr, g, i, float64_ok, staged_ok) == GradKind::kStaged) !=
               kept.grad_staged) {
             changed = true;  // a grad now read through a copy, or no longer: its Entry changes
             break;

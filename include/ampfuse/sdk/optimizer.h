@@ -127,7 +127,7 @@ constexpr std::size_t kNoStamp = 0;
 /// of the address, and for a given address one of the seed: a stamp folded
 /// over several tensors changes whenever one of them does, whatever the
 /// others are. One multiply per tensor: a step over many small parameters
-/// stamps every state, and a longer mix made the stamp a tenth of the step.
+/// stamps every state.
 inline std::size_t stamp_of(std::size_t seed, const at::Tensor& t) {
   const std::size_t h =
       (seed ^ reinterpret_cast<std::uintptr_t>(t.unsafeGetTensorImpl())) * 0x9E3779B97F4A7C15ull;
