@@ -378,6 +378,23 @@ constexpr int kUnroll = 4;
 // The low `bytes` bits (bytes < 64).
 inline __mmask64 low_bytes(std::size_t bytes) { return (__mmask64{1} << bytes) - 1; }
 #else
+#if defined(__AVX2__)
+// AVX2 masks whole dwords only: a tail of whole dwords (every fp32 and fp64
+// tail) is loaded with dword-masked loads, others by the copies below. AMD
+// allows a masked-off lane to fault, so a masked load is used only while its
+// 32-byte windows stay on the page of the tail's first byte. Tails are stored
+// by the copies: the block's wide store forwards to their narrow loads, and a
+// masked store costs more than they do on AMD (Zen 3).
+inline bool masked_tail_fits(const void* p, std::size_t bytes) {
+  return bytes % 4 == 0 && (reinterpret_cast<std::uintptr_t>(p) % 4096) + ((bytes + 31) & ~std::size_t{31}) <= 4096;
+}
+
+// Lanes below `dwords` set (all eight from 8 on).
+inline __m256i first_dwords(std::size_t dwords) {
+  const int n = dwords < 8 ? static_cast<int>(dwords) : 8;
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+#endif
 // Copies the tail's bytes (fewer than kBlockBytes) as fixed-size copies,
 // which compile to moves: a memcpy of a run-time size is a call.
 template <std::size_t kBlockBytes, std::size_t kBytes>
@@ -426,6 +443,21 @@ template <std::size_t kBlockBytes>
                     _mm_maskz_loadu_epi8(static_cast<__mmask16>(low_bytes(bytes)), s));
   }
 #else
+#if defined(__AVX2__)
+  if (masked_tail_fits(src, bytes)) {
+    const auto* s = static_cast<const int*>(src);
+    if constexpr (kBlockBytes == 16) {
+      _mm_store_si128(reinterpret_cast<__m128i*>(block),
+                      _mm_maskload_epi32(s, _mm256_castsi256_si128(first_dwords(bytes / 4))));
+    } else {
+      for (std::size_t off = 0; off < kBlockBytes; off += 32)
+        _mm256_store_si256(reinterpret_cast<__m256i*>(block + off),
+                           off < bytes ? _mm256_maskload_epi32(s + off / 4, first_dwords((bytes - off) / 4))
+                                       : _mm256_setzero_si256());
+    }
+    return;
+  }
+#endif
   std::memset(block, 0, kBlockBytes);
   copy_tail<kBlockBytes>(block, src, bytes);
 #endif
