@@ -25,26 +25,45 @@ static void for_chunks(const ampfuse::Plan& plan, F&& f) {
 // no contender runs on values a twin drove to inf or NaN.
 constexpr float kNudge = 1e-30f;
 
+// The twins' vectors are as wide as the target's registers (a cache line
+// is kPieces of them): GCC keeps a vector wider than any register in memory
+// and copies it through general registers at every operation, which made
+// the twins of a 64-byte vector run at a third of the kernels' speed on an
+// AVX2 machine.
+#if defined(__AVX512F__)
+constexpr int kVecBytes = 64;
+#elif defined(__AVX__)
+constexpr int kVecBytes = 32;
+#else
+constexpr int kVecBytes = 16;
+#endif
+constexpr int kPieces = 64 / kVecBytes;  // per cache line
+constexpr int kVecFloats = kVecBytes / 4;
+using VecBits = std::uint32_t __attribute__((vector_size(kVecBytes)));
+using VecFloat = float __attribute__((vector_size(kVecBytes)));
+using VecBytes = std::uint8_t __attribute__((vector_size(kVecBytes)));
+
 std::uint32_t read_only_twin(const std::vector<float*>& data, const ampfuse::Plan& plan) {
   std::atomic<std::uint32_t> result{0};
   for_chunks(plan, [&](const ampfuse::Chunk& ch) {
     // Four interleaved streams, each prefetched 2 KiB ahead: one core keeps
     // more cache-line misses in flight than with one stream (which reads
     // about a third slower), as the check pass does.
-    using Line = std::uint32_t __attribute__((vector_size(64)));  // one cache line
     const auto* p = reinterpret_cast<const std::uint32_t*>(data[ch.tensor] + ch.begin);
     const std::int64_t q = ch.size / 64 * 16;  // whole cache lines per stream
-    Line acc[4] = {};
+    VecBits acc[4] = {};
     for (std::int64_t line = 0; line < q; line += 16)
       for (std::int64_t s = 0; s < 4; ++s) {
         if (line + 512 < q) __builtin_prefetch(p + s * q + line + 512);
-        Line x;
-        std::memcpy(&x, p + s * q + line, sizeof x);
-        acc[s] |= x;
+        for (int h = 0; h < kPieces; ++h) {
+          VecBits x;
+          std::memcpy(&x, p + s * q + line + h * kVecFloats, sizeof x);
+          acc[s] |= x;
+        }
       }
-    const Line all = acc[0] | acc[1] | acc[2] | acc[3];
+    const VecBits all = acc[0] | acc[1] | acc[2] | acc[3];
     std::uint32_t acc_all = 0;
-    for (int j = 0; j < 16; ++j) acc_all |= all[j];
+    for (int j = 0; j < kVecFloats; ++j) acc_all |= all[j];
     for (std::int64_t i = 4 * q; i < ch.size; ++i) acc_all |= p[i];
     result.fetch_or(acc_all, std::memory_order_relaxed);
   });
@@ -58,13 +77,11 @@ void read_write_twin(const std::vector<float*>& data, const ampfuse::Plan& plan,
   });
 }
 
-using Line16 = float __attribute__((vector_size(64)));  // one cache line of fp32
-
 // The optimizer twins walk the lists as ampfuse's CPU executor does, without
 // its arithmetic: each thread's range of chunks in order, one cache line of
 // every list at a time, every list prefetched 1 KiB (256 fp32) ahead and, near
 // a chunk's end, on into the next chunk of the range. update(x) changes the
-// values x[l] of the lists (a std::array of Line16, or of float for a
+// values x[l] of the lists (a std::array of VecFloat, or of float for a
 // chunk's tail); only the lists in kWritten are stored back.
 template <std::size_t N, unsigned kWritten, class Update>
 static void twin_walk(const ampfuse::Plan& plan, const std::array<const std::vector<float*>*, N>& lists,
@@ -80,9 +97,14 @@ static void twin_walk(const ampfuse::Plan& plan, const std::array<const std::vec
         if (next_n > 0) next[l] = (*lists[l])[nx.tensor] + nx.begin;
       }
       // Loads x from element i of every list, updates it, stores the written lists back.
+      // Unrolled, so that x stays in registers: copied element by element
+      // in a loop, a vector went to the stack in 16-byte halves and was read
+      // back whole, which the store buffer cannot forward (AMD Zen 3).
       const auto step = [&](auto& x, std::int64_t i) {
+#pragma GCC unroll 8
         for (std::size_t l = 0; l < N; ++l) std::memcpy(&x[l], base[l] + i, sizeof x[l]);
         update(x);
+#pragma GCC unroll 8
         for (std::size_t l = 0; l < N; ++l)
           if ((kWritten >> l) & 1u) std::memcpy(base[l] + i, &x[l], sizeof x[l]);
       };
@@ -93,8 +115,10 @@ static void twin_walk(const ampfuse::Plan& plan, const std::array<const std::vec
           if (ahead < n) __builtin_prefetch(base[l] + ahead);
           else if (ahead - n < next_n) __builtin_prefetch(next[l] + (ahead - n));
         }
-        std::array<Line16, N> x;
-        step(x, i);
+        for (int h = 0; h < kPieces; ++h) {
+          std::array<VecFloat, N> x;
+          step(x, i + h * kVecFloats);
+        }
       }
       for (; i < n; ++i) {
         std::array<float, N> x;
@@ -134,7 +158,6 @@ void lamb_twin(const std::vector<float*>& p, const std::vector<float*>& g, const
 }
 
 void adam8_twin(const Twin8Pointers& t, const ampfuse::Plan& plan) {
-  using Bytes64 = std::uint8_t __attribute__((vector_size(64)));  // one cache line of bytes
   at::parallel_for(0, plan.num_chunks(), 1, [&](std::int64_t b, std::int64_t e) {
     for (std::int64_t c = b; c < e; ++c) {
       const ampfuse::Chunk ch = plan.chunk(c);
@@ -157,20 +180,22 @@ void adam8_twin(const Twin8Pointers& t, const ampfuse::Plan& plan) {
           __builtin_prefetch(m + i + 256);
           __builtin_prefetch(v + i + 256);
         }
-        Bytes64 mb, vb;
-        std::memcpy(&mb, m + i, 64);
-        std::memcpy(&vb, v + i, 64);
-        for (int k = 0; k < 4; ++k) {
-          Line16 pl, gl;
-          std::memcpy(&pl, p + i + 16 * k, 64);
-          std::memcpy(&gl, g + i + 16 * k, 64);
+        for (int k = 0; k < 64; k += kVecFloats) {
+          VecFloat pl, gl;
+          std::memcpy(&pl, p + i + k, kVecBytes);
+          std::memcpy(&gl, g + i + k, kVecBytes);
           pl = pl - gl * kNudge;
-          std::memcpy(p + i + 16 * k, &pl, 64);
+          std::memcpy(p + i + k, &pl, kVecBytes);
         }
-        mb = mb + vb;
-        vb = vb ^ mb;
-        std::memcpy(m + i, &mb, 64);
-        std::memcpy(v + i, &vb, 64);
+        for (int k = 0; k < 64; k += kVecBytes) {
+          VecBytes mb, vb;
+          std::memcpy(&mb, m + i + k, kVecBytes);
+          std::memcpy(&vb, v + i + k, kVecBytes);
+          mb = mb + vb;
+          vb = vb ^ mb;
+          std::memcpy(m + i + k, &mb, kVecBytes);
+          std::memcpy(v + i + k, &vb, kVecBytes);
+        }
       }
       for (; i < ch.size; ++i) {
         p[i] = p[i] - g[i] * kNudge;
