@@ -29,8 +29,10 @@
 #include <cstring>
 #include <utility>
 
-#if defined(__AVX2__) || defined(__AVX512F__)
+#if defined(__SSE2__)
 #include <immintrin.h>
+#elif defined(__aarch64__)
+#include <arm_neon.h>
 #endif
 
 #include "ampfuse/multi_tensor.h"
@@ -42,10 +44,16 @@ namespace {
 using ::ampfuse::ScalarType;
 using ::ampfuse::sdk::cpu::PlanRef;
 
+// A block is one register of the target: GCC compiles the lane operations
+// of a wider vector piecewise (a square root becomes a scalar call per lane,
+// a comparison a branch per lane), several times slower.
+// cmake/ampfuseKernels.cmake makes such code an error.
 #if defined(__AVX512F__)
 constexpr int kWidth = 16;
-#else
+#elif defined(__AVX2__)
 constexpr int kWidth = 8;
+#else
+constexpr int kWidth = 4;
 #endif
 
 using u16 = std::uint16_t;
@@ -93,7 +101,8 @@ inline float bits_float(u32 u) {
 }
 
 // One block of kWidth fp32 lanes. GCC vector extensions: the compiler emits
-// the target's SIMD instructions (zmm, ymm, or xmm pairs for baseline).
+// the target's SIMD instructions (zmm, ymm, or for the baseline one xmm or
+// NEON register).
 typedef float VecF __attribute__((vector_size(kWidth * sizeof(float))));
 typedef float HalfVecF __attribute__((vector_size(kWidth / 2 * sizeof(float))));
 typedef double HalfVecD __attribute__((vector_size(kWidth / 2 * sizeof(double))));
@@ -280,6 +289,12 @@ inline HalfVecD high_f64(VecF v) {
 #elif defined(__AVX2__)
 inline HalfVecD low_f64(VecF v) { return (HalfVecD)_mm256_cvtps_pd(_mm256_castps256_ps128((__m256)v)); }
 inline HalfVecD high_f64(VecF v) { return (HalfVecD)_mm256_cvtps_pd(_mm256_extractf128_ps((__m256)v, 1)); }
+#elif defined(__SSE2__)
+inline HalfVecD low_f64(VecF v) { return (HalfVecD)_mm_cvtps_pd((__m128)v); }
+inline HalfVecD high_f64(VecF v) { return (HalfVecD)_mm_cvtps_pd(_mm_movehl_ps((__m128)v, (__m128)v)); }
+#elif defined(__aarch64__)
+inline HalfVecD low_f64(VecF v) { return (HalfVecD)vcvt_f64_f32(vget_low_f32((float32x4_t)v)); }
+inline HalfVecD high_f64(VecF v) { return (HalfVecD)vcvt_high_f64_f32((float32x4_t)v); }
 #else
 inline HalfVecD low_f64(VecF v) {
   HalfVecF h;
@@ -456,8 +471,8 @@ template <std::size_t kBlockBytes>
 /// (bytes < kBlockBytes) and zeros after them.
 template <std::size_t kBlockBytes>
 [[gnu::always_inline]] inline void load_tail(unsigned char* block, const void* src, std::size_t bytes) {
-  static_assert(kBlockBytes == 16 || kBlockBytes == 32 || kBlockBytes == 64 || kBlockBytes == 128,
-                "a block is 16, 32, 64 or 128 bytes");
+  static_assert(kBlockBytes >= 4 && kBlockBytes <= 128 && (kBlockBytes & (kBlockBytes - 1)) == 0,
+                "a block is a power of two from 4 to 128 bytes");
 #if defined(__AVX512BW__) && defined(__AVX512VL__)
   const auto* s = static_cast<const char*>(src);
   if constexpr (kBlockBytes == 128) {
@@ -545,6 +560,10 @@ inline bool any_poisoned(V (&poison)[kUnroll]) {
 inline VecF vsqrt(VecF v) { return (VecF)_mm512_sqrt_ps((__m512)v); }
 #elif defined(__AVX2__)
 inline VecF vsqrt(VecF v) { return (VecF)_mm256_sqrt_ps((__m256)v); }
+#elif defined(__SSE2__)
+inline VecF vsqrt(VecF v) { return (VecF)_mm_sqrt_ps((__m128)v); }
+#elif defined(__aarch64__)
+inline VecF vsqrt(VecF v) { return (VecF)vsqrtq_f32((float32x4_t)v); }
 #else
 inline VecF vsqrt(VecF v) {
   for (int j = 0; j < kWidth; ++j) v[j] = __builtin_sqrtf(v[j]);
@@ -552,11 +571,15 @@ inline VecF vsqrt(VecF v) {
 }
 #endif
 /// a * b + c rounded once, per lane (fmaf's result): one instruction with
-/// AVX-512 or AVX2 and FMA, a call per lane otherwise.
+/// AVX-512, AVX2 and FMA, or NEON; a call per lane on x86-64 without FMA.
 #if defined(__AVX512F__)
 inline VecF vfma(VecF a, VecF b, VecF c) { return (VecF)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c); }
 #elif defined(__AVX2__) && defined(__FMA__)
 inline VecF vfma(VecF a, VecF b, VecF c) { return (VecF)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c); }
+#elif defined(__aarch64__)
+inline VecF vfma(VecF a, VecF b, VecF c) {
+  return (VecF)vfmaq_f32((float32x4_t)c, (float32x4_t)a, (float32x4_t)b);  // c + a * b, rounded once
+}
 #else
 inline VecF vfma(VecF a, VecF b, VecF c) {
   for (int j = 0; j < kWidth; ++j) a[j] = __builtin_fmaf(a[j], b[j], c[j]);
@@ -567,6 +590,10 @@ inline VecF vfma(VecF a, VecF b, VecF c) {
 inline HalfVecD vsqrt_half(HalfVecD v) { return (HalfVecD)_mm512_sqrt_pd((__m512d)v); }
 #elif defined(__AVX2__)
 inline HalfVecD vsqrt_half(HalfVecD v) { return (HalfVecD)_mm256_sqrt_pd((__m256d)v); }
+#elif defined(__SSE2__)
+inline HalfVecD vsqrt_half(HalfVecD v) { return (HalfVecD)_mm_sqrt_pd((__m128d)v); }
+#elif defined(__aarch64__)
+inline HalfVecD vsqrt_half(HalfVecD v) { return (HalfVecD)vsqrtq_f64((float64x2_t)v); }
 #else
 inline HalfVecD vsqrt_half(HalfVecD v) {
   for (int j = 0; j < kWidth / 2; ++j) v[j] = __builtin_sqrt(v[j]);
@@ -609,7 +636,9 @@ inline void for_each_block_read(const char* src, const char* next, std::int64_t 
   for (std::int64_t i = 0; i < run; i += kWidth)
     for (int u = 0; u < kUnroll; ++u) {
       // Stream u: run elements at src + u * run, continued by the next chunk's stream u.
-      prefetch_ahead(src + u * run * es, next + u * next_run * es, next_run, es, run, i + kReadPrefetchElements);
+      // Once per cache line of a stream, as for_each_block_lists.
+      if (kWidth * es >= 64 || ((static_cast<std::size_t>(i) * es) & 63) == 0)
+        prefetch_ahead(src + u * run * es, next + u * next_run * es, next_run, es, run, i + kReadPrefetchElements);
       if constexpr (kWidth * es > 64)  // fp64 with AVX-512: a block's second cache line, as for_each_block_lists
         prefetch_ahead(src + u * run * es, next + u * next_run * es, next_run, es, run,
                        i + kReadPrefetchElements + static_cast<std::int64_t>(64 / es));
@@ -617,7 +646,8 @@ inline void for_each_block_read(const char* src, const char* next, std::int64_t 
     }
   std::int64_t i = kUnroll * run;
   for (; i + kWidth <= n; i += kWidth) {
-    prefetch_ahead(src, next, next_n, es, n, i + kReadPrefetchElements);
+    if (kWidth * es >= 64 || ((static_cast<std::size_t>(i) * es) & 63) == 0)
+      prefetch_ahead(src, next, next_n, es, n, i + kReadPrefetchElements);
     if constexpr (kWidth * es > 64)
       prefetch_ahead(src, next, next_n, es, n, i + kReadPrefetchElements + static_cast<std::int64_t>(64 / es));
     block_fn(src + i * es, 0);
@@ -649,6 +679,10 @@ inline void for_each_block_lists(char* const (&base)[Depth], char* const* next, 
     for (int l = 0; l < Depth; ++l) {
       if (!used(l)) continue;
       blocks[l] = base[l] + i * elem_size[l];
+      // One prefetch per cache line of the list: a block narrower than a
+      // line (fp16, or the baseline's 16-byte blocks) would ask for each
+      // line several times, each a load slot taken from the kernel.
+      if (kWidth * elem_size[l] < 64 && ((static_cast<std::size_t>(i) * elem_size[l]) & 63) != 0) continue;
       prefetch_ahead(base[l], next ? next[l] : nullptr, next_n, elem_size[l], n, ahead);
       // A block of fp64 lanes with AVX-512 spans two cache lines: one
       // prefetch per block left every other line to the hardware (AdamF64
