@@ -1,6 +1,6 @@
 // FusedAdam against torch::optim::Adam, ATen's _fused_adam_ and the traffic
 // twin (read p, g, m, v; write p, m, v: 28 bytes per fp32 parameter).
-//   Adam        unscaled step
+//   Adam        unscaled step (on 8x8M also ours_baseline: the baseline kernels)
 //   AdamScaled  a GradScaler step: ours = check pass + fused step (contract);
 //               PyTorch's = _amp_foreach_non_finite_check_and_unscale_ with
 //               inv_scale 1 (its check pass, which writes grads back) +
@@ -16,6 +16,7 @@
 
 #include <ampfuse/fused_adam.h>
 #include <ampfuse/grad_scaler.h>
+#include <ampfuse/sdk/cpu.h>
 #include <ampfuse/tensor_ops.h>
 
 #include <ATen/Parallel.h>
@@ -155,6 +156,17 @@ void register_adam(torch::Device device) {
         });
       }, bytes);
     }
+    // The same step on the baseline kernels (SSE2 here; NEON on AArch64,
+    // where no other build exists): the speed a processor without AVX2 gets.
+    if (device.is_cpu() && set.name == "8x8M")
+      register_one("Adam/ours_baseline" + tail, device, [=] {
+        auto opt = std::make_shared<ampfuse::FusedAdam>(data().params, torch::optim::AdamOptions(kLr));
+        return Fn([=] {
+          ampfuse::sdk::cpu::force_isa("baseline");
+          opt->step();
+          ampfuse::sdk::cpu::force_isa("");
+        });
+      }, bytes);
     register_one("Adam/torch_optim_adam" + tail, device, [=] {
       auto opt = std::make_shared<torch::optim::Adam>(data().params, torch::optim::AdamOptions(kLr));
       return Fn([=] { opt->step(); });
