@@ -391,7 +391,7 @@ TEST_P(EngineOps, TailsEndingAtAnUnmappedPageTouchOnlyTheirBytes) {
   if (device_.is_cuda()) GTEST_SKIP() << "CPU tails only";
   GuardedPages pages;
   ASSERT_TRUE(pages.ok()) << "mmap or mprotect failed";
-  // Every tail length of every block width (8 and 16 lanes), alone and after
+  // Every tail length of every block width (4, 8 and 16 lanes), alone and after
   // whole blocks, ending at the guard or up to 28 bytes (a masked load's
   // window, less a dword) before it.
   for (std::int64_t n = 1; n <= 40; ++n) {

@@ -471,8 +471,13 @@ template <std::size_t kBlockBytes>
 /// (bytes < kBlockBytes) and zeros after them.
 template <std::size_t kBlockBytes>
 [[gnu::always_inline]] inline void load_tail(unsigned char* block, const void* src, std::size_t bytes) {
+#if defined(__AVX2__) || defined(__AVX512F__)
+  static_assert(kBlockBytes == 16 || kBlockBytes == 32 || kBlockBytes == 64 || kBlockBytes == 128,
+                "a block is 16, 32, 64 or 128 bytes");
+#else
   static_assert(kBlockBytes >= 4 && kBlockBytes <= 128 && (kBlockBytes & (kBlockBytes - 1)) == 0,
-                "a block is a power of two from 4 to 128 bytes");
+                "a block is a power of two from 4 to 128 bytes");  // the baseline's fp16 and 8-bit blocks are 8 and 4
+#endif
 #if defined(__AVX512BW__) && defined(__AVX512VL__)
   const auto* s = static_cast<const char*>(src);
   if constexpr (kBlockBytes == 128) {
@@ -636,9 +641,7 @@ inline void for_each_block_read(const char* src, const char* next, std::int64_t 
   for (std::int64_t i = 0; i < run; i += kWidth)
     for (int u = 0; u < kUnroll; ++u) {
       // Stream u: run elements at src + u * run, continued by the next chunk's stream u.
-      // Once per cache line of a stream, as for_each_block_lists.
-      if (kWidth * es >= 64 || ((static_cast<std::size_t>(i) * es) & 63) == 0)
-        prefetch_ahead(src + u * run * es, next + u * next_run * es, next_run, es, run, i + kReadPrefetchElements);
+      prefetch_ahead(src + u * run * es, next + u * next_run * es, next_run, es, run, i + kReadPrefetchElements);
       if constexpr (kWidth * es > 64)  // fp64 with AVX-512: a block's second cache line, as for_each_block_lists
         prefetch_ahead(src + u * run * es, next + u * next_run * es, next_run, es, run,
                        i + kReadPrefetchElements + static_cast<std::int64_t>(64 / es));
@@ -646,8 +649,7 @@ inline void for_each_block_read(const char* src, const char* next, std::int64_t 
     }
   std::int64_t i = kUnroll * run;
   for (; i + kWidth <= n; i += kWidth) {
-    if (kWidth * es >= 64 || ((static_cast<std::size_t>(i) * es) & 63) == 0)
-      prefetch_ahead(src, next, next_n, es, n, i + kReadPrefetchElements);
+    prefetch_ahead(src, next, next_n, es, n, i + kReadPrefetchElements);
     if constexpr (kWidth * es > 64)
       prefetch_ahead(src, next, next_n, es, n, i + kReadPrefetchElements + static_cast<std::int64_t>(64 / es));
     block_fn(src + i * es, 0);
@@ -679,10 +681,6 @@ inline void for_each_block_lists(char* const (&base)[Depth], char* const* next, 
     for (int l = 0; l < Depth; ++l) {
       if (!used(l)) continue;
       blocks[l] = base[l] + i * elem_size[l];
-      // One prefetch per cache line of the list: a block narrower than a
-      // line (fp16, or the baseline's 16-byte blocks) would ask for each
-      // line several times, each a load slot taken from the kernel.
-      if (kWidth * elem_size[l] < 64 && ((static_cast<std::size_t>(i) * elem_size[l]) & 63) != 0) continue;
       prefetch_ahead(base[l], next ? next[l] : nullptr, next_n, elem_size[l], n, ahead);
       // A block of fp64 lanes with AVX-512 spans two cache lines: one
       // prefetch per block left every other line to the hardware (AdamF64
