@@ -24,9 +24,11 @@ install_system_packages() {
   # Gloo's headers only (c10d::ProcessGroupGloo in the distributed tests; the wheel has its code).
   dpkg -s libgloo-dev >/dev/null 2>&1 || missing+=(libgloo-dev)
   dpkg -s ccache >/dev/null 2>&1 || missing+=(ccache)
-  # A cross compiler, so that the tests build the baseline kernels' NEON paths as AArch64 does.
+  # A cross compiler and qemu's user-mode emulator, so that the tests build the baseline kernels'
+  # NEON paths as AArch64 does and run them (tests/kernel_bits.cpp).
   if [ "$(uname -m)" = x86_64 ]; then
     dpkg -s g++-aarch64-linux-gnu >/dev/null 2>&1 || missing+=(g++-aarch64-linux-gnu)
+    dpkg -s qemu-user-static >/dev/null 2>&1 || missing+=(qemu-user-static)
   fi
   command -v g++ >/dev/null 2>&1 || missing+=(g++)
   command -v python3 >/dev/null 2>&1 || missing+=(python3 python3-venv)

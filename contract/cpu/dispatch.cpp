@@ -21,21 +21,17 @@ struct Target {
   bool (*supported)();
 };
 
-bool has_avx512() {
 #if defined(AMPFUSE_CPU_HAS_AVX512)
+bool has_avx512() {
   return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
-#else
-  return false;
-#endif
 }
-bool has_avx2() {
+#endif
 #if defined(AMPFUSE_CPU_HAS_AVX2)
+bool has_avx2() {
   return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
-#else
-  return false;
-#endif
 }
+#endif
 bool always() { return true; }
 
 // Compiled in, best first.
@@ -132,6 +128,22 @@ FlushSubnormals::FlushSubnormals() {
 FlushSubnormals::~FlushSubnormals() {
   // The two bits only: exception flags the kernel raised stay raised.
   if (changed_) _mm_setcsr((_mm_getcsr() & ~kFlushBits) | (saved_ & kFlushBits));
+}
+#elif defined(__aarch64__)
+// FPCR.FZ: fp32 and fp64 arithmetic reads subnormal inputs as zero and
+// writes subnormal results as zero, as DAZ and FTZ together do on x86 (so
+// both give the same numbers). Conversions from fp16 keep its subnormals, as
+// F16C does.
+constexpr unsigned kFlushBits = 1u << 24;
+FlushSubnormals::FlushSubnormals() {
+  if (subnormals_kept()) return;
+  saved_ = __builtin_aarch64_get_fpcr();
+  if ((saved_ & kFlushBits) == kFlushBits) return;
+  __builtin_aarch64_set_fpcr(saved_ | kFlushBits);
+  changed_ = true;
+}
+FlushSubnormals::~FlushSubnormals() {
+  if (changed_) __builtin_aarch64_set_fpcr((__builtin_aarch64_get_fpcr() & ~kFlushBits) | (saved_ & kFlushBits));
 }
 #else
 FlushSubnormals::FlushSubnormals() {}

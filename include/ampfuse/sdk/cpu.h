@@ -54,7 +54,8 @@ void force_isa(const char* name);
 /// tiny grads multiplied by a small inverse scale, made a step 6 to 16 times
 /// slower. So CPU kernels run with them flushed: while a FlushSubnormals
 /// lives, this thread's SSE/AVX arithmetic reads subnormal inputs as zero
-/// (DAZ) and writes subnormal results as zero (FTZ): only values below 2^-126
+/// (DAZ) and writes subnormal results as zero (FTZ), and on AArch64 its
+/// fp32/fp64 arithmetic does the same (FPCR.FZ): only values below 2^-126
 /// change (2^-1022 in fp64 kernels), and a normal result only by what such a
 /// value would have added to it (fp16's subnormals are normal fp32 numbers
 /// and are kept).
