@@ -44,7 +44,7 @@ inline std::uint64_t seed_for_test() {
   }
   const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
   std::cout << "[ seed     ] " << (info ? std::string(info->test_suite_name()) + "." + info->name() : "?") << ": "
-            << seed << "  (replay: AMPFUSE_TEST_SEED=" << seed << ")\n";
+            << seed << "  (replay: AMPFUSE_TEST_SEED=" << seed << ")" << std::endl;  // flushed: a crash keeps it
   ::testing::Test::RecordProperty("seed", std::to_string(seed));
   torch::manual_seed(seed);
   return seed;

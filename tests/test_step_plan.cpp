@@ -8,8 +8,10 @@
 // way the plan was found (last_plan_match). CPU and CUDA (skipped without a
 // device).
 
+#include <ampfuse/fused_adagrad.h>
 #include <ampfuse/fused_adam.h>
 #include <ampfuse/fused_lamb.h>
+#include <ampfuse/fused_rmsprop.h>
 #include <ampfuse/fused_sgd.h>
 #include <ampfuse/grad_scaler.h>
 
@@ -182,6 +184,31 @@ TEST_P(StepPlanTest, FusedSGDAndFusedLAMBReuseTheirPlans) {
   });
   sgd.grads(true);
   EXPECT_TRUE(sgd.step(PlanMatch::kChanged));
+}
+
+// FusedAdagrad and FusedRMSprop keep their pointer arrays and Plan on CPU
+// too. An option that gives RMSprop's state another list (momentum switched
+// on) is seen at the step where it changes, before the state does.
+TEST_P(StepPlanTest, FusedAdagradAndFusedRMSpropReuseTheirPlans) {
+  Twins<ampfuse::FusedAdagrad> adagrad(
+      {param({129}, torch::kFloat), param({0}, torch::kFloat), param({70000}, torch::kFloat)},
+      maker<ampfuse::FusedAdagrad>(torch::optim::AdagradOptions(0.1).lr_decay(0.01)));
+  Twins<ampfuse::FusedRMSprop> rmsprop({param({129}, torch::kFloat), param({5}, torch::kFloat)},
+                                       maker<ampfuse::FusedRMSprop>(torch::optim::RMSpropOptions(1e-2).centered(true)));
+  for (int step = 0; step < 4; ++step) {
+    const PlanMatch expected = step == 0 ? PlanMatch::kChanged : step == 2 ? PlanMatch::kGradsMoved : PlanMatch::kSame;
+    adagrad.grads(step != 2 && step != 0);
+    rmsprop.grads(step != 2 && step != 0);
+    EXPECT_TRUE(adagrad.step(expected)) << "FusedAdagrad, step " << step;
+    EXPECT_TRUE(rmsprop.step(expected)) << "FusedRMSprop, step " << step;
+  }
+  rmsprop.apply([](auto& opt, auto&) {
+    static_cast<torch::optim::RMSpropOptions&>(opt.param_groups()[0].options()).momentum(0.9);
+  });
+  for (const PlanMatch expected : {PlanMatch::kSame, PlanMatch::kChanged, PlanMatch::kSame}) {
+    rmsprop.grads(true);
+    EXPECT_TRUE(rmsprop.step(expected)) << "FusedRMSprop with momentum switched on";
+  }
 }
 
 // What a plan skips checking must be checked again when it changes: a new
@@ -418,21 +445,30 @@ namespace {
 // each is set by the range of chunks holding the tensor's first chunk (a
 // tensor of several chunks spans ranges), a zero-element one, which has no
 // chunk, apart.
-TEST(StepPlanCounters, EveryCounterAdvancesOncePerStep) {
-  ampfuse_test::seed_for_test();
+template <class Opt, class State, class Options>
+void expect_counters_advance_once(const char* name, Options options) {
   std::vector<torch::Tensor> params;
   for (const std::int64_t n : {0, 1, 300000, 0, 5, 70000, 1})
     params.push_back(torch::randn({n}).requires_grad_());
-  ampfuse::FusedAdam opt(params, torch::optim::AdamOptions(1e-3));
+  Opt opt(params, options);
   for (int step = 1; step <= 4; ++step) {
     for (auto& p : params) p.mutable_grad() = torch::randn_like(p);
     opt.step();
     for (std::size_t i = 0; i < params.size(); ++i) {
-      const auto& s =
-          static_cast<const ampfuse::FusedAdamParamState&>(*opt.state().at(params[i].unsafeGetTensorImpl()));
-      EXPECT_EQ(s.step(), step) << "param " << i << " (" << params[i].numel() << " elements)";
+      const auto& s = static_cast<const State&>(*opt.state().at(params[i].unsafeGetTensorImpl()));
+      EXPECT_EQ(s.step(), step) << name << ", param " << i << " (" << params[i].numel() << " elements)";
     }
   }
+}
+
+TEST(StepPlanCounters, EveryCounterAdvancesOncePerStep) {
+  ampfuse_test::seed_for_test();
+  expect_counters_advance_once<ampfuse::FusedAdam, ampfuse::FusedAdamParamState>(
+      "FusedAdam", torch::optim::AdamOptions(1e-3));
+  expect_counters_advance_once<ampfuse::FusedAdagrad, ampfuse::FusedAdagradParamState>(
+      "FusedAdagrad", torch::optim::AdagradOptions(1e-3));
+  expect_counters_advance_once<ampfuse::FusedRMSprop, ampfuse::FusedRMSpropParamState>(
+      "FusedRMSprop", torch::optim::RMSpropOptions(1e-3));
 }
 
 }  // namespace

@@ -32,6 +32,21 @@ auto made_state(const at::Tensor& p, const torch::optim::AdagradOptions& o) {
   };
 }
 
+// CPU: what a list's steps reuse while the step plan holds (its ListSlot):
+// the states, pointer arrays (param, grad, sum by tensor index) and Plan,
+// the sums they point into (held, so that none is freed and another made
+// at its address while kept), and each step's counters and -clr (reused: a
+// step's launch ran before the next step prepares).
+struct AdagradKept {
+  std::vector<FusedAdagradParamState*> states;
+  std::vector<std::vector<void*>> ptrs;
+  std::shared_ptr<const Plan> plan;
+  std::vector<at::Tensor> held;
+  std::vector<std::size_t> empty;  // zero-element parameters: no chunk sets their counters
+  std::vector<std::int64_t> steps;
+  std::vector<double> neg_clr;
+};
+
 }  // namespace
 
 void FusedAdagradParamState::serialize(torch::serialize::OutputArchive& archive) const {
@@ -73,40 +88,59 @@ sdk::Launch FusedAdagrad::prepare_list(const sdk::ParamList& list) {
   const ScalarType st = list.kernel_dtype();
   const bool on_cuda = list.device.is_cuda();
   const std::size_t n = entries.size();
-  std::vector<FusedAdagradParamState*> states(n);
-  for (std::size_t i = 0; i < n; ++i) {  // creates state (a parameter added after construction): on this thread
-    const sdk::Entry& e = *entries[i];
-    const at::Tensor& p = e.param;
-    FusedAdagradParamState& s = state_for(e, made_state(p, o));
-    prepare_device_step(e, s);
-    states[i] = &s;
-  }
+  const auto make_states = [&] {
+    std::vector<FusedAdagradParamState*> states(n);
+    for (std::size_t i = 0; i < n; ++i) {  // creates state (a parameter added after construction): on this thread
+      const sdk::Entry& e = *entries[i];
+      FusedAdagradParamState& s = state_for(e, made_state(e.param, o));
+      prepare_device_step(e, s);
+      states[i] = &s;
+    }
+    return states;
+  };
 
-  std::vector<std::int64_t> numels(n);
   if (!on_cuda) {
-    std::vector<void*> param(n), grad(n), sum(n);
-    std::vector<std::int64_t> steps(n);
-    sdk::parallel_entries(n, [&](std::size_t i) {
-      numels[i] = entries[i]->param.numel();
-      param[i] = entries[i]->param.data_ptr();
-      grad[i] = entries[i]->grad.data_ptr();
-      sum[i] = states[i]->sum().data_ptr();
-      steps[i] = states[i]->step() + 1;
-    });
-    auto neg_clr = sdk::per_tensor<std::int64_t, double>(
-        steps, [&](std::int64_t step) { return fused::adagrad_neg_clr(hyper, static_cast<double>(step)); });
-    auto plan = std::make_shared<const Plan>(numels, sdk::cpu::kChunkSize);
+    constexpr int kParam = list_index(AdagradList::kParam), kGrad = list_index(AdagradList::kGrad),
+                  kSum = list_index(AdagradList::kSum);
+    std::shared_ptr<AdagradKept> kept = list.slot.get<AdagradKept>();
+    const bool fresh = kept == nullptr;
+    if (fresh) {
+      kept = std::make_shared<AdagradKept>();
+      kept->states = make_states();
+      std::vector<std::int64_t> numels(n);
+      kept->ptrs.assign(kSum + 1, std::vector<void*>(n));
+      sdk::parallel_entries(n, [&](std::size_t i) {
+        numels[i] = entries[i]->param.numel();
+        kept->ptrs[kParam][i] = entries[i]->param.data_ptr();
+        kept->ptrs[kGrad][i] = entries[i]->grad.data_ptr();
+        kept->ptrs[kSum][i] = kept->states[i]->sum().data_ptr();
+      });
+      for (std::size_t i = 0; i < n; ++i) {
+        kept->held.push_back(kept->states[i]->sum());
+        if (numels[i] == 0) kept->empty.push_back(i);
+      }
+      kept->plan = std::make_shared<const Plan>(numels, sdk::cpu::kChunkSize);
+    } else if (list.grads_moved) {
+      sdk::parallel_entries(n, [&](std::size_t i) { kept->ptrs[kGrad][i] = entries[i]->grad.data_ptr(); });
+    }
+    // One clr per run of equal steps (in each thread's range), not per tensor.
+    sdk::parallel_per_tensor(
+        n, [&](std::size_t i) { return kept->states[i]->step() + 1; }, kept->steps, kept->neg_clr,
+        [&](std::int64_t step) { return fused::adagrad_neg_clr(hyper, static_cast<double>(step)); });
     const double grad_factor = sdk::cpu_grad_factor(list.signal);
-    return [=, states = std::move(states), param = std::move(param), grad = std::move(grad), sum = std::move(sum),
-            steps = std::move(steps), neg_clr = std::move(neg_clr)] {
-      const fused::cpu::AdagradArgs args{sdk::cpu::plan_ref(*plan), param.data(), grad.data(), sum.data(),
-                                         neg_clr.data(), st, hyper, grad_factor};
+    if (fresh) list.slot.keep(kept);
+    return [=] {
+      const fused::cpu::AdagradArgs args{sdk::cpu::plan_ref(*kept->plan), kept->ptrs[kParam].data(), kept->ptrs[kGrad].data(),
+                                         kept->ptrs[kSum].data(), kept->neg_clr.data(), st, hyper, grad_factor};
       const fused::cpu::AdagradFn kernel = fused::cpu::adagrad_kernel();
-      sdk::parallel_chunks(*plan, [&](std::int64_t b, std::int64_t e) { kernel(args, b, e); });
-      sdk::parallel_entries(states.size(), [&](std::size_t i) { states[i]->step(steps[i]); });
+      sdk::parallel_chunks(
+          *kept->plan, [&](std::int64_t b, std::int64_t e) { kernel(args, b, e); },
+          [&](std::size_t t) { kept->states[t]->step(kept->steps[t]); }, kept->empty);
     };
   }
 #if defined(AMPFUSE_WITH_CUDA)
+  const std::vector<FusedAdagradParamState*> states = make_states();
+  std::vector<std::int64_t> numels(n);
   const c10::cuda::CUDAGuard guard(list.device);
   TensorListsView views;
   views.lists.assign(fused::kAdagradLists, std::vector<TensorView>(n));

@@ -498,19 +498,9 @@ sdk::Launch FusedAdamImpl<Base, Options, State, kDecoupled>::prepare_list(const 
         // One parallel region: each range runs its chunks, then sets the
         // counters of the tensors whose first chunk it holds (no other
         // range reads them: the kernel takes its scalars, made above).
-        const Plan& plan = *kept->plan;
-        const std::vector<std::int64_t>& first = plan.chunk_offsets();
-        const std::vector<std::int64_t>& tensors = plan.tensors();
-        at::parallel_for(0, plan.num_chunks(), 1, [&](std::int64_t b, std::int64_t e) {
-          const sdk::cpu::FlushSubnormals flush;
-          kernel(args, b, e);
-          for (auto k = static_cast<std::size_t>(std::lower_bound(first.begin(), first.end() - 1, b) - first.begin());
-               k < tensors.size() && first[k] < e; ++k) {
-            const auto t = static_cast<std::size_t>(tensors[k]);
-            kept->states[t]->step(steps[t]);
-          }
-        });
-        for (const std::size_t i : kept->empty) kept->states[i]->step(steps[i]);
+        sdk::parallel_chunks(
+            *kept->plan, [&](std::int64_t b, std::int64_t e) { kernel(args, b, e); },
+            [&](std::size_t t) { kept->states[t]->step(steps[t]); }, kept->empty);
       } else {
         // One parallel region over both plans: the 32-bit chunks, then the 8-bit ones.
         auto coded = [&](Coded8List l) { return kept->ptrs8[list_index(l)].data(); };

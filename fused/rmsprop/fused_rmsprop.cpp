@@ -17,6 +17,23 @@
 #endif
 
 namespace ampfuse {
+namespace {
+
+// CPU: what a list's steps reuse while the step plan holds (its ListSlot):
+// the states, pointer arrays (by RmspropList, then tensor index) and Plan,
+// for the options they were gathered for, and the state tensors they point
+// into (held, so that none is freed and another made at its address while
+// kept).
+struct RmspropKept {
+  bool momentum = false, centered = false;
+  std::vector<FusedRMSpropParamState*> states;
+  std::vector<std::vector<void*>> ptrs;
+  std::shared_ptr<const Plan> plan;
+  std::vector<at::Tensor> held;
+  std::vector<std::size_t> empty;  // zero-element parameters: no chunk sets their counters
+};
+
+}  // namespace
 
 void FusedRMSpropParamState::serialize(torch::serialize::OutputArchive& archive) const {
   sdk::save_counted<torch::optim::RMSpropParamState>(*this, archive);
@@ -49,34 +66,35 @@ sdk::Launch FusedRMSprop::prepare_list(const sdk::ParamList& list) {
   const ScalarType st = list.kernel_dtype();
   const bool on_cuda = list.device.is_cuda();
   const std::size_t n = entries.size();
-  std::vector<FusedRMSpropParamState*> states(n);
-  sdk::SmallStatePool pool(entries.front()->param.options());
-  for (const sdk::Entry* e : entries)
-    if (e->state == nullptr) pool.reserve(e->param, 1 + (momentum ? 1 : 0) + (centered ? 1 : 0));
-  for (std::size_t i = 0; i < n; ++i) {  // creates state (first step): on this thread
-    const sdk::Entry& e = *entries[i];
-    const at::Tensor& p = e.param;
-    const auto zeros = [&] { return pool.take(p); };
-    FusedRMSpropParamState& s = state_for(e, [&](FusedRMSpropParamState& made) {
-      made.step(0);
-      made.square_avg(zeros());
-    });
-    if (momentum && !s.momentum_buffer().defined()) {
-      undo_on_failure([&s] { s.momentum_buffer(at::Tensor()); });
-      s.momentum_buffer(zeros());
+  const auto make_states = [&] {
+    std::vector<FusedRMSpropParamState*> states(n);
+    sdk::SmallStatePool pool(entries.front()->param.options());
+    for (const sdk::Entry* e : entries)
+      if (e->state == nullptr) pool.reserve(e->param, 1 + (momentum ? 1 : 0) + (centered ? 1 : 0));
+    for (std::size_t i = 0; i < n; ++i) {  // creates state (first step): on this thread
+      const sdk::Entry& e = *entries[i];
+      const at::Tensor& p = e.param;
+      const auto zeros = [&] { return pool.take(p); };
+      FusedRMSpropParamState& s = state_for(e, [&](FusedRMSpropParamState& made) {
+        made.step(0);
+        made.square_avg(zeros());
+      });
+      if (momentum && !s.momentum_buffer().defined()) {
+        undo_on_failure([&s] { s.momentum_buffer(at::Tensor()); });
+        s.momentum_buffer(zeros());
+      }
+      if (centered && !s.grad_avg().defined()) {
+        undo_on_failure([&s] { s.grad_avg(at::Tensor()); });
+        s.grad_avg(zeros());
+      }
+      prepare_device_step(e, s);
+      states[i] = &s;
     }
-    if (centered && !s.grad_avg().defined()) {
-      undo_on_failure([&s] { s.grad_avg(at::Tensor()); });
-      s.grad_avg(zeros());
-    }
-    prepare_device_step(e, s);
-    states[i] = &s;
-  }
-
-  std::vector<std::int64_t> numels(n);
-  std::vector<std::vector<void*>> ptrs(fused::kRmspropLists, std::vector<void*>(n, nullptr));
-  auto gather = [&](std::size_t i) {
-    const FusedRMSpropParamState& s = *states[i];
+    return states;
+  };
+  // The pointers of tensor i's lists (the kernel's, by RmspropList), and its numel.
+  const auto gather = [&](std::size_t i, const FusedRMSpropParamState& s, std::vector<std::vector<void*>>& ptrs,
+                          std::vector<std::int64_t>& numels) {
     numels[i] = entries[i]->param.numel();
     ptrs[list_index(RmspropList::kParam)][i] = entries[i]->param.data_ptr();
     ptrs[list_index(RmspropList::kGrad)][i] = entries[i]->grad.data_ptr();
@@ -84,16 +102,40 @@ sdk::Launch FusedRMSprop::prepare_list(const sdk::ParamList& list) {
     if (momentum) ptrs[list_index(RmspropList::kMomentumBuffer)][i] = s.momentum_buffer().data_ptr();
     if (centered) ptrs[list_index(RmspropList::kGradAvg)][i] = s.grad_avg().data_ptr();
   };
+
   if (!on_cuda) {
-    sdk::parallel_entries(n, gather);
-    auto plan = std::make_shared<const Plan>(numels, sdk::cpu::kChunkSize);
+    std::shared_ptr<RmspropKept> kept = list.slot.get<RmspropKept>();
+    // A state made for other options (momentum or centered switched on) has other lists.
+    const bool fresh = kept == nullptr || kept->momentum != momentum || kept->centered != centered;
+    if (fresh) {
+      kept = std::make_shared<RmspropKept>();
+      kept->momentum = momentum;
+      kept->centered = centered;
+      kept->states = make_states();
+      std::vector<std::int64_t> numels(n);
+      kept->ptrs.assign(fused::kRmspropLists, std::vector<void*>(n, nullptr));
+      sdk::parallel_entries(n, [&](std::size_t i) { gather(i, *kept->states[i], kept->ptrs, numels); });
+      for (std::size_t i = 0; i < n; ++i) {
+        for (const at::Tensor* t : {&kept->states[i]->square_avg(), &kept->states[i]->momentum_buffer(),
+                                    &kept->states[i]->grad_avg()})
+          if (t->defined()) kept->held.push_back(*t);
+        if (numels[i] == 0) kept->empty.push_back(i);
+      }
+      kept->plan = std::make_shared<const Plan>(numels, sdk::cpu::kChunkSize);
+    } else if (list.grads_moved) {
+      sdk::parallel_entries(n, [&](std::size_t i) {
+        kept->ptrs[list_index(RmspropList::kGrad)][i] = entries[i]->grad.data_ptr();
+      });
+    }
     const double grad_factor = sdk::cpu_grad_factor(list.signal);
-    return [=, states = std::move(states), ptrs = std::move(ptrs)] {
-      fused::cpu::RmspropArgs args{sdk::cpu::plan_ref(*plan), {}, st, hyper, grad_factor};
-      for (int l = 0; l < fused::kRmspropLists; ++l) args.lists[l] = ptrs[l].data();
+    if (fresh) list.slot.keep(kept);
+    return [=] {
+      fused::cpu::RmspropArgs args{sdk::cpu::plan_ref(*kept->plan), {}, st, hyper, grad_factor};
+      for (int l = 0; l < fused::kRmspropLists; ++l) args.lists[l] = kept->ptrs[l].data();
       const fused::cpu::RmspropFn kernel = fused::cpu::rmsprop_kernel();
-      sdk::parallel_chunks(*plan, [&](std::int64_t b, std::int64_t e) { kernel(args, b, e); });
-      sdk::parallel_entries(states.size(), [&](std::size_t i) { states[i]->step(states[i]->step() + 1); });
+      sdk::parallel_chunks(
+          *kept->plan, [&](std::int64_t b, std::int64_t e) { kernel(args, b, e); },
+          [&](std::size_t t) { kept->states[t]->step(kept->states[t]->step() + 1); }, kept->empty);
     };
   }
 #if defined(AMPFUSE_WITH_CUDA)
@@ -101,8 +143,11 @@ sdk::Launch FusedRMSprop::prepare_list(const sdk::ParamList& list) {
   TensorListsView views;
   views.lists.assign(fused::kRmspropLists, std::vector<TensorView>(n));
   std::vector<at::Tensor> steps(n);
+  const std::vector<FusedRMSpropParamState*> states = make_states();
+  std::vector<std::int64_t> numels(n);
+  std::vector<std::vector<void*>> ptrs(fused::kRmspropLists, std::vector<void*>(n, nullptr));
   for (std::size_t i = 0; i < n; ++i) {
-    gather(i);
+    gather(i, *states[i], ptrs, numels);
     steps[i] = states[i]->device_step();
     for (int l = 0; l < fused::kRmspropLists; ++l) views.lists[l][i] = {ptrs[l][i], numels[i], st};
   }

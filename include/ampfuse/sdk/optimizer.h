@@ -563,6 +563,27 @@ void parallel_chunks(const Plan& plan, F&& fn) {
   });
 }
 
+/// parallel_chunks, and in the same parallel region done(t), after a
+/// worker's chunks ran, for each tensor t (its index among the Plan's
+/// numels) whose first chunk was among them; after the region, done(t) for
+/// each t of `empty`, the zero-element tensors (no chunk covers them). Each
+/// tensor's done runs once: for step counters, when the kernel took its
+/// per-tensor scalars before the launch (done may run while another worker
+/// still updates the tensor's later chunks).
+template <class F, class Done>
+void parallel_chunks(const Plan& plan, F&& fn, Done&& done, const std::vector<std::size_t>& empty) {
+  const std::vector<std::int64_t>& first = plan.chunk_offsets();
+  const std::vector<std::int64_t>& tensors = plan.tensors();
+  at::parallel_for(0, plan.num_chunks(), 1, [&](std::int64_t b, std::int64_t e) {
+    const cpu::FlushSubnormals flush;
+    fn(b, e);
+    for (auto k = static_cast<std::size_t>(std::lower_bound(first.begin(), first.end() - 1, b) - first.begin());
+         k < tensors.size() && first[k] < e; ++k)
+      done(static_cast<std::size_t>(tensors[k]));
+  });
+  for (const std::size_t t : empty) done(t);
+}
+
 /// Advances the step counters of zero-element parameters (which no kernel
 /// chunk covers) by one, or on the device by (found_inf == 0) under a
 /// scaler: contract rule 4 without a host sync.
