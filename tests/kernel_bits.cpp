@@ -182,6 +182,13 @@ struct Hash {
     }
     bytes(&bits, sizeof bits);
   }
+  // fp64 sums, NaNs as one value (a chunk with inf or NaN sums to either).
+  void sums(const std::vector<double>& xs) {
+    List f64;
+    f64.dtype = ScalarType::Float64;
+    f64.element = 8;
+    for (const double& x : xs) element(reinterpret_cast<const unsigned char*>(&x), f64);
+  }
   void list(const List& l, const std::vector<std::int64_t>& numels) {
     for (std::size_t t = 0; t < l.tensors.size(); ++t)
       for (std::int64_t i = 0; i < numels[t]; ++i) element(l.tensors[t].data() + i * l.element, l);
@@ -231,12 +238,7 @@ void run_check_scale(const KernelSet& k, Rng& rng) {
       k.check({ref, data.ptrs.data(), t, flags.data(), sums.data()}, 0, plan.num_chunks());
       Hash f, s;
       f.bytes(flags.data(), flags.size());
-      for (const double x : sums) {
-        List one;
-        one.dtype = ScalarType::Float64;
-        one.element = 8;
-        s.element(reinterpret_cast<const unsigned char*>(&x), one);
-      }
+      s.sums(sums);
       const bool flagged = std::any_of(flags.begin(), flags.end(), [](unsigned char x) { return x != 0; });
       if (flagged != special) fail(name, special ? "no chunk flagged" : "a chunk of finite values flagged");
       if (!special && !(sums[0] > 0.0)) fail(name, "no sum of squares");
@@ -418,8 +420,8 @@ void run_lamb(const KernelSet& k, Rng& rng) {
       k.lamb_moments(a, 0, plan.num_chunks());
       k.lamb_apply(a, 0, plan.num_chunks());
       for (const List* l : {&p, &m, &v, &mp}) e.list(*l, kSizes);
-      s.bytes(param_sq.data(), chunks * 8);
-      s.bytes(update_sq.data(), chunks * 8);
+      s.sums(param_sq);
+      s.sums(update_sq);
       const std::string name = std::string("lamb_") + dtype_name(t) + suffix(master, "master");
       if (!(param_sq[0] > 0.0 && update_sq[0] > 0.0)) fail(name, "no sums of squares");
       print_update(name, before, e);

@@ -115,35 +115,37 @@ std::atomic<bool>& kept_subnormals() {
 void keep_subnormals(bool keep) { kept_subnormals().store(keep, std::memory_order_release); }
 bool subnormals_kept() { return kept_subnormals().load(std::memory_order_acquire); }
 
+namespace {
+
+// The floating-point control register's flush bits, and how to read and write it.
 #if defined(__SSE__)
 // MXCSR: bit 15 flushes subnormal results to zero, bit 6 reads subnormal inputs as zero.
 constexpr unsigned kFlushBits = (1u << 15) | (1u << 6);
-FlushSubnormals::FlushSubnormals() {
-  if (subnormals_kept()) return;
-  saved_ = _mm_getcsr();
-  if ((saved_ & kFlushBits) == kFlushBits) return;
-  _mm_setcsr(saved_ | kFlushBits);
-  changed_ = true;
-}
-FlushSubnormals::~FlushSubnormals() {
-  // The two bits only: exception flags the kernel raised stay raised.
-  if (changed_) _mm_setcsr((_mm_getcsr() & ~kFlushBits) | (saved_ & kFlushBits));
-}
+unsigned read_fp_mode() { return _mm_getcsr(); }
+void write_fp_mode(unsigned mode) { _mm_setcsr(mode); }
 #elif defined(__aarch64__)
 // FPCR.FZ: fp32 and fp64 arithmetic reads subnormal inputs as zero and
 // writes subnormal results as zero, as DAZ and FTZ together do on x86 (so
 // both give the same numbers). Conversions from fp16 keep its subnormals, as
 // F16C does.
 constexpr unsigned kFlushBits = 1u << 24;
+unsigned read_fp_mode() { return __builtin_aarch64_get_fpcr(); }
+void write_fp_mode(unsigned mode) { __builtin_aarch64_set_fpcr(mode); }
+#endif
+
+}  // namespace
+
+#if defined(__SSE__) || defined(__aarch64__)
 FlushSubnormals::FlushSubnormals() {
   if (subnormals_kept()) return;
-  saved_ = __builtin_aarch64_get_fpcr();
+  saved_ = read_fp_mode();
   if ((saved_ & kFlushBits) == kFlushBits) return;
-  __builtin_aarch64_set_fpcr(saved_ | kFlushBits);
+  write_fp_mode(saved_ | kFlushBits);
   changed_ = true;
 }
 FlushSubnormals::~FlushSubnormals() {
-  if (changed_) __builtin_aarch64_set_fpcr((__builtin_aarch64_get_fpcr() & ~kFlushBits) | (saved_ & kFlushBits));
+  // The flush bits only: exception flags the kernel raised stay raised.
+  if (changed_) write_fp_mode((read_fp_mode() & ~kFlushBits) | (saved_ & kFlushBits));
 }
 #else
 FlushSubnormals::FlushSubnormals() {}
