@@ -6,6 +6,8 @@
 //               torch::optim::Adam and the two object ceilings (below)
 //   HostMovedGrads  the same with new grad tensors at every step
 //   HostLAMB    FusedLAMB::step (two passes and the trust ratios between them)
+//   HostSGD, HostAdagrad, HostRMSprop  FusedSGD (momentum), FusedAdagrad and
+//               FusedRMSprop against torch::optim's SGD, Adagrad and RMSprop
 //   HostScaler  scaler.step(FusedAdam) + scaler.update() against PyTorch's
 //               scaled fused path (_amp_foreach_non_finite_check_and_unscale_,
 //               _fused_adam_ with found_inf, _foreach_sub_ of the steps,
@@ -23,8 +25,11 @@
 // parameter, then updates every one, as a step that writes nothing before
 // all is checked must.
 
+#include <ampfuse/fused_adagrad.h>
 #include <ampfuse/fused_adam.h>
 #include <ampfuse/fused_lamb.h>
+#include <ampfuse/fused_rmsprop.h>
+#include <ampfuse/fused_sgd.h>
 #include <ampfuse/grad_scaler.h>
 
 #include <array>
@@ -123,6 +128,11 @@ void objects_ceiling_step(const KeptObjects& k, double lr, bool two_passes) {
   if (changed) throw std::runtime_error("ceiling_objects: a parameter, grad or state changed");
 }
 
+template <class T>
+struct Tag {
+  using type = T;
+};
+
 }  // namespace
 
 void register_host(torch::Device device) {
@@ -163,6 +173,27 @@ void register_host(torch::Device device) {
     auto opt = std::make_shared<ampfuse::FusedLAMB>(data().params, ampfuse::FusedLAMBOptions(kLr));
     return Fn([=] { opt->step(); });
   }, bytes);
+  // The other optimizers and their torch::optim counterparts: param, grad and
+  // one state tensor each (SGD's momentum buffer, Adagrad's sum, RMSprop's
+  // square_avg), read and written but the grad.
+  const auto steps_of = [&](const std::string& op, auto make) {
+    register_one(op + tail, device, [=] {
+      auto opt = make(data().params);
+      return Fn([=] { opt->step(); });
+    }, 20 * total_numel(host_set()));
+  };
+  const auto both = [&](const std::string& op, const std::string& theirs, auto options, auto ours_tag, auto theirs_tag) {
+    using Ours = typename decltype(ours_tag)::type;
+    using Theirs = typename decltype(theirs_tag)::type;
+    steps_of(op + "/ours", [options](const auto& params) { return std::make_shared<Ours>(params, options); });
+    steps_of(op + "/" + theirs, [options](const auto& params) { return std::make_shared<Theirs>(params, options); });
+  };
+  both("HostSGD", "torch_optim_sgd", torch::optim::SGDOptions(kLr).momentum(0.9), Tag<ampfuse::FusedSGD>{},
+       Tag<torch::optim::SGD>{});
+  both("HostAdagrad", "torch_optim_adagrad", torch::optim::AdagradOptions(kLr), Tag<ampfuse::FusedAdagrad>{},
+       Tag<torch::optim::Adagrad>{});
+  both("HostRMSprop", "torch_optim_rmsprop", torch::optim::RMSpropOptions(kLr), Tag<ampfuse::FusedRMSprop>{},
+       Tag<torch::optim::RMSprop>{});
   if (!device.is_cuda())
     for (const bool two_passes : {false, true})
       register_one(std::string("Host/") + (two_passes ? "ceiling_objects_two_passes" : "ceiling_objects") + tail,

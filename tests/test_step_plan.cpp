@@ -166,9 +166,15 @@ TEST_P(StepPlanTest, FusedAdamMasterWeightsFollowWritesUnderAPlan) {
       << "the step undid a write made from outside";
 }
 
+// FusedSGD keeps its pointer arrays and Plan on CPU: the momentum buffers
+// its first step made (and filled) are not filled again at the steps that
+// reuse them, and momentum switched on is seen at the step where it changes.
 TEST_P(StepPlanTest, FusedSGDAndFusedLAMBReuseTheirPlans) {
-  Twins<ampfuse::FusedSGD> sgd({param({129}, torch::kFloat), param({5}, torch::kFloat)},
-                               maker<ampfuse::FusedSGD>(torch::optim::SGDOptions(0.1).momentum(0.9)));
+  Twins<ampfuse::FusedSGD> sgd(
+      {param({129}, torch::kFloat), param({5}, torch::kFloat), param({0}, torch::kFloat), param({70000}, torch::kFloat)},
+      maker<ampfuse::FusedSGD>(torch::optim::SGDOptions(0.1).momentum(0.9).nesterov(true)));
+  Twins<ampfuse::FusedSGD> plain({param({129}, torch::kFloat), param({70000}, torch::kFloat)},
+                                 maker<ampfuse::FusedSGD>(torch::optim::SGDOptions(0.1).dampening(0.5)));
   Twins<ampfuse::FusedLAMB> lamb({param({129}, torch::kFloat), param({5}, torch::kFloat)},
                                  maker<ampfuse::FusedLAMB>(ampfuse::FusedLAMBOptions(1e-2)));
   for (int step = 0; step < 4; ++step) {
@@ -177,7 +183,18 @@ TEST_P(StepPlanTest, FusedSGDAndFusedLAMBReuseTheirPlans) {
     lamb.grads(step != 2 && step != 0);
     EXPECT_TRUE(sgd.step(expected)) << "FusedSGD, step " << step;
     EXPECT_TRUE(lamb.step(expected)) << "FusedLAMB, step " << step;
+    plain.grads(step != 2 && step != 0);
+    EXPECT_TRUE(plain.step(expected)) << "FusedSGD without momentum, step " << step;
   }
+  plain.apply([](auto& opt, auto&) {
+    static_cast<torch::optim::SGDOptions&>(opt.param_groups()[0].options()).momentum(0.9);
+  });
+  for (const PlanMatch expected : {PlanMatch::kSame, PlanMatch::kChanged, PlanMatch::kSame}) {
+    plain.grads(true);
+    EXPECT_TRUE(plain.step(expected)) << "FusedSGD with momentum switched on";
+  }
+  for (std::size_t i = 0; i < plain.a.size(); ++i)
+    EXPECT_TRUE(plain.reused->state().count(plain.a[i].unsafeGetTensorImpl())) << "no momentum buffer for param " << i;
   sgd.apply([](auto& opt, auto& params) {
     auto& s = static_cast<ampfuse::FusedSGDParamState&>(*opt.state().at(params[0].unsafeGetTensorImpl()));
     s.momentum_buffer(s.momentum_buffer().clone().zero_());

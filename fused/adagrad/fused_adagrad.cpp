@@ -33,16 +33,10 @@ auto made_state(const at::Tensor& p, const torch::optim::AdagradOptions& o) {
 }
 
 // CPU: what a list's steps reuse while the step plan holds (its ListSlot):
-// the states, pointer arrays (param, grad, sum by tensor index) and Plan,
-// the sums they point into (held, so that none is freed and another made
-// at its address while kept), and each step's counters and -clr (reused: a
-// step's launch ran before the next step prepares).
-struct AdagradKept {
-  std::vector<FusedAdagradParamState*> states;
-  std::vector<std::vector<void*>> ptrs;
-  std::shared_ptr<const Plan> plan;
-  std::vector<at::Tensor> held;
-  std::vector<std::size_t> empty;  // zero-element parameters: no chunk sets their counters
+// the SDK's KeptLists (states, pointer arrays by AdagradList, Plan), and
+// each step's counters and -clr (reused: a step's launch ran before the
+// next step prepares).
+struct AdagradKept : sdk::KeptLists<FusedAdagradParamState> {
   std::vector<std::int64_t> steps;
   std::vector<double> neg_clr;
 };
@@ -107,21 +101,10 @@ sdk::Launch FusedAdagrad::prepare_list(const sdk::ParamList& list) {
     if (fresh) {
       kept = std::make_shared<AdagradKept>();
       kept->states = make_states();
-      std::vector<std::int64_t> numels(n);
-      kept->ptrs.assign(kSum + 1, std::vector<void*>(n));
-      sdk::parallel_entries(n, [&](std::size_t i) {
-        numels[i] = entries[i]->param.numel();
-        kept->ptrs[kParam][i] = entries[i]->param.data_ptr();
-        kept->ptrs[kGrad][i] = entries[i]->grad.data_ptr();
-        kept->ptrs[kSum][i] = kept->states[i]->sum().data_ptr();
-      });
-      for (std::size_t i = 0; i < n; ++i) {
-        kept->held.push_back(kept->states[i]->sum());
-        if (numels[i] == 0) kept->empty.push_back(i);
-      }
-      kept->plan = std::make_shared<const Plan>(numels, sdk::cpu::kChunkSize);
-    } else if (list.grads_moved) {
-      sdk::parallel_entries(n, [&](std::size_t i) { kept->ptrs[kGrad][i] = entries[i]->grad.data_ptr(); });
+      kept->gather(list, kSum + 1, kParam, kGrad,
+                   [&](std::size_t i, auto put) { put(kSum, kept->states[i]->sum()); });
+    } else {
+      kept->refresh_grads(list);
     }
     // One clr per run of equal steps (in each thread's range), not per tensor.
     sdk::parallel_per_tensor(
@@ -130,8 +113,8 @@ sdk::Launch FusedAdagrad::prepare_list(const sdk::ParamList& list) {
     const double grad_factor = sdk::cpu_grad_factor(list.signal);
     if (fresh) list.slot.keep(kept);
     return [=] {
-      const fused::cpu::AdagradArgs args{sdk::cpu::plan_ref(*kept->plan), kept->ptrs[kParam].data(), kept->ptrs[kGrad].data(),
-                                         kept->ptrs[kSum].data(), kept->neg_clr.data(), st, hyper, grad_factor};
+      const fused::cpu::AdagradArgs args{sdk::cpu::plan_ref(*kept->plan), kept->list(kParam), kept->list(kGrad),
+                                         kept->list(kSum), kept->neg_clr.data(), st, hyper, grad_factor};
       const fused::cpu::AdagradFn kernel = fused::cpu::adagrad_kernel();
       sdk::parallel_chunks(
           *kept->plan, [&](std::int64_t b, std::int64_t e) { kernel(args, b, e); },

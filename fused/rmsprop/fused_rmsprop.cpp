@@ -20,17 +20,10 @@ namespace ampfuse {
 namespace {
 
 // CPU: what a list's steps reuse while the step plan holds (its ListSlot):
-// the states, pointer arrays (by RmspropList, then tensor index) and Plan,
-// for the options they were gathered for, and the state tensors they point
-// into (held, so that none is freed and another made at its address while
-// kept).
-struct RmspropKept {
+// the SDK's KeptLists (states, pointer arrays by RmspropList, Plan), for the
+// options they were gathered for.
+struct RmspropKept : sdk::KeptLists<FusedRMSpropParamState> {
   bool momentum = false, centered = false;
-  std::vector<FusedRMSpropParamState*> states;
-  std::vector<std::vector<void*>> ptrs;
-  std::shared_ptr<const Plan> plan;
-  std::vector<at::Tensor> held;
-  std::vector<std::size_t> empty;  // zero-element parameters: no chunk sets their counters
 };
 
 }  // namespace
@@ -92,16 +85,13 @@ sdk::Launch FusedRMSprop::prepare_list(const sdk::ParamList& list) {
     }
     return states;
   };
-  // The pointers of tensor i's lists (the kernel's, by RmspropList), and its numel.
-  const auto gather = [&](std::size_t i, const FusedRMSpropParamState& s, std::vector<std::vector<void*>>& ptrs,
-                          std::vector<std::int64_t>& numels) {
-    numels[i] = entries[i]->param.numel();
-    ptrs[list_index(RmspropList::kParam)][i] = entries[i]->param.data_ptr();
-    ptrs[list_index(RmspropList::kGrad)][i] = entries[i]->grad.data_ptr();
-    ptrs[list_index(RmspropList::kSquareAvg)][i] = s.square_avg().data_ptr();
-    if (momentum) ptrs[list_index(RmspropList::kMomentumBuffer)][i] = s.momentum_buffer().data_ptr();
-    if (centered) ptrs[list_index(RmspropList::kGradAvg)][i] = s.grad_avg().data_ptr();
+  // The state tensors the kernel takes, put(list, tensor) by RmspropList.
+  const auto state_lists = [&](const FusedRMSpropParamState& s, auto put) {
+    put(list_index(RmspropList::kSquareAvg), s.square_avg());
+    if (momentum) put(list_index(RmspropList::kMomentumBuffer), s.momentum_buffer());
+    if (centered) put(list_index(RmspropList::kGradAvg), s.grad_avg());
   };
+  constexpr int kParam = list_index(RmspropList::kParam), kGrad = list_index(RmspropList::kGrad);
 
   if (!on_cuda) {
     std::shared_ptr<RmspropKept> kept = list.slot.get<RmspropKept>();
@@ -112,26 +102,16 @@ sdk::Launch FusedRMSprop::prepare_list(const sdk::ParamList& list) {
       kept->momentum = momentum;
       kept->centered = centered;
       kept->states = make_states();
-      std::vector<std::int64_t> numels(n);
-      kept->ptrs.assign(fused::kRmspropLists, std::vector<void*>(n, nullptr));
-      sdk::parallel_entries(n, [&](std::size_t i) { gather(i, *kept->states[i], kept->ptrs, numels); });
-      for (std::size_t i = 0; i < n; ++i) {
-        for (const at::Tensor* t : {&kept->states[i]->square_avg(), &kept->states[i]->momentum_buffer(),
-                                    &kept->states[i]->grad_avg()})
-          if (t->defined()) kept->held.push_back(*t);
-        if (numels[i] == 0) kept->empty.push_back(i);
-      }
-      kept->plan = std::make_shared<const Plan>(numels, sdk::cpu::kChunkSize);
-    } else if (list.grads_moved) {
-      sdk::parallel_entries(n, [&](std::size_t i) {
-        kept->ptrs[list_index(RmspropList::kGrad)][i] = entries[i]->grad.data_ptr();
-      });
+      kept->gather(list, fused::kRmspropLists, kParam, kGrad,
+                   [&](std::size_t i, auto put) { state_lists(*kept->states[i], put); });
+    } else {
+      kept->refresh_grads(list);
     }
     const double grad_factor = sdk::cpu_grad_factor(list.signal);
     if (fresh) list.slot.keep(kept);
     return [=] {
       fused::cpu::RmspropArgs args{sdk::cpu::plan_ref(*kept->plan), {}, st, hyper, grad_factor};
-      for (int l = 0; l < fused::kRmspropLists; ++l) args.lists[l] = kept->ptrs[l].data();
+      for (int l = 0; l < fused::kRmspropLists; ++l) args.lists[l] = kept->list(l);
       const fused::cpu::RmspropFn kernel = fused::cpu::rmsprop_kernel();
       sdk::parallel_chunks(
           *kept->plan, [&](std::int64_t b, std::int64_t e) { kernel(args, b, e); },
@@ -145,11 +125,13 @@ sdk::Launch FusedRMSprop::prepare_list(const sdk::ParamList& list) {
   std::vector<at::Tensor> steps(n);
   const std::vector<FusedRMSpropParamState*> states = make_states();
   std::vector<std::int64_t> numels(n);
-  std::vector<std::vector<void*>> ptrs(fused::kRmspropLists, std::vector<void*>(n, nullptr));
   for (std::size_t i = 0; i < n; ++i) {
-    gather(i, *states[i], ptrs, numels);
+    numels[i] = entries[i]->param.numel();
     steps[i] = states[i]->device_step();
-    for (int l = 0; l < fused::kRmspropLists; ++l) views.lists[l][i] = {ptrs[l][i], numels[i], st};
+    for (int l = 0; l < fused::kRmspropLists; ++l) views.lists[l][i] = {nullptr, numels[i], st};
+    views.lists[kParam][i].data = entries[i]->param.data_ptr();
+    views.lists[kGrad][i].data = entries[i]->grad.data_ptr();
+    state_lists(*states[i], [&](int l, const at::Tensor& t) { views.lists[l][i].data = t.data_ptr(); });
   }
   const Plan plan(numels, sdk::cuda::kChunkSize);
   const auto meta = sdk::make_launch_meta(views, plan, list.device);  // held by the Launch

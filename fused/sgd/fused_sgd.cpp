@@ -10,6 +10,7 @@
 #include <ATen/ops/zeros.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <memory>
 
 #include "ampfuse/tensor_ops.h"
@@ -33,6 +34,20 @@ struct FusedSgdWorkspace {
 };
 
 }  // namespace detail
+
+namespace {
+
+// CPU: what a list's steps reuse while the step plan holds (its ListSlot):
+// the SDK's KeptLists (states, pointer arrays by CpuList, Plan), for the
+// momentum they were gathered for, and which buffers the next step fills
+// first (those its first step made; none after that step ran).
+enum CpuList : int { kCpuParam, kCpuGrad, kCpuBuffer, kCpuLists };
+struct SgdKept : sdk::KeptLists<FusedSGDParamState> {
+  bool momentum = false;
+  std::vector<unsigned char> first;
+};
+
+}  // namespace
 
 FusedSGD::FusedSGD(const std::vector<torch::optim::OptimizerParamGroup>& param_groups,
                    torch::optim::SGDOptions defaults, FusedSGDOptions fused)
@@ -75,14 +90,15 @@ sdk::Launch FusedSGD::prepare_list(const sdk::ParamList& pl) {
   const bool momentum = o.momentum() != 0;
   const ScalarType st = pl.kernel_dtype();
   const std::size_t n = list.size();
-  std::vector<std::int64_t> numels(n);
-  // Buffers a step has not filled yet: on CPU (the skip was decided on the
-  // host, so this step is applied) the kernel fills them; on CUDA their
-  // device flag says so.
-  std::vector<unsigned char> first(n, 0);
-  std::vector<FusedSGDParamState*> states(n, nullptr);
-  if (momentum) {
-    for (std::size_t i = 0; i < n; ++i) {  // creates missing buffers: on this thread
+  // The states and their momentum buffers, made where missing (on this
+  // thread), and which buffers a step has not filled yet: on CPU (the skip
+  // was decided on the host, so this step is applied) the kernel fills
+  // them; on CUDA their device flag says so.
+  const auto make_states = [&](std::vector<unsigned char>& first) {
+    std::vector<FusedSGDParamState*> states(n, nullptr);
+    first.assign(n, 0);
+    if (!momentum) return states;
+    for (std::size_t i = 0; i < n; ++i) {
       const sdk::Entry& e = *list[i];
       const at::Tensor& p = e.param;
       FusedSGDParamState& s = state_for(e, [](FusedSGDParamState&) {});
@@ -109,27 +125,39 @@ sdk::Launch FusedSGD::prepare_list(const sdk::ParamList& pl) {
       }
       states[i] = &s;
     }
-  }
+    return states;
+  };
 
   if (device.is_cpu()) {
-    std::vector<void*> param(n), grad(n), buf(n, nullptr);
-    sdk::parallel_entries(n, [&](std::size_t i) {
-      numels[i] = list[i]->param.numel();
-      param[i] = list[i]->param.data_ptr();
-      grad[i] = list[i]->grad.data_ptr();
-      if (momentum) buf[i] = states[i]->momentum_buffer().data_ptr();
-    });
-    auto plan = std::make_shared<const Plan>(numels, sdk::cpu::kChunkSize);
+    std::shared_ptr<SgdKept> kept = pl.slot.get<SgdKept>();
+    const bool fresh = kept == nullptr || kept->momentum != momentum;
+    if (fresh) {
+      kept = std::make_shared<SgdKept>();
+      kept->momentum = momentum;
+      kept->states = make_states(kept->first);
+      kept->gather(pl, kCpuLists, kCpuParam, kCpuGrad, [&](std::size_t i, auto put) {
+        if (momentum) put(kCpuBuffer, kept->states[i]->momentum_buffer());
+      });
+    } else {
+      kept->refresh_grads(pl);
+      // The buffers its first step made are filled: that step's launch ran.
+      std::fill(kept->first.begin(), kept->first.end(), 0);
+    }
     const double grad_factor = sdk::cpu_grad_factor(pl.signal);
-    return [=, param = std::move(param), grad = std::move(grad), buf = std::move(buf), first = std::move(first)] {
-      const fused::cpu::SgdArgs args{sdk::cpu::plan_ref(*plan), param.data(), grad.data(), buf.data(), first.data(),
-                                     st, hyper, grad_factor};
+    if (fresh) pl.slot.keep(kept);
+    return [=] {
+      const fused::cpu::SgdArgs args{sdk::cpu::plan_ref(*kept->plan), kept->list(kCpuParam), kept->list(kCpuGrad),
+                                     momentum ? kept->list(kCpuBuffer) : nullptr, kept->first.data(), st, hyper,
+                                     grad_factor};
       const fused::cpu::SgdFn kernel = fused::cpu::sgd_kernel();
-      sdk::parallel_chunks(*plan, [&](std::int64_t b, std::int64_t e) { kernel(args, b, e); });
+      sdk::parallel_chunks(*kept->plan, [&](std::int64_t b, std::int64_t e) { kernel(args, b, e); });
     };
   }
 #if defined(AMPFUSE_WITH_CUDA)
   const c10::cuda::CUDAGuard guard(device);
+  std::vector<unsigned char> first;
+  const std::vector<FusedSGDParamState*> states = make_states(first);
+  std::vector<std::int64_t> numels(n);
   TensorListsView views;
   views.lists.resize(momentum ? 4 : 2);
   for (std::size_t i = 0; i < n; ++i) {

@@ -728,6 +728,67 @@ struct ParamList {
   ScalarType kernel_dtype() const { return to_scalar_type(dtype); }
 };
 
+/// What a list's CPU steps reuse while the step plan holds, kept in its
+/// ListSlot: the states, one pointer array per kernel list (by tensor
+/// index), the Plan over the parameters' numels, the zero-element
+/// parameters (no chunk covers them: parallel_chunks' `empty`), and the
+/// state tensors the arrays point into, held so that their memory stays
+/// while kept. Derive from it to keep more (the options the lists were
+/// gathered for, each step's scalars). FusedAdagrad, FusedRMSprop and
+/// FusedSGD keep one.
+template <class State>
+struct KeptLists {
+  std::vector<State*> states;          ///< by tensor index; set before gather()
+  std::vector<std::vector<void*>> ptrs;  ///< by kernel list, then tensor index
+  std::shared_ptr<const Plan> plan;
+  std::vector<std::size_t> empty;
+
+  /// Kernel list l's pointer array, for the kernel's arguments.
+  void* const* list(int l) const { return ptrs[static_cast<std::size_t>(l)].data(); }
+
+  /// Fills the pointer arrays (`lists` of them, null where nothing is put)
+  /// on ATen's threads (parallel_entries): tensor i's parameter into list
+  /// `param`, its grad into list `grad`, and each state tensor t that
+  /// state_tensors(i, put) puts into list l by put(l, t); then plans the
+  /// numels (cpu::kChunkSize chunks). state_tensors must only read.
+  template <class StateTensors>
+  void gather(const ParamList& pl, int lists, int param, int grad, StateTensors&& state_tensors) {
+    const std::vector<const Entry*>& entries = pl.entries;
+    const std::size_t n = entries.size();
+    grad_ = grad;
+    ptrs.assign(static_cast<std::size_t>(lists), std::vector<void*>(n, nullptr));
+    held_.assign(static_cast<std::size_t>(lists), std::vector<at::Tensor>());
+    std::vector<std::int64_t> numels(n);
+    for (int l = 0; l < lists; ++l)
+      if (l != param && l != grad) held_[static_cast<std::size_t>(l)].resize(n);
+    parallel_entries(n, [&](std::size_t i) {
+      numels[i] = entries[i]->param.numel();
+      ptrs[static_cast<std::size_t>(param)][i] = entries[i]->param.data_ptr();
+      ptrs[static_cast<std::size_t>(grad)][i] = entries[i]->grad.data_ptr();
+      state_tensors(i, [&](int l, const at::Tensor& t) {
+        ptrs[static_cast<std::size_t>(l)][i] = t.data_ptr();
+        held_[static_cast<std::size_t>(l)][i] = t;
+      });
+    });
+    empty.clear();
+    for (std::size_t i = 0; i < n; ++i)
+      if (numels[i] == 0) empty.push_back(i);
+    plan = std::make_shared<const Plan>(numels, cpu::kChunkSize);
+  }
+
+  /// For a step that reuses what was kept: the grads' pointers read again
+  /// when they moved (ParamList::grads_moved).
+  void refresh_grads(const ParamList& pl) {
+    if (!pl.grads_moved) return;
+    std::vector<void*>& grads = ptrs[static_cast<std::size_t>(grad_)];
+    parallel_entries(pl.entries.size(), [&](std::size_t i) { grads[i] = pl.entries[i]->grad.data_ptr(); });
+  }
+
+ private:
+  int grad_ = -1;
+  std::vector<std::vector<at::Tensor>> held_;  ///< by list, then tensor; empty for param and grad
+};
+
 /// An fp32 master copy kept in State takes the parameter's values (the
 /// launch phase does it for FusedOptimizer::prepare_master).
 template <class S>
