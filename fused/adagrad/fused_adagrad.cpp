@@ -41,6 +41,16 @@ struct AdagradKept : sdk::KeptLists<FusedAdagradParamState> {
   std::vector<double> neg_clr;
 };
 
+#if defined(AMPFUSE_WITH_CUDA)
+// CUDA: what a list's steps reuse while the step plan holds (its ListSlot):
+// the views and launch metadata, and the device step counters that advance
+// after the kernel.
+struct AdagradCudaKept {
+  sdk::KeptLaunch launch;
+  std::vector<at::Tensor> steps;
+};
+#endif
+
 }  // namespace
 
 void FusedAdagradParamState::serialize(torch::serialize::OutputArchive& archive) const {
@@ -122,33 +132,40 @@ sdk::Launch FusedAdagrad::prepare_list(const sdk::ParamList& list) {
     };
   }
 #if defined(AMPFUSE_WITH_CUDA)
-  const std::vector<FusedAdagradParamState*> states = make_states();
-  std::vector<std::int64_t> numels(n);
   const c10::cuda::CUDAGuard guard(list.device);
-  TensorListsView views;
-  views.lists.assign(fused::kAdagradLists, std::vector<TensorView>(n));
-  std::vector<at::Tensor> steps(n);
-  for (std::size_t i = 0; i < n; ++i) {
-    const at::Tensor& p = entries[i]->param;
-    numels[i] = p.numel();
-    steps[i] = states[i]->device_step();
-    views.lists[list_index(AdagradList::kParam)][i] = {p.data_ptr(), numels[i], st};
-    views.lists[list_index(AdagradList::kGrad)][i] = {entries[i]->grad.data_ptr(), numels[i], st};
-    views.lists[list_index(AdagradList::kSum)][i] = {states[i]->sum().data_ptr(), numels[i], st};
-    // The fp64 counter travels as a pointer; its dtype tag is not read.
-    views.lists[list_index(AdagradList::kStep)][i] = {steps[i].data_ptr(), 1, ScalarType::Float32};
+  std::shared_ptr<AdagradCudaKept> kept = list.slot.get<AdagradCudaKept>();
+  const bool fresh = kept == nullptr;
+  if (fresh) {
+    kept = std::make_shared<AdagradCudaKept>();
+    const std::vector<FusedAdagradParamState*> states = make_states();
+    TensorListsView& views = kept->launch.views;
+    std::vector<std::int64_t>& numels = kept->launch.numels;
+    views.lists.assign(fused::kAdagradLists, std::vector<TensorView>(n));
+    numels.resize(n);
+    kept->steps.resize(n);
+    for (std::size_t i = 0; i < n; ++i) {
+      const at::Tensor& p = entries[i]->param;
+      numels[i] = p.numel();
+      kept->steps[i] = states[i]->device_step();
+      views.lists[list_index(AdagradList::kParam)][i] = {p.data_ptr(), numels[i], st};
+      views.lists[list_index(AdagradList::kGrad)][i] = {entries[i]->grad.data_ptr(), numels[i], st};
+      views.lists[list_index(AdagradList::kSum)][i] = {states[i]->sum().data_ptr(), numels[i], st};
+      // The fp64 counter travels as a pointer; its dtype tag is not read.
+      views.lists[list_index(AdagradList::kStep)][i] = {kept->steps[i].data_ptr(), 1, ScalarType::Float32};
+      kept->launch.held.push_back(states[i]->sum());
+    }
   }
-  const Plan plan(numels, sdk::cuda::kChunkSize);
-  const auto meta = sdk::make_launch_meta(views, plan, list.device);  // held by the Launch
+  const auto meta = kept->launch.meta_for(list, fresh, list_index(AdagradList::kGrad));  // held by the Launch
   const sdk::SignalPointers sig = sdk::signal_pointers(list.signal);
   const fused::cuda::AdagradCudaArgs args{hyper, sig.found_inf, sig.inv_scale, sig.clip_coef};
   const ScaleSignal* signal = list.signal;
   const c10::Device device = list.device;
-  return [=, steps = std::move(steps)] {
+  if (fresh) list.slot.keep(kept);
+  return [=] {
     const c10::cuda::CUDAGuard launch_guard(device);
     fused::cuda::adagrad(meta->launch, st, args, sdk::current_stream(device));
     // After the kernel read them: every counter advances, by (found_inf == 0) under a scaler.
-    sdk::advance_step_counters(steps, signal);
+    sdk::advance_step_counters(kept->steps, signal);
   };
 #else
   TORCH_CHECK(false, name(), ": ampfuse was built without CUDA");

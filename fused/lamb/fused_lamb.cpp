@@ -273,8 +273,7 @@ struct LambKept {
   std::vector<double> steps;
   std::vector<fused::LambStepScalars> scalars;
 #if defined(AMPFUSE_WITH_CUDA)
-  TensorListsView views;
-  std::shared_ptr<const sdk::ListMeta> meta;
+  sdk::KeptLaunch launch;
   std::vector<at::Tensor> empty_steps;  // counters of zero-element parameters
 #endif
 };
@@ -404,7 +403,8 @@ sdk::Launch FusedLAMB::prepare_list(const sdk::ParamList& pl) {
 #if defined(AMPFUSE_WITH_CUDA)
   const c10::cuda::CUDAGuard guard(device);
   if (fresh) {
-    TensorListsView& views = kept->views;
+    TensorListsView& views = kept->launch.views;
+    kept->launch.numels = kept->numels;
     views.lists.assign(fused::kLambLists, std::vector<TensorView>(n));
     auto set = [&](fused::LambList l, std::size_t i, void* data, std::int64_t numel, ScalarType t) {
       views.lists[list_index(l)][i] = {data, numel, t};
@@ -423,17 +423,10 @@ sdk::Launch FusedLAMB::prepare_list(const sdk::ParamList& pl) {
       set(fused::LambList::kStep, i, s.step().data_ptr(), 1, ScalarType::Float32);
       set(fused::LambList::kMaster, i, master ? s.master().data_ptr() : nullptr, numel, ScalarType::Float32);
     }
-  } else if (pl.grads_moved) {
-    for (std::size_t i = 0; i < n; ++i)
-      kept->views.lists[list_index(fused::LambList::kGrad)][i].data = list[i]->grad.data_ptr();
   }
-  if (fresh || pl.grads_moved) {
-    const Plan plan(kept->numels, sdk::cuda::kChunkSize);
-    kept->meta = sdk::make_launch_meta(kept->views, plan, device);
-  } else {
-    kept->meta = sdk::reuse_launch_meta(kept->meta, device);
-  }
-  const std::shared_ptr<const sdk::ListMeta> meta = kept->meta;  // held by the Launch
+  // Held by the Launch.
+  const std::shared_ptr<const sdk::ListMeta> meta =
+      kept->launch.meta_for(pl, fresh, list_index(fused::LambList::kGrad));
   const auto opts = at::TensorOptions().device(device);
   at::Tensor chunk_sums =
       at::empty({std::max<std::int64_t>(2 * meta->launch.num_chunks, 1)}, opts.dtype(at::kDouble));

@@ -26,6 +26,16 @@ struct RmspropKept : sdk::KeptLists<FusedRMSpropParamState> {
   bool momentum = false, centered = false;
 };
 
+#if defined(AMPFUSE_WITH_CUDA)
+// CUDA: the same for the views and launch metadata, and the device step
+// counters that advance after the kernel.
+struct RmspropCudaKept {
+  bool momentum = false, centered = false;
+  sdk::KeptLaunch launch;
+  std::vector<at::Tensor> steps;
+};
+#endif
+
 }  // namespace
 
 void FusedRMSpropParamState::serialize(torch::serialize::OutputArchive& archive) const {
@@ -120,30 +130,41 @@ sdk::Launch FusedRMSprop::prepare_list(const sdk::ParamList& list) {
   }
 #if defined(AMPFUSE_WITH_CUDA)
   const c10::cuda::CUDAGuard guard(list.device);
-  TensorListsView views;
-  views.lists.assign(fused::kRmspropLists, std::vector<TensorView>(n));
-  std::vector<at::Tensor> steps(n);
-  const std::vector<FusedRMSpropParamState*> states = make_states();
-  std::vector<std::int64_t> numels(n);
-  for (std::size_t i = 0; i < n; ++i) {
-    numels[i] = entries[i]->param.numel();
-    steps[i] = states[i]->device_step();
-    for (int l = 0; l < fused::kRmspropLists; ++l) views.lists[l][i] = {nullptr, numels[i], st};
-    views.lists[kParam][i].data = entries[i]->param.data_ptr();
-    views.lists[kGrad][i].data = entries[i]->grad.data_ptr();
-    state_lists(*states[i], [&](int l, const at::Tensor& t) { views.lists[l][i].data = t.data_ptr(); });
+  std::shared_ptr<RmspropCudaKept> kept = list.slot.get<RmspropCudaKept>();
+  const bool fresh = kept == nullptr || kept->momentum != momentum || kept->centered != centered;
+  if (fresh) {
+    kept = std::make_shared<RmspropCudaKept>();
+    kept->momentum = momentum;
+    kept->centered = centered;
+    const std::vector<FusedRMSpropParamState*> states = make_states();
+    TensorListsView& views = kept->launch.views;
+    std::vector<std::int64_t>& numels = kept->launch.numels;
+    views.lists.assign(fused::kRmspropLists, std::vector<TensorView>(n));
+    numels.resize(n);
+    kept->steps.resize(n);
+    for (std::size_t i = 0; i < n; ++i) {
+      numels[i] = entries[i]->param.numel();
+      kept->steps[i] = states[i]->device_step();
+      for (int l = 0; l < fused::kRmspropLists; ++l) views.lists[l][i] = {nullptr, numels[i], st};
+      views.lists[kParam][i].data = entries[i]->param.data_ptr();
+      views.lists[kGrad][i].data = entries[i]->grad.data_ptr();
+      state_lists(*states[i], [&](int l, const at::Tensor& t) {
+        views.lists[l][i].data = t.data_ptr();
+        kept->launch.held.push_back(t);
+      });
+    }
   }
-  const Plan plan(numels, sdk::cuda::kChunkSize);
-  const auto meta = sdk::make_launch_meta(views, plan, list.device);  // held by the Launch
+  const auto meta = kept->launch.meta_for(list, fresh, kGrad);  // held by the Launch
   const sdk::SignalPointers sig = sdk::signal_pointers(list.signal);
   const fused::cuda::RmspropCudaArgs args{hyper, sig.found_inf, sig.inv_scale, sig.clip_coef};
   const ScaleSignal* signal = list.signal;
   const c10::Device device = list.device;
-  return [=, steps = std::move(steps)] {
+  if (fresh) list.slot.keep(kept);
+  return [=] {
     const c10::cuda::CUDAGuard launch_guard(device);
     fused::cuda::rmsprop(meta->launch, st, args, sdk::current_stream(device));
     // Every counter advances, by (found_inf == 0) under a scaler.
-    sdk::advance_step_counters(steps, signal);
+    sdk::advance_step_counters(kept->steps, signal);
   };
 #else
   TORCH_CHECK(false, name(), ": ampfuse was built without CUDA");

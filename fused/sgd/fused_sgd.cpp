@@ -46,6 +46,13 @@ struct SgdKept : sdk::KeptLists<FusedSGDParamState> {
   bool momentum = false;
   std::vector<unsigned char> first;
 };
+#if defined(AMPFUSE_WITH_CUDA)
+// CUDA: the same for the views and launch metadata.
+struct SgdCudaKept {
+  bool momentum = false;
+  sdk::KeptLaunch launch;
+};
+#endif
 
 }  // namespace
 
@@ -155,26 +162,33 @@ sdk::Launch FusedSGD::prepare_list(const sdk::ParamList& pl) {
   }
 #if defined(AMPFUSE_WITH_CUDA)
   const c10::cuda::CUDAGuard guard(device);
-  std::vector<unsigned char> first;
-  const std::vector<FusedSGDParamState*> states = make_states(first);
-  std::vector<std::int64_t> numels(n);
-  TensorListsView views;
-  views.lists.resize(momentum ? 4 : 2);
-  for (std::size_t i = 0; i < n; ++i) {
-    const at::Tensor& p = list[i]->param;
-    numels[i] = p.numel();
-    views.lists[fused::cuda::kSgdParam].push_back({p.data_ptr(), p.numel(), st});
-    views.lists[fused::cuda::kSgdGrad].push_back({list[i]->grad.data_ptr(), p.numel(), st});
-    if (!momentum) continue;
-    views.lists[fused::cuda::kSgdMomentumBuffer].push_back({states[i]->momentum_buffer().data_ptr(), p.numel(), st});
-    views.lists[fused::cuda::kSgdInitialized].push_back(
-        {states[i]->momentum_initialized().data_ptr(), 1, ScalarType::Float32});
+  std::shared_ptr<SgdCudaKept> kept = pl.slot.get<SgdCudaKept>();
+  const bool fresh = kept == nullptr || kept->momentum != momentum;
+  if (fresh) {
+    kept = std::make_shared<SgdCudaKept>();
+    kept->momentum = momentum;
+    std::vector<unsigned char> first;  // CUDA reads each buffer's device flag instead
+    const std::vector<FusedSGDParamState*> states = make_states(first);
+    TensorListsView& views = kept->launch.views;
+    views.lists.resize(momentum ? 4 : 2);
+    for (std::size_t i = 0; i < n; ++i) {
+      const at::Tensor& p = list[i]->param;
+      kept->launch.numels.push_back(p.numel());
+      views.lists[fused::cuda::kSgdParam].push_back({p.data_ptr(), p.numel(), st});
+      views.lists[fused::cuda::kSgdGrad].push_back({list[i]->grad.data_ptr(), p.numel(), st});
+      if (!momentum) continue;
+      const FusedSGDParamState& s = *states[i];
+      views.lists[fused::cuda::kSgdMomentumBuffer].push_back({s.momentum_buffer().data_ptr(), p.numel(), st});
+      views.lists[fused::cuda::kSgdInitialized].push_back({s.momentum_initialized().data_ptr(), 1, ScalarType::Float32});
+      kept->launch.held.push_back(s.momentum_buffer());
+      kept->launch.held.push_back(s.momentum_initialized());
+    }
   }
-  const Plan plan(numels, sdk::cuda::kChunkSize);
-  const auto meta = sdk::make_launch_meta(views, plan, device);  // held by the Launch
+  const auto meta = kept->launch.meta_for(pl, fresh, fused::cuda::kSgdGrad);  // held by the Launch
   unsigned* counters = momentum ? workspace_->counters.get({pl.group, device, pl.dtype}, meta->launch.num_tensors) : nullptr;
   const sdk::SignalPointers sig = sdk::signal_pointers(pl.signal);
   const fused::cuda::SgdCudaArgs args{hyper, sig.found_inf, sig.inv_scale, sig.clip_coef, counters};
+  if (fresh) pl.slot.keep(kept);
   return [=] {
     const c10::cuda::CUDAGuard launch_guard(device);
     fused::cuda::sgd(meta->launch, st, args, sdk::current_stream(device));

@@ -749,8 +749,10 @@ struct KeptLists {
   /// Fills the pointer arrays (`lists` of them, null where nothing is put)
   /// on ATen's threads (parallel_entries): tensor i's parameter into list
   /// `param`, its grad into list `grad`, and each state tensor t that
-  /// state_tensors(i, put) puts into list l by put(l, t); then plans the
-  /// numels (cpu::kChunkSize chunks). state_tensors must only read.
+  /// state_tensors(i, put) puts into list l (a list other than those two)
+  /// by put(l, t); then plans the numels (cpu::kChunkSize chunks).
+  /// state_tensors runs on several threads at once: it must only read (the
+  /// states are made before, on the calling thread).
   template <class StateTensors>
   void gather(const ParamList& pl, int lists, int param, int grad, StateTensors&& state_tensors) {
     const std::vector<const Entry*>& entries = pl.entries;
@@ -766,6 +768,7 @@ struct KeptLists {
       ptrs[static_cast<std::size_t>(param)][i] = entries[i]->param.data_ptr();
       ptrs[static_cast<std::size_t>(grad)][i] = entries[i]->grad.data_ptr();
       state_tensors(i, [&](int l, const at::Tensor& t) {
+        TORCH_INTERNAL_ASSERT(l >= 0 && l < lists && l != param && l != grad, "KeptLists: put into list ", l);
         ptrs[static_cast<std::size_t>(l)][i] = t.data_ptr();
         held_[static_cast<std::size_t>(l)][i] = t;
       });
@@ -780,6 +783,7 @@ struct KeptLists {
   /// when they moved (ParamList::grads_moved).
   void refresh_grads(const ParamList& pl) {
     if (!pl.grads_moved) return;
+    TORCH_INTERNAL_ASSERT(grad_ >= 0, "KeptLists: refresh_grads before gather");
     std::vector<void*>& grads = ptrs[static_cast<std::size_t>(grad_)];
     parallel_entries(pl.entries.size(), [&](std::size_t i) { grads[i] = pl.entries[i]->grad.data_ptr(); });
   }
@@ -788,6 +792,35 @@ struct KeptLists {
   int grad_ = -1;
   std::vector<std::vector<at::Tensor>> held_;  ///< by list, then tensor; empty for param and grad
 };
+
+#if defined(AMPFUSE_WITH_CUDA)
+/// What a list's CUDA steps reuse while the step plan holds, kept in its
+/// ListSlot (beside the states): each kernel list's views, the numels they
+/// were planned for, their launch metadata, and the state tensors the views
+/// point into (held, so that their memory stays while kept). Fill `views`,
+/// `numels` and `held` at the list's first step; meta_for() gives every
+/// step's metadata.
+struct KeptLaunch {
+  TensorListsView views;
+  std::vector<std::int64_t> numels;
+  std::shared_ptr<const ListMeta> meta;
+  std::vector<at::Tensor> held;
+
+  /// This step's metadata (for the Launch to hold): packed from `views` at
+  /// the list's first step (`fresh`) and when grads moved (list `grad`'s
+  /// views read again from the entries first: the pointers travel in the
+  /// metadata), otherwise the kept one through reuse_launch_meta.
+  std::shared_ptr<const ListMeta> meta_for(const ParamList& pl, bool fresh, int grad) {
+    if (!fresh && pl.grads_moved) {
+      std::vector<TensorView>& grads = views.lists[static_cast<std::size_t>(grad)];
+      for (std::size_t i = 0; i < grads.size(); ++i) grads[i].data = pl.entries[i]->grad.data_ptr();
+    }
+    meta = fresh || pl.grads_moved ? make_launch_meta(views, Plan(numels, cuda::kChunkSize), pl.device)
+                                   : reuse_launch_meta(meta, pl.device);
+    return meta;
+  }
+};
+#endif
 
 /// An fp32 master copy kept in State takes the parameter's values (the
 /// launch phase does it for FusedOptimizer::prepare_master).
