@@ -32,24 +32,19 @@ auto made_state(const at::Tensor& p, const torch::optim::AdagradOptions& o) {
   };
 }
 
-// CPU: what a list's steps reuse while the step plan holds (its ListSlot):
-// the SDK's KeptLists (states, pointer arrays by AdagradList, Plan), and
-// each step's counters and -clr (reused: a step's launch ran before the
-// next step prepares).
+// What a list's steps reuse while the step plan holds (its ListSlot): on
+// CPU, the SDK's KeptLists (states, pointer arrays by AdagradList, Plan) and
+// each step's counters and -clr (reused: a step's launch ran before the next
+// step prepares); on CUDA, the states, the views and launch metadata, and
+// the device step counters that advance after the kernel.
 struct AdagradKept : sdk::KeptLists<FusedAdagradParamState> {
   std::vector<std::int64_t> steps;
   std::vector<double> neg_clr;
-};
-
 #if defined(AMPFUSE_WITH_CUDA)
-// CUDA: what a list's steps reuse while the step plan holds (its ListSlot):
-// the views and launch metadata, and the device step counters that advance
-// after the kernel.
-struct AdagradCudaKept {
   sdk::KeptLaunch launch;
-  std::vector<at::Tensor> steps;
-};
+  std::vector<at::Tensor> device_steps;
 #endif
+};
 
 }  // namespace
 
@@ -92,25 +87,23 @@ sdk::Launch FusedAdagrad::prepare_list(const sdk::ParamList& list) {
   const ScalarType st = list.kernel_dtype();
   const bool on_cuda = list.device.is_cuda();
   const std::size_t n = entries.size();
-  const auto make_states = [&] {
-    std::vector<FusedAdagradParamState*> states(n);
+  constexpr int kParam = list_index(AdagradList::kParam), kGrad = list_index(AdagradList::kGrad),
+                kSum = list_index(AdagradList::kSum);
+  std::shared_ptr<AdagradKept> kept = list.slot.get<AdagradKept>();
+  const bool fresh = kept == nullptr;
+  if (fresh) {
+    kept = std::make_shared<AdagradKept>();
+    kept->states.resize(n);
     for (std::size_t i = 0; i < n; ++i) {  // creates state (a parameter added after construction): on this thread
       const sdk::Entry& e = *entries[i];
       FusedAdagradParamState& s = state_for(e, made_state(e.param, o));
       prepare_device_step(e, s);
-      states[i] = &s;
+      kept->states[i] = &s;
     }
-    return states;
-  };
+  }
 
   if (!on_cuda) {
-    constexpr int kParam = list_index(AdagradList::kParam), kGrad = list_index(AdagradList::kGrad),
-                  kSum = list_index(AdagradList::kSum);
-    std::shared_ptr<AdagradKept> kept = list.slot.get<AdagradKept>();
-    const bool fresh = kept == nullptr;
     if (fresh) {
-      kept = std::make_shared<AdagradKept>();
-      kept->states = make_states();
       kept->gather(list, kSum + 1, kParam, kGrad,
                    [&](std::size_t i, auto put) { put(kSum, kept->states[i]->sum()); });
     } else {
@@ -133,29 +126,17 @@ sdk::Launch FusedAdagrad::prepare_list(const sdk::ParamList& list) {
   }
 #if defined(AMPFUSE_WITH_CUDA)
   const c10::cuda::CUDAGuard guard(list.device);
-  std::shared_ptr<AdagradCudaKept> kept = list.slot.get<AdagradCudaKept>();
-  const bool fresh = kept == nullptr;
   if (fresh) {
-    kept = std::make_shared<AdagradCudaKept>();
-    const std::vector<FusedAdagradParamState*> states = make_states();
-    TensorListsView& views = kept->launch.views;
-    std::vector<std::int64_t>& numels = kept->launch.numels;
-    views.lists.assign(fused::kAdagradLists, std::vector<TensorView>(n));
-    numels.resize(n);
-    kept->steps.resize(n);
+    kept->launch.begin(list, fused::kAdagradLists, kParam, kGrad);
     for (std::size_t i = 0; i < n; ++i) {
-      const at::Tensor& p = entries[i]->param;
-      numels[i] = p.numel();
-      kept->steps[i] = states[i]->device_step();
-      views.lists[list_index(AdagradList::kParam)][i] = {p.data_ptr(), numels[i], st};
-      views.lists[list_index(AdagradList::kGrad)][i] = {entries[i]->grad.data_ptr(), numels[i], st};
-      views.lists[list_index(AdagradList::kSum)][i] = {states[i]->sum().data_ptr(), numels[i], st};
+      const FusedAdagradParamState& s = *kept->states[i];
+      kept->launch.put(kSum, i, s.sum());
       // The fp64 counter travels as a pointer; its dtype tag is not read.
-      views.lists[list_index(AdagradList::kStep)][i] = {kept->steps[i].data_ptr(), 1, ScalarType::Float32};
-      kept->launch.held.push_back(states[i]->sum());
+      kept->launch.put(list_index(AdagradList::kStep), i, s.device_step(), 1, ScalarType::Float32);
+      kept->device_steps.push_back(s.device_step());
     }
   }
-  const auto meta = kept->launch.meta_for(list, fresh, list_index(AdagradList::kGrad));  // held by the Launch
+  const auto meta = kept->launch.meta_for(list, fresh, kGrad);  // held by the Launch
   const sdk::SignalPointers sig = sdk::signal_pointers(list.signal);
   const fused::cuda::AdagradCudaArgs args{hyper, sig.found_inf, sig.inv_scale, sig.clip_coef};
   const ScaleSignal* signal = list.signal;
@@ -165,7 +146,7 @@ sdk::Launch FusedAdagrad::prepare_list(const sdk::ParamList& list) {
     const c10::cuda::CUDAGuard launch_guard(device);
     fused::cuda::adagrad(meta->launch, st, args, sdk::current_stream(device));
     // After the kernel read them: every counter advances, by (found_inf == 0) under a scaler.
-    sdk::advance_step_counters(kept->steps, signal);
+    sdk::advance_step_counters(kept->device_steps, signal);
   };
 #else
   TORCH_CHECK(false, name(), ": ampfuse was built without CUDA");

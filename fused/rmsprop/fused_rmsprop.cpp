@@ -19,22 +19,17 @@
 namespace ampfuse {
 namespace {
 
-// CPU: what a list's steps reuse while the step plan holds (its ListSlot):
-// the SDK's KeptLists (states, pointer arrays by RmspropList, Plan), for the
-// options they were gathered for.
+// What a list's steps reuse while the step plan holds (its ListSlot), for
+// the options it was made for: the SDK's KeptLists (states; on CPU, pointer
+// arrays by RmspropList and Plan) and, on CUDA, the views and launch
+// metadata, and the device step counters that advance after the kernel.
 struct RmspropKept : sdk::KeptLists<FusedRMSpropParamState> {
   bool momentum = false, centered = false;
-};
-
 #if defined(AMPFUSE_WITH_CUDA)
-// CUDA: the same for the views and launch metadata, and the device step
-// counters that advance after the kernel.
-struct RmspropCudaKept {
-  bool momentum = false, centered = false;
   sdk::KeptLaunch launch;
-  std::vector<at::Tensor> steps;
-};
+  std::vector<at::Tensor> device_steps;
 #endif
+};
 
 }  // namespace
 
@@ -69,8 +64,14 @@ sdk::Launch FusedRMSprop::prepare_list(const sdk::ParamList& list) {
   const ScalarType st = list.kernel_dtype();
   const bool on_cuda = list.device.is_cuda();
   const std::size_t n = entries.size();
-  const auto make_states = [&] {
-    std::vector<FusedRMSpropParamState*> states(n);
+  std::shared_ptr<RmspropKept> kept = list.slot.get<RmspropKept>();
+  // A state made for other options (momentum or centered switched on) has other lists.
+  const bool fresh = kept == nullptr || kept->momentum != momentum || kept->centered != centered;
+  if (fresh) {
+    kept = std::make_shared<RmspropKept>();
+    kept->momentum = momentum;
+    kept->centered = centered;
+    kept->states.resize(n);
     sdk::SmallStatePool pool(entries.front()->param.options());
     for (const sdk::Entry* e : entries)
       if (e->state == nullptr) pool.reserve(e->param, 1 + (momentum ? 1 : 0) + (centered ? 1 : 0));
@@ -91,10 +92,9 @@ sdk::Launch FusedRMSprop::prepare_list(const sdk::ParamList& list) {
         s.grad_avg(zeros());
       }
       prepare_device_step(e, s);
-      states[i] = &s;
+      kept->states[i] = &s;
     }
-    return states;
-  };
+  }
   // The state tensors the kernel takes, put(list, tensor) by RmspropList.
   const auto state_lists = [&](const FusedRMSpropParamState& s, auto put) {
     put(list_index(RmspropList::kSquareAvg), s.square_avg());
@@ -104,14 +104,7 @@ sdk::Launch FusedRMSprop::prepare_list(const sdk::ParamList& list) {
   constexpr int kParam = list_index(RmspropList::kParam), kGrad = list_index(RmspropList::kGrad);
 
   if (!on_cuda) {
-    std::shared_ptr<RmspropKept> kept = list.slot.get<RmspropKept>();
-    // A state made for other options (momentum or centered switched on) has other lists.
-    const bool fresh = kept == nullptr || kept->momentum != momentum || kept->centered != centered;
     if (fresh) {
-      kept = std::make_shared<RmspropKept>();
-      kept->momentum = momentum;
-      kept->centered = centered;
-      kept->states = make_states();
       kept->gather(list, fused::kRmspropLists, kParam, kGrad,
                    [&](std::size_t i, auto put) { state_lists(*kept->states[i], put); });
     } else {
@@ -130,28 +123,11 @@ sdk::Launch FusedRMSprop::prepare_list(const sdk::ParamList& list) {
   }
 #if defined(AMPFUSE_WITH_CUDA)
   const c10::cuda::CUDAGuard guard(list.device);
-  std::shared_ptr<RmspropCudaKept> kept = list.slot.get<RmspropCudaKept>();
-  const bool fresh = kept == nullptr || kept->momentum != momentum || kept->centered != centered;
   if (fresh) {
-    kept = std::make_shared<RmspropCudaKept>();
-    kept->momentum = momentum;
-    kept->centered = centered;
-    const std::vector<FusedRMSpropParamState*> states = make_states();
-    TensorListsView& views = kept->launch.views;
-    std::vector<std::int64_t>& numels = kept->launch.numels;
-    views.lists.assign(fused::kRmspropLists, std::vector<TensorView>(n));
-    numels.resize(n);
-    kept->steps.resize(n);
+    kept->launch.begin(list, fused::kRmspropLists, kParam, kGrad);
     for (std::size_t i = 0; i < n; ++i) {
-      numels[i] = entries[i]->param.numel();
-      kept->steps[i] = states[i]->device_step();
-      for (int l = 0; l < fused::kRmspropLists; ++l) views.lists[l][i] = {nullptr, numels[i], st};
-      views.lists[kParam][i].data = entries[i]->param.data_ptr();
-      views.lists[kGrad][i].data = entries[i]->grad.data_ptr();
-      state_lists(*states[i], [&](int l, const at::Tensor& t) {
-        views.lists[l][i].data = t.data_ptr();
-        kept->launch.held.push_back(t);
-      });
+      state_lists(*kept->states[i], [&](int l, const at::Tensor& t) { kept->launch.put(l, i, t); });
+      kept->device_steps.push_back(kept->states[i]->device_step());
     }
   }
   const auto meta = kept->launch.meta_for(list, fresh, kGrad);  // held by the Launch
@@ -164,7 +140,7 @@ sdk::Launch FusedRMSprop::prepare_list(const sdk::ParamList& list) {
     const c10::cuda::CUDAGuard launch_guard(device);
     fused::cuda::rmsprop(meta->launch, st, args, sdk::current_stream(device));
     // Every counter advances, by (found_inf == 0) under a scaler.
-    sdk::advance_step_counters(kept->steps, signal);
+    sdk::advance_step_counters(kept->device_steps, signal);
   };
 #else
   TORCH_CHECK(false, name(), ": ampfuse was built without CUDA");

@@ -37,22 +37,19 @@ struct FusedSgdWorkspace {
 
 namespace {
 
-// CPU: what a list's steps reuse while the step plan holds (its ListSlot):
-// the SDK's KeptLists (states, pointer arrays by CpuList, Plan), for the
-// momentum they were gathered for, and which buffers the next step fills
-// first (those its first step made; none after that step ran).
+// What a list's steps reuse while the step plan holds (its ListSlot), for
+// the momentum it was made for: the SDK's KeptLists (states; on CPU,
+// pointer arrays by CpuList and Plan) and which buffers the next CPU step
+// fills first (those its first step made; none after that step ran), and on
+// CUDA the views and launch metadata.
 enum CpuList : int { kCpuParam, kCpuGrad, kCpuBuffer, kCpuLists };
 struct SgdKept : sdk::KeptLists<FusedSGDParamState> {
   bool momentum = false;
   std::vector<unsigned char> first;
-};
 #if defined(AMPFUSE_WITH_CUDA)
-// CUDA: the same for the views and launch metadata.
-struct SgdCudaKept {
-  bool momentum = false;
   sdk::KeptLaunch launch;
-};
 #endif
+};
 
 }  // namespace
 
@@ -97,15 +94,18 @@ sdk::Launch FusedSGD::prepare_list(const sdk::ParamList& pl) {
   const bool momentum = o.momentum() != 0;
   const ScalarType st = pl.kernel_dtype();
   const std::size_t n = list.size();
-  // The states and their momentum buffers, made where missing (on this
-  // thread), and which buffers a step has not filled yet: on CPU (the skip
-  // was decided on the host, so this step is applied) the kernel fills
-  // them; on CUDA their device flag says so.
-  const auto make_states = [&](std::vector<unsigned char>& first) {
-    std::vector<FusedSGDParamState*> states(n, nullptr);
-    first.assign(n, 0);
-    if (!momentum) return states;
-    for (std::size_t i = 0; i < n; ++i) {
+  std::shared_ptr<SgdKept> kept = pl.slot.get<SgdKept>();
+  const bool fresh = kept == nullptr || kept->momentum != momentum;
+  if (fresh) {
+    // The states and their momentum buffers, made where missing (on this
+    // thread), and which buffers a step has not filled yet: on CPU (the
+    // skip was decided on the host, so this step is applied) the kernel
+    // fills them; on CUDA their device flag says so.
+    kept = std::make_shared<SgdKept>();
+    kept->momentum = momentum;
+    kept->states.assign(n, nullptr);
+    kept->first.assign(n, 0);
+    for (std::size_t i = 0; i < n && momentum; ++i) {
       const sdk::Entry& e = *list[i];
       const at::Tensor& p = e.param;
       FusedSGDParamState& s = state_for(e, [](FusedSGDParamState&) {});
@@ -113,35 +113,29 @@ sdk::Launch FusedSGD::prepare_list(const sdk::ParamList& pl) {
                   ", param ", e.index,
                   ": the grad is dense but the momentum buffer is sparse (kept by earlier sparse grads); "
                   "torch::optim::SGD cannot add a dense grad to it either (sparse += dense)");
-      const bool fresh = !s.momentum_buffer().defined();
-      if (fresh) {
+      const bool made = !s.momentum_buffer().defined();
+      if (made) {
         sdk::refuse_under_capture(e, name(), "its momentum buffer");
         undo_on_failure([&s] { s.momentum_buffer(at::Tensor()); });
         // On CPU this step fills it; on CUDA it may be skipped on the device,
         // and a state never shows uninitialized memory.
         s.momentum_buffer(device.is_cpu() ? at::empty_like(p, at::MemoryFormat::Preserve)
                                           : at::zeros_like(p, at::MemoryFormat::Preserve));
-        first[i] = 1;
+        kept->first[i] = 1;
       }
       if (device.is_cuda() && !s.momentum_initialized().defined()) {
         // A loaded buffer is filled; a fresh one waits for its first applied step.
         sdk::refuse_under_capture(e, name(), "its momentum buffer's flag (made at the first step, and again at "
                                              "the first after load())");
         undo_on_failure([&s] { s.momentum_initialized(at::Tensor()); });
-        s.momentum_initialized(at::full({1}, fresh ? 0.0 : 1.0, p.options().dtype(at::kFloat)));
+        s.momentum_initialized(at::full({1}, made ? 0.0 : 1.0, p.options().dtype(at::kFloat)));
       }
-      states[i] = &s;
+      kept->states[i] = &s;
     }
-    return states;
-  };
+  }
 
   if (device.is_cpu()) {
-    std::shared_ptr<SgdKept> kept = pl.slot.get<SgdKept>();
-    const bool fresh = kept == nullptr || kept->momentum != momentum;
     if (fresh) {
-      kept = std::make_shared<SgdKept>();
-      kept->momentum = momentum;
-      kept->states = make_states(kept->first);
       kept->gather(pl, kCpuLists, kCpuParam, kCpuGrad, [&](std::size_t i, auto put) {
         if (momentum) put(kCpuBuffer, kept->states[i]->momentum_buffer());
       });
@@ -162,26 +156,12 @@ sdk::Launch FusedSGD::prepare_list(const sdk::ParamList& pl) {
   }
 #if defined(AMPFUSE_WITH_CUDA)
   const c10::cuda::CUDAGuard guard(device);
-  std::shared_ptr<SgdCudaKept> kept = pl.slot.get<SgdCudaKept>();
-  const bool fresh = kept == nullptr || kept->momentum != momentum;
   if (fresh) {
-    kept = std::make_shared<SgdCudaKept>();
-    kept->momentum = momentum;
-    std::vector<unsigned char> first;  // CUDA reads each buffer's device flag instead
-    const std::vector<FusedSGDParamState*> states = make_states(first);
-    TensorListsView& views = kept->launch.views;
-    views.lists.resize(momentum ? 4 : 2);
-    for (std::size_t i = 0; i < n; ++i) {
-      const at::Tensor& p = list[i]->param;
-      kept->launch.numels.push_back(p.numel());
-      views.lists[fused::cuda::kSgdParam].push_back({p.data_ptr(), p.numel(), st});
-      views.lists[fused::cuda::kSgdGrad].push_back({list[i]->grad.data_ptr(), p.numel(), st});
-      if (!momentum) continue;
-      const FusedSGDParamState& s = *states[i];
-      views.lists[fused::cuda::kSgdMomentumBuffer].push_back({s.momentum_buffer().data_ptr(), p.numel(), st});
-      views.lists[fused::cuda::kSgdInitialized].push_back({s.momentum_initialized().data_ptr(), 1, ScalarType::Float32});
-      kept->launch.held.push_back(s.momentum_buffer());
-      kept->launch.held.push_back(s.momentum_initialized());
+    kept->launch.begin(pl, momentum ? 4 : 2, fused::cuda::kSgdParam, fused::cuda::kSgdGrad);
+    for (std::size_t i = 0; i < n && momentum; ++i) {
+      const FusedSGDParamState& s = *kept->states[i];
+      kept->launch.put(fused::cuda::kSgdMomentumBuffer, i, s.momentum_buffer());
+      kept->launch.put(fused::cuda::kSgdInitialized, i, s.momentum_initialized(), 1, ScalarType::Float32);
     }
   }
   const auto meta = kept->launch.meta_for(pl, fresh, fused::cuda::kSgdGrad);  // held by the Launch

@@ -797,14 +797,41 @@ struct KeptLists {
 /// What a list's CUDA steps reuse while the step plan holds, kept in its
 /// ListSlot (beside the states): each kernel list's views, the numels they
 /// were planned for, their launch metadata, and the state tensors the views
-/// point into (held, so that their memory stays while kept). Fill `views`,
-/// `numels` and `held` at the list's first step; meta_for() gives every
-/// step's metadata.
+/// point into (held, so that their memory stays while kept). Fill them at
+/// the list's first step (begin(), then put() or views of your own);
+/// meta_for() gives every step's metadata.
 struct KeptLaunch {
   TensorListsView views;
   std::vector<std::int64_t> numels;
   std::shared_ptr<const ListMeta> meta;
   std::vector<at::Tensor> held;
+
+  /// `lists` lists of views, tensor i's each {null, its numel, the list's
+  /// kernel dtype}, with the parameters' and grads' data in lists `param`
+  /// and `grad`, and the numels.
+  void begin(const ParamList& pl, int lists, int param, int grad) {
+    const std::size_t n = pl.entries.size();
+    const ScalarType st = pl.kernel_dtype();
+    views.lists.assign(static_cast<std::size_t>(lists), std::vector<TensorView>(n));
+    numels.resize(n);
+    for (std::size_t i = 0; i < n; ++i) {
+      numels[i] = pl.entries[i]->param.numel();
+      for (std::vector<TensorView>& l : views.lists) l[i] = {nullptr, numels[i], st};
+      views.lists[static_cast<std::size_t>(param)][i].data = pl.entries[i]->param.data_ptr();
+      views.lists[static_cast<std::size_t>(grad)][i].data = pl.entries[i]->grad.data_ptr();
+    }
+  }
+  /// Tensor i's view in list l points into state tensor t, held while kept.
+  void put(int l, std::size_t i, const at::Tensor& t) {
+    views.lists[static_cast<std::size_t>(l)][i].data = t.data_ptr();
+    held.push_back(t);
+  }
+  /// The same with a numel and dtype of its own (a per-tensor counter or
+  /// flag that travels as a pointer: {data, 1, Float32}, its tag not read).
+  void put(int l, std::size_t i, const at::Tensor& t, std::int64_t numel, ScalarType dtype) {
+    views.lists[static_cast<std::size_t>(l)][i] = {t.data_ptr(), numel, dtype};
+    held.push_back(t);
+  }
 
   /// This step's metadata (for the Launch to hold): packed from `views` at
   /// the list's first step (`fresh`) and when grads moved (list `grad`'s
