@@ -1049,6 +1049,7 @@ class FusedOptimizer : public Base, public ScalerAware {
     plan_slots_.clear();
     plan_lists_.clear();
     plan_entries_.clear();  // they may refer to the staged grads' buffers
+    plan_entry_ptrs_.clear();
     plan_sparse_.clear();
     staged_grads_.clear();
     staged_params_.clear();
@@ -1187,10 +1188,10 @@ class FusedOptimizer : public Base, public ScalerAware {
             },
             takes_float64(), &staged_grads_, takes_sparse_grads() ? &plan_sparse_ : nullptr, &staged_params_);
         check_entries(plan_entries_);
-        std::vector<const Entry*> all;
-        all.reserve(plan_entries_.size());
-        for (const Entry& e : plan_entries_) all.push_back(&e);
-        plan_lists_ = group_lists(all);
+        plan_entry_ptrs_.clear();
+        plan_entry_ptrs_.reserve(plan_entries_.size());
+        for (const Entry& e : plan_entries_) plan_entry_ptrs_.push_back(&e);
+        plan_lists_ = group_lists(plan_entry_ptrs_);
         plan_slots_.assign(plan_lists_.size(), ListSlot());
       } else if (signals) {
         for (const auto& [key, list] : plan_lists_)
@@ -1203,11 +1204,14 @@ class FusedOptimizer : public Base, public ScalerAware {
       refresh_staged_grads(staged_grads_);
       skip_cpu = cpu_step_skipped(signals);
       refresh_staged_params(staged_params_, !skip_cpu);
-      std::vector<const Entry*> stepped;
-      stepped.reserve(plan_entries_.size());
-      for (const Entry& e : plan_entries_)
-        if (!(skip_cpu && e.device.is_cpu())) stepped.push_back(&e);
-      begin_step(stepped, signals);
+      if (skip_cpu) {  // a step skipped on CPU (rare): the entries on other devices
+        std::vector<const Entry*> stepped;
+        for (const Entry* e : plan_entry_ptrs_)
+          if (!e->device.is_cpu()) stepped.push_back(e);
+        begin_step(stepped, signals);
+      } else {
+        begin_step(plan_entry_ptrs_, signals);  // kept with the plan, not gathered at every step
+      }
       for (std::size_t l = 0; l < plan_lists_.size(); ++l) {
         const auto& [key, list] = plan_lists_[l];
         const auto& [group, device, dtype] = key;
@@ -1262,6 +1266,7 @@ class FusedOptimizer : public Base, public ScalerAware {
   PlanMatch last_match_ = PlanMatch::kChanged;
   PlanKeys plan_keys_;
   std::vector<Entry> plan_entries_;
+  std::vector<const Entry*> plan_entry_ptrs_;  ///< one per plan_entries_ element, in order
   std::vector<Entry> plan_sparse_;  ///< parameters with sparse grads (prepare_sparse), rebuilt every step
   Lists plan_lists_;
   std::vector<ListSlot> plan_slots_;
