@@ -237,7 +237,7 @@ int main(int argc, char** argv) {
 
   torch::Device device = torch::cuda::is_available() ? torch::kCUDA : torch::kCPU;
   // Matrices this small gain nothing from intra-op threads, and on a busy machine threads that
-  // wait for each other made this 10-20x slower (measured on 2 cores): one thread.
+  // wait for each other cost far more than they share out: one thread.
   if (device.is_cpu()) torch::set_num_threads(1);
   Data data = make_data(device);
 

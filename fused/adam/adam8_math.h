@@ -31,8 +31,8 @@
 // smallest nonzero code: a second moment rounded to zero would turn its
 // element's update into m / eps). Half a step is the largest error: 2^-6 of
 // the value at most in the top binade, 2^-5, 2^-3, 1/2 (1/3 of the value)
-// in the runs below it (exp_avg_sq: 2^-6, 2^-4, 2^-2, 1/2). Measured on the
-// Adam moments of a trained MLP, the update's error is smaller than with
+// in the runs below it (exp_avg_sq: 2^-6, 2^-4, 2^-2, 1/2). On the Adam
+// moments of a trained MLP, the update's error is smaller than with
 // bitsandbytes' dynamic maps for the same bytes, and on heavy-tailed blocks
 // it stays bounded where theirs codes small second moments to 0
 // (tests/test_adam8bit.cpp, MapIsMoreAccurateThanTheDynamicMap).

@@ -51,11 +51,10 @@ namespace ampfuse::distributed {
 /// How a bucket's grads are reduced and its parameters gathered.
 enum class ZeroCollectives {
   /// kAllReduceBroadcast for CPU buckets, kReduceScatter for CUDA buckets.
-  /// Gloo's all-reduce and broadcast are its fast collectives: measured here
-  /// at 2 ranks on 32 MB of fp32, all-reduce 32 ms and one broadcast per
-  /// rank's shard 17 ms, against 67 ms for its reduce-scatter and 58 ms for
-  /// its all-gather. NCCL's reduce-scatter and all-gather each move half an
-  /// all-reduce's bytes.
+  /// Gloo's all-reduce and broadcast are its fast collectives (its
+  /// reduce-scatter and all-gather took about twice as long on the same
+  /// bytes: docs/distributed.md). NCCL's reduce-scatter and all-gather each
+  /// move half an all-reduce's bytes.
   kAuto,
   /// Reduce-scatter the grads into a shard buffer (the parameters' grads
   /// stay as backward made them) and all-gather the parameters.

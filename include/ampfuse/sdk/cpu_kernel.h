@@ -655,8 +655,8 @@ inline void prefetch_ahead(const char* base, const char* next, std::int64_t next
 // accumulator 0, the tail through a zero-padded copy. The assignment of
 // blocks to accumulators depends on n alone, so reductions are
 // deterministic. A read-only pass is bound by the cache-line misses a core
-// keeps in flight, not by the memory system: one stream per core read
-// 16-17 GB/s on two Emerald Rapids cores where four read 24. Every stream is
+// keeps in flight, not by the memory system: four streams per core keep more
+// of them in flight than one (docs/engine.md). Every stream is
 // prefetched kReadPrefetchElements ahead and, near its end, on into the same
 // stream of the next_n elements at next (the following chunk; next_n = 0
 // when none), so that small chunks (one 4,096-element tensor each) do not
@@ -712,8 +712,8 @@ inline void for_each_block_lists(char* const (&base)[Depth], char* const* next, 
       blocks[l] = base[l] + i * elem_size[l];
       prefetch_ahead(base[l], next ? next[l] : nullptr, next_n, elem_size[l], n, ahead);
       // A block of fp64 lanes with AVX-512 spans two cache lines: one
-      // prefetch per block left every other line to the hardware (AdamF64
-      // 8x1M took 9.5-9.9 ms against 8.5-8.7 with both lines prefetched).
+      // prefetch per block left every other line to the hardware, which
+      // fell behind (docs/engine.md).
       // Here, not inside prefetch_ahead: written there, the extra branch
       // made GCC 12 emit no prefetch at all in several kernels.
       if (kWidth * elem_size[l] > 64)
