@@ -120,14 +120,15 @@ constexpr std::size_t kNoStamp = 0;
 /// made where a freed one was can have the same address, so whoever keeps a
 /// stamp must keep the TensorImpls from being reused:
 /// FusedOptimizer::stamp_tensors (what a state_stamp override should call)
-/// folds with this and holds a weak reference to each tensor while the step
-/// plan holds. Start from seed 1; never kNoStamp.
+/// holds a weak reference to each tensor while the step plan holds. Start
+/// from seed 1; never kNoStamp.
 ///
 /// (seed ^ address) times an odd constant is, for a given seed, a bijection
 /// of the address, and for a given address one of the seed: a stamp folded
 /// over several tensors changes whenever one of them does, whatever the
 /// others are. One multiply per tensor: a step over many small parameters
-/// stamps every state.
+/// stamps every state. (stamp_tensors stamps several tensors without the
+/// chain: see there.)
 inline std::size_t stamp_of(std::size_t seed, const at::Tensor& t) {
   const std::size_t h =
       (seed ^ reinterpret_cast<std::uintptr_t>(t.unsafeGetTensorImpl())) * 0x9E3779B97F4A7C15ull;
@@ -1028,14 +1029,24 @@ class FusedOptimizer : public Base, public ScalerAware {
   /// validate and prepare from scratch.
   virtual std::size_t state_stamp(const State& /*state*/) const { return kNoStamp; }
 
-  /// For state_stamp: stamp_of over each of `tensors` from seed 1, and, when
-  /// the step plan is recorded, a weak reference to each kept with the plan:
+  /// For state_stamp: a stamp of `tensors` by their TensorImpls' addresses
+  /// (as stamp_of's, nothing read through them), and, when the step plan is
+  /// recorded, a weak reference to each kept with the plan:
   /// a state tensor dropped from the state frees its memory as before, but
   /// its TensorImpl, whose address the plan compares, is not reused while
   /// the plan holds.
   std::size_t stamp_tensors(std::initializer_list<const at::Tensor*> tensors) const {
-    std::size_t h = 1;
-    for (const at::Tensor* t : tensors) h = stamp_of(h, *t);
+    // Each address times an odd constant of its position, summed: with the
+    // others fixed, a bijection of each address (the stamp changes whenever
+    // one tensor does, as stamp_of's fold), but the products do not wait on
+    // each other, where each fold of a chain waited on the one before
+    // (a match of the plan stamps every parameter's state, at every step).
+    std::size_t h = 1, odd = 0x9E3779B97F4A7C15ull;
+    for (const at::Tensor* t : tensors) {
+      h += reinterpret_cast<std::uintptr_t>(t->unsafeGetTensorImpl()) * odd;
+      odd += 0x632BE59BD9B4E01Aull;  // an even step keeps it odd
+    }
+    if (h == kNoStamp) h = 1;
     if (holding_state_)
       for (const at::Tensor* t : tensors)
         if (t->defined()) held_state_.emplace_back(t->getIntrusivePtr());
