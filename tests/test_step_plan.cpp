@@ -124,6 +124,15 @@ TEST_P(StepPlanTest, FusedAdamReusesItsPlanAndSeesEveryChange) {
   });
   t.grads(true);
   EXPECT_TRUE(t.step(PlanMatch::kChanged));
+  t.apply([](auto& opt, auto& params) {  // two state tensors swapped: the same TensorImpls, each in the other's place
+    auto& s = static_cast<ampfuse::FusedAdamParamState&>(*opt.state().at(params[1].unsafeGetTensorImpl()));
+    const torch::Tensor m = s.exp_avg(), v = s.exp_avg_sq();
+    m.abs_();  // in place (the same tensor): a second moment is not negative
+    s.exp_avg(v);
+    s.exp_avg_sq(m);
+  });
+  t.grads(true);
+  EXPECT_TRUE(t.step(PlanMatch::kChanged));  // the stamp depends on each tensor's place
   t.apply([](auto& opt, auto&) {
     static_cast<torch::optim::AdamOptions&>(opt.param_groups()[0].options()).amsgrad(true);
   });
