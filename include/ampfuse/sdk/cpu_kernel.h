@@ -707,6 +707,7 @@ inline void for_each_block_lists(char* const (&base)[Depth], char* const* next, 
   std::int64_t i = 0;
   for (; i + kWidth <= n; i += kWidth) {
     const std::int64_t ahead = i + kPrefetchElements;
+    #pragma GCC unroll 16  // a list left out of kUsed then costs nothing
     for (int l = 0; l < Depth; ++l) {
       if (!used(l)) continue;
       blocks[l] = base[l] + i * elem_size[l];
@@ -725,6 +726,7 @@ inline void for_each_block_lists(char* const (&base)[Depth], char* const* next, 
   if (i < n) {
     constexpr std::size_t kBlockBytes = kWidth * kMaxElementSize;
     alignas(64) unsigned char tail[Depth][kBlockBytes];
+    #pragma GCC unroll 16  // a list left out of kUsed then costs nothing
     for (int l = 0; l < Depth; ++l) {
       if (!used(l)) continue;
       assert(elem_size[l] <= kMaxElementSize && "an element is at most 8 bytes");
@@ -732,6 +734,7 @@ inline void for_each_block_lists(char* const (&base)[Depth], char* const* next, 
       blocks[l] = tail[l];
     }
     block_fn(blocks);
+    #pragma GCC unroll 16  // a list left out of kUsed then costs nothing
     for (int l = 0; l < Depth; ++l)
       if (used(l) && written(l))
         store_tail<kBlockBytes>(base[l] + i * elem_size[l], tail[l], static_cast<std::size_t>(n - i) * elem_size[l]);
@@ -788,7 +791,7 @@ inline float horizontal_sum(VecF v) {
 }
 
 /// The executor: for every chunk in [chunk_begin, chunk_end) of `plan`, runs
-/// block_fn(tensor, chunk, blocks) over the chunk's elements kWidth at a
+/// block_fn(tensor, blocks) over the chunk's elements kWidth at a
 /// time, blocks[l] pointing at the storage of list l (lists[l][tensor],
 /// offset to the block; elem_size[l] bytes per element). kUsed has bit l set
 /// for each list the kernel touches (others may be null); kWritten for each
@@ -801,6 +804,7 @@ inline void for_each_chunk_block(const PlanRef& plan, std::int64_t chunk_begin, 
                                  void* const* const (&lists)[Depth], const std::size_t (&elem_size)[Depth],
                                  BlockFn&& block_fn, ChunkFn&& chunk_fn) {
   const auto bases = [&](const ChunkRef& ch, char* (&base)[Depth]) {
+    #pragma GCC unroll 16  // a list left out of kUsed then costs nothing
     for (int l = 0; l < Depth; ++l)
       base[l] = ((kUsed >> l) & 1u) != 0 ? static_cast<char*>(lists[l][ch.tensor]) + ch.begin * elem_size[l] : nullptr;
   };
@@ -809,10 +813,11 @@ inline void for_each_chunk_block(const PlanRef& plan, std::int64_t chunk_begin, 
     char* base[Depth];
     char* next_base[Depth] = {};
     bases(ch, base);
-    if (next) bases(*next, next_base);
+    if (next != nullptr && ch.n >= kWidth) bases(*next, next_base);  // read by the block loop only
     if (const ChunkRef* far = lookahead.far(ch)) {
       char* far_base[Depth];
       bases(*far, far_base);
+      #pragma GCC unroll 16  // a list left out of kUsed then costs nothing
       for (int l = 0; l < Depth; ++l)
         if (((kUsed >> l) & 1u) != 0) __builtin_prefetch(far_base[l]);
     }
