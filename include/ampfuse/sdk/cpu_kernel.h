@@ -428,42 +428,42 @@ inline __mmask64 low_bytes(std::size_t bytes) { return (__mmask64{1} << bytes) -
 // AVX2 masks whole dwords only: a tail of whole dwords (every fp32 and fp64
 // tail) is loaded with dword-masked loads, others by the copies below. AMD
 // allows a masked-off lane to fault, so a masked load is used only while its
-// 32-byte windows stay on the page of the tail's first byte. Tails are stored
-// by the copies: the block's wide store forwards to their narrow loads, and a
-// masked store costs more than they do on AMD (Zen 3).
+// 32-byte windows stay on the page of the tail's first byte (tested for a
+// whole block, one compare: a tail that starts less than a block before a
+// page's end takes the copies). Tails are stored by the copies: the
+// block's wide store forwards to their narrow loads, and a masked store costs
+// more than they do on AMD (Zen 3).
+template <std::size_t kBlockBytes>
 inline bool masked_tail_fits(const void* p, std::size_t bytes) {
-  return bytes % 4 == 0 && (reinterpret_cast<std::uintptr_t>(p) % 4096) + ((bytes + 31) & ~std::size_t{31}) <= 4096;
+  return (bytes & 3) == 0 && (reinterpret_cast<std::uintptr_t>(p) & 4095) <= 4096 - kBlockBytes;
 }
 
-// Lanes below `dwords` set (all eight from 8 on).
+// Lanes below `dwords` set (all eight from 8 on): eight lanes of a table
+// of eight set lanes followed by eight clear ones.
 inline __m256i first_dwords(std::size_t dwords) {
-  const int n = dwords < 8 ? static_cast<int>(dwords) : 8;
-  return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  alignas(64) static constexpr std::int32_t kLanes[16] = {-1, -1, -1, -1, -1, -1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0};
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(kLanes + 8 - (dwords < 8 ? dwords : 8)));
 }
 #endif
-// Copies the tail's bytes (fewer than kBlockBytes) as fixed-size copies,
-// which compile to moves: a memcpy of a run-time size is a call.
-template <std::size_t kBlockBytes, std::size_t kBytes>
-[[gnu::always_inline]] inline void copy_part(unsigned char*& dst, const unsigned char*& src, std::size_t bytes) {
-  if constexpr (kBytes < kBlockBytes) {
-    if ((bytes & kBytes) == 0) return;
-    std::memcpy(dst, src, kBytes);
-    dst += kBytes;
-    src += kBytes;
-  }
-}
-
-template <std::size_t kBlockBytes>
+// Copies the tail's bytes (0 <= bytes < kBlockBytes) as two copies of the
+// largest power of two kBytes not above them, the second one ending at the
+// tail's end (they overlap unless bytes is kBytes): below twice their size,
+// two copies of one size cover any length, with one compare per size tried.
+// Fixed sizes compile to moves; a memcpy of a run-time size is a call.
+template <std::size_t kBlockBytes, std::size_t kBytes = kBlockBytes / 2>
 [[gnu::always_inline]] inline void copy_tail(void* dst, const void* src, std::size_t bytes) {
   auto* d = static_cast<unsigned char*>(dst);
   const auto* s = static_cast<const unsigned char*>(src);
-  copy_part<kBlockBytes, 64>(d, s, bytes);
-  copy_part<kBlockBytes, 32>(d, s, bytes);
-  copy_part<kBlockBytes, 16>(d, s, bytes);
-  copy_part<kBlockBytes, 8>(d, s, bytes);
-  copy_part<kBlockBytes, 4>(d, s, bytes);
-  copy_part<kBlockBytes, 2>(d, s, bytes);
-  copy_part<kBlockBytes, 1>(d, s, bytes);
+  if constexpr (kBytes <= 1) {
+    if (bytes != 0) *d = *s;
+  } else {
+    if (bytes >= kBytes) {
+      std::memcpy(d, s, kBytes);
+      std::memcpy(d + bytes - kBytes, s + bytes - kBytes, kBytes);
+      return;
+    }
+    copy_tail<kBlockBytes, kBytes / 2>(dst, src, bytes);
+  }
 }
 #endif
 
@@ -495,7 +495,7 @@ template <std::size_t kBlockBytes>
   }
 #else
 #if defined(__AVX2__)
-  if (masked_tail_fits(src, bytes)) {
+  if (masked_tail_fits<kBlockBytes>(src, bytes)) {
     const auto* s = static_cast<const int*>(src);
     if constexpr (kBlockBytes == 16) {
       _mm_store_si128(reinterpret_cast<__m128i*>(block),
