@@ -536,6 +536,70 @@ template <std::size_t kBlockBytes>
 #endif
 }
 
+/// Whether a tail of one element takes load_one and store_one: not with
+/// AVX-512, whose byte-masked moves already take a few instructions for any tail.
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+constexpr bool kOneElementTails = false;
+#else
+constexpr bool kOneElementTails = true;
+#endif
+
+/// Fills block (kBlockBytes, 64-byte aligned) with the one element of
+/// `es` bytes (1, 2, 4 or 8) at src and zeros after it: load_tail for a tail
+/// of one element, the tail of every one-element tensor. The element is read
+/// into a register and the block written with whole-register stores, which
+/// the block function's wide loads read back from the store buffer; no page
+/// test and no copy are needed, since nothing past the element is read.
+template <std::size_t kBlockBytes>
+[[gnu::always_inline]] inline void load_one(unsigned char* block, const void* src, std::size_t es) {
+  std::uint64_t x;
+  if (es == 4) {
+    std::uint32_t y;
+    std::memcpy(&y, src, 4);
+    x = y;
+  } else if (es == 8) {
+    std::memcpy(&x, src, 8);
+  } else if (es == 2) {
+    std::uint16_t y;
+    std::memcpy(&y, src, 2);
+    x = y;
+  } else {
+    x = *static_cast<const unsigned char*>(src);
+  }
+  if constexpr (kBlockBytes < 16) {  // the baseline's blocks of 8-bit and 16-bit elements
+    std::memset(block, 0, kBlockBytes);
+    std::memcpy(block, src, es);
+  } else {
+#if defined(__AVX__)
+    const __m256i first = _mm256_zextsi128_si256(_mm_cvtsi64_si128(static_cast<long long>(x)));
+    if constexpr (kBlockBytes == 16) {
+      _mm_store_si128(reinterpret_cast<__m128i*>(block), _mm256_castsi256_si128(first));
+    } else {
+      _mm256_store_si256(reinterpret_cast<__m256i*>(block), first);
+      for (std::size_t off = 32; off < kBlockBytes; off += 32)
+        _mm256_store_si256(reinterpret_cast<__m256i*>(block + off), _mm256_setzero_si256());
+    }
+#elif defined(__SSE2__)
+    _mm_store_si128(reinterpret_cast<__m128i*>(block), _mm_cvtsi64_si128(static_cast<long long>(x)));
+    for (std::size_t off = 16; off < kBlockBytes; off += 16)
+      _mm_store_si128(reinterpret_cast<__m128i*>(block + off), _mm_setzero_si128());
+#else
+    (void)x;
+    std::memset(block, 0, kBlockBytes);
+    std::memcpy(block, src, es);
+#endif
+  }
+}
+
+/// Writes the one element of `es` bytes at the start of block to dst
+/// (store_tail of a tail of one element).
+[[gnu::always_inline]] inline void store_one(void* dst, const unsigned char* block, std::size_t es) {
+  if (es == 4) std::memcpy(dst, block, 4);
+  else if (es == 8) std::memcpy(dst, block, 8);
+  else if (es == 2) std::memcpy(dst, block, 2);
+  else *static_cast<unsigned char*>(dst) = *block;
+}
+
 template <ScalarType ST, class BlockFn>
 inline void for_each_block_rw(char* data, std::int64_t n, BlockFn&& block_fn) {
   constexpr std::size_t es = size_of(ST);
@@ -546,6 +610,12 @@ inline void for_each_block_rw(char* data, std::int64_t n, BlockFn&& block_fn) {
   if (i < n) {
     alignas(64) unsigned char tail[kWidth * size_of(ST)];
     const std::size_t bytes = static_cast<std::size_t>(n - i) * es;
+    if (kOneElementTails && bytes == es) {
+      load_one<sizeof tail>(tail, data + i * es, es);
+      block_fn(tail, 0);
+      store_one(data + i * es, tail, es);
+      return;
+    }
     load_tail<sizeof tail>(tail, data + i * es, bytes);
     block_fn(tail, 0);
     store_tail<sizeof tail>(data + i * es, tail, bytes);
@@ -685,7 +755,8 @@ inline void for_each_block_read(const char* src, const char* next, std::int64_t 
   }
   if (i < n) {
     alignas(64) unsigned char tail[kWidth * size_of(ST)];
-    load_tail<sizeof tail>(tail, src + i * es, static_cast<std::size_t>(n - i) * es);
+    if (kOneElementTails && n - i == 1) load_one<sizeof tail>(tail, src + i * es, es);
+    else load_tail<sizeof tail>(tail, src + i * es, static_cast<std::size_t>(n - i) * es);
     block_fn(tail, 0);
   }
 }
@@ -726,18 +797,24 @@ inline void for_each_block_lists(char* const (&base)[Depth], char* const* next, 
   if (i < n) {
     constexpr std::size_t kBlockBytes = kWidth * kMaxElementSize;
     alignas(64) unsigned char tail[Depth][kBlockBytes];
+    // A tail of one element (every one-element tensor's) is moved as one
+    // scalar: a third of the instructions of the general tail.
+    const bool one = kOneElementTails && n - i == 1;
     #pragma GCC unroll 16  // a list left out of kUsed then costs nothing
     for (int l = 0; l < Depth; ++l) {
       if (!used(l)) continue;
       assert(elem_size[l] <= kMaxElementSize && "an element is at most 8 bytes");
-      load_tail<kBlockBytes>(tail[l], base[l] + i * elem_size[l], static_cast<std::size_t>(n - i) * elem_size[l]);
+      if (one) load_one<kBlockBytes>(tail[l], base[l] + i * elem_size[l], elem_size[l]);
+      else load_tail<kBlockBytes>(tail[l], base[l] + i * elem_size[l], static_cast<std::size_t>(n - i) * elem_size[l]);
       blocks[l] = tail[l];
     }
     block_fn(blocks);
     #pragma GCC unroll 16  // a list left out of kUsed then costs nothing
-    for (int l = 0; l < Depth; ++l)
-      if (used(l) && written(l))
-        store_tail<kBlockBytes>(base[l] + i * elem_size[l], tail[l], static_cast<std::size_t>(n - i) * elem_size[l]);
+    for (int l = 0; l < Depth; ++l) {
+      if (!used(l) || !written(l)) continue;
+      if (one) store_one(base[l] + i * elem_size[l], tail[l], elem_size[l]);
+      else store_tail<kBlockBytes>(base[l] + i * elem_size[l], tail[l], static_cast<std::size_t>(n - i) * elem_size[l]);
+    }
   }
 }
 
