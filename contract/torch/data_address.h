@@ -34,6 +34,28 @@ inline void prefetch_object(const void* p, std::size_t bytes) {
   for (std::uintptr_t a = first; a <= last; a += 64) __builtin_prefetch(reinterpret_cast<const void*>(a));
 }
 
+/// Prefetches the lines of a TensorImpl that a plan's check reads: its
+/// first 32 bytes (after the vtable pointer and the reference counts, the
+/// storage and the autograd metadata) and its last 32 (storage offset,
+/// numel, dtype, device and the layout bits), not the sizes and strides
+/// between them. A check of many small parameters is bound by the lines in
+/// flight: lines it never reads slow the others. Address arithmetic only
+/// (t may be gone).
+inline void prefetch_impl(const c10::TensorImpl* t) {
+  const auto* p = reinterpret_cast<const char*>(t);
+  prefetch(p);
+  prefetch(p + 31);
+  prefetch(p + sizeof(c10::TensorImpl) - 32);
+  prefetch(p + sizeof(c10::TensorImpl) - 1);
+}
+
+/// Prefetches a StorageImpl's first 32 bytes, where its data pointer
+/// follows the vtable pointer and the reference counts (all a check reads).
+inline void prefetch_storage(const void* s) {
+  prefetch(s);
+  prefetch(static_cast<const char*>(s) + 31);
+}
+
 /// What reading a parameter's grad and its data address touches, from
 /// addresses kept at an earlier step: the autograd metadata, its grad field,
 /// and (null without a grad) the grad's TensorImpl and storage.
@@ -42,8 +64,8 @@ inline void prefetch_grad(const void* autograd_meta, const void* grad_slot, cons
   prefetch(autograd_meta);
   prefetch(grad_slot);
   if (grad == nullptr) return;
-  prefetch_object(grad, sizeof(c10::TensorImpl));
-  prefetch_object(grad_storage, sizeof(c10::StorageImpl));
+  prefetch_impl(grad);
+  prefetch_storage(grad_storage);
 }
 
 }  // namespace ampfuse::sdk

@@ -972,8 +972,8 @@ PlanMatch match_plan(torch::optim::Optimizer& opt, const StateStamp& stamp, cons
       PlanParam& kept = keys.params[static_cast<std::size_t>(k)];
       if (k + kPrefetchAhead < end) {  // from the record: the loads overlap instead of waiting in turn
         const PlanParam& ahead = keys.params[static_cast<std::size_t>(k + kPrefetchAhead)];
-        prefetch_object(ahead.param, sizeof(c10::TensorImpl));
-        prefetch_object(ahead.param_storage, sizeof(c10::StorageImpl));
+        prefetch_impl(ahead.param);
+        prefetch_storage(ahead.param_storage);
         prefetch_grad(ahead.autograd_meta, ahead.grad_slot, ahead.grad, ahead.grad_storage);
         prefetch(ahead.state_entry);
         prefetch_object(ahead.state, state_bytes);
