@@ -479,14 +479,26 @@ sdk::Launch FusedAdamImpl<Base, Options, State, kDecoupled>::prepare_list(const 
         (kept->coded[i] != 0 ? coded_ptrs(Coded8List::kGrad) : list_ptrs(AdamList::kGrad))[i] = list[i]->grad.data_ptr();
       });
     }
-    // Two pow() per run of equal steps (in each thread's range), not per tensor.
+    // Two pow() per run of equal steps (in each thread's range), not per
+    // tensor. The counters advance in the pass that reads them (one pass over
+    // the states, not a second one after the kernel), and are taken back if
+    // a later list fails to prepare; the kernel takes the scalars made here.
     sdk::parallel_per_tensor(
-        n, [&](std::size_t i) { return kept->states[i]->step() + 1; }, kept->steps, kept->scalars,
+        n,
+        [&](std::size_t i) {
+          State& s = *kept->states[i];
+          const std::int64_t step = s.step() + 1;
+          s.step(step);
+          return step;
+        },
+        kept->steps, kept->scalars,
         [&](std::int64_t step) { return fused::adam_step_scalars(o.lr(), beta1, beta2, static_cast<double>(step)); });
+    this->undo_on_failure([kept] {
+      for (std::size_t i = 0; i < kept->states.size(); ++i) kept->states[i]->step(kept->steps[i] - 1);
+    });
     const double grad_factor = sdk::cpu_grad_factor(pl.signal);
     if (fresh) pl.slot.keep(kept);
     return [=] {
-      const std::vector<std::int64_t>& steps = kept->steps;
       const std::vector<fused::AdamStepScalars>& scalars = kept->scalars;
       auto array = [&](AdamList l) { return kept->ptrs[list_index(l)].data(); };
       const fused::cpu::AdamArgs args{sdk::cpu::plan_ref(*kept->plan), array(AdamList::kParam), array(AdamList::kGrad),
@@ -495,12 +507,7 @@ sdk::Launch FusedAdamImpl<Base, Options, State, kDecoupled>::prepare_list(const 
                                       grad_factor};
       const fused::cpu::AdamFn kernel = fused::cpu::adam_kernel();
       if (kept->plan8 == nullptr) {
-        // One parallel region: each range runs its chunks, then sets the
-        // counters of the tensors whose first chunk it holds (no other
-        // range reads them: the kernel takes its scalars, made above).
-        sdk::parallel_chunks(
-            *kept->plan, [&](std::int64_t b, std::int64_t e) { kernel(args, b, e); },
-            [&](std::size_t t) { kept->states[t]->step(steps[t]); }, kept->empty);
+        sdk::parallel_chunks(*kept->plan, [&](std::int64_t b, std::int64_t e) { kernel(args, b, e); });
       } else {
         // One parallel region over both plans: the 32-bit chunks, then the 8-bit ones.
         auto coded = [&](Coded8List l) { return kept->ptrs8[list_index(l)].data(); };
@@ -518,7 +525,6 @@ sdk::Launch FusedAdamImpl<Base, Options, State, kDecoupled>::prepare_list(const 
           if (b < n32) kernel(args, b, std::min(e, n32));
           if (e > n32) kernel8(args8, std::max(b, n32) - n32, e - n32);
         });
-        sdk::parallel_entries(steps.size(), [&](std::size_t i) { kept->states[i]->step(steps[i]); });
       }
     };
   }
