@@ -5,8 +5,10 @@
 // see it), master copies that follow writes made from outside, exact device
 // step counters, and the per-(group, device) device scalars.
 
+#include <ampfuse/fused_adagrad.h>
 #include <ampfuse/fused_adam.h>
 #include <ampfuse/fused_lamb.h>
+#include <ampfuse/fused_rmsprop.h>
 #include <ampfuse/fused_sgd.h>
 #include <ampfuse/grad_scaler.h>
 
@@ -66,6 +68,12 @@ std::vector<torch::Tensor> state_tensors(const ampfuse::FusedSGDParamState& s) {
 }
 std::vector<torch::Tensor> state_tensors(const ampfuse::FusedLAMBParamState& s) {
   return {s.step(), s.exp_avg(), s.exp_avg_sq(), s.master()};
+}
+std::vector<torch::Tensor> state_tensors(const ampfuse::FusedAdagradParamState& s) {
+  return {torch::tensor(s.step()), s.sum(), s.device_step()};
+}
+std::vector<torch::Tensor> state_tensors(const ampfuse::FusedRMSpropParamState& s) {
+  return {torch::tensor(s.step()), s.square_avg(), s.momentum_buffer(), s.grad_avg(), s.device_step()};
 }
 
 template <class State>
@@ -195,6 +203,24 @@ TEST_P(StateModelTest, FusedLAMBFailureWhilePreparingTheLastListChangesNothing) 
           torch::optim::OptimizerParamGroup({param({66000}, torch::kHalf), param({2, 2}, torch::kHalf)})},
       ampfuse::FusedLAMBOptions(1e-2).weight_decay(0.01).master_weights(true).max_grad_norm(1.0));
   expect_all_or_nothing<decltype(opt), ampfuse::FusedLAMBParamState>(opt, {param({9}, torch::kHalf)});
+}
+
+TEST_P(StateModelTest, FusedAdagradFailureWhilePreparingTheLastListChangesNothing) {
+  FailingPrepare<ampfuse::FusedAdagrad> opt(
+      std::vector<torch::optim::OptimizerParamGroup>{
+          torch::optim::OptimizerParamGroup({param({129}, torch::kFloat), param({1}, torch::kFloat)}),
+          torch::optim::OptimizerParamGroup({param({70000}, torch::kFloat), param({0}, torch::kFloat)})},
+      torch::optim::AdagradOptions(0.1).lr_decay(0.01).weight_decay(0.1));
+  expect_all_or_nothing<decltype(opt), ampfuse::FusedAdagradParamState>(opt, {param({31}, torch::kFloat)});
+}
+
+TEST_P(StateModelTest, FusedRMSpropFailureWhilePreparingTheLastListChangesNothing) {
+  FailingPrepare<ampfuse::FusedRMSprop> opt(
+      std::vector<torch::optim::OptimizerParamGroup>{
+          torch::optim::OptimizerParamGroup({param({129}, torch::kFloat), param({1}, torch::kFloat)}),
+          torch::optim::OptimizerParamGroup({param({70000}, torch::kFloat)})},
+      torch::optim::RMSpropOptions(0.01).momentum(0.9).centered(true));
+  expect_all_or_nothing<decltype(opt), ampfuse::FusedRMSpropParamState>(opt, {param({31}, torch::kFloat)});
 }
 
 // With master_weights, a value written into the parameter from outside

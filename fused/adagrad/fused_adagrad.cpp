@@ -109,19 +109,29 @@ sdk::Launch FusedAdagrad::prepare_list(const sdk::ParamList& list) {
     } else {
       kept->refresh_grads(list);
     }
-    // One clr per run of equal steps (in each thread's range), not per tensor.
+    // One clr per run of equal steps (in each thread's range), not per
+    // tensor. The counters advance in the pass that reads them, taken back
+    // if a later list fails to prepare (as FusedAdam's).
     sdk::parallel_per_tensor(
-        n, [&](std::size_t i) { return kept->states[i]->step() + 1; }, kept->steps, kept->neg_clr,
+        n,
+        [&](std::size_t i) {
+          FusedAdagradParamState& s = *kept->states[i];
+          const std::int64_t step = s.step() + 1;
+          s.step(step);
+          return step;
+        },
+        kept->steps, kept->neg_clr,
         [&](std::int64_t step) { return fused::adagrad_neg_clr(hyper, static_cast<double>(step)); });
+    undo_on_failure([kept] {
+      for (std::size_t i = 0; i < kept->states.size(); ++i) kept->states[i]->step(kept->steps[i] - 1);
+    });
     const double grad_factor = sdk::cpu_grad_factor(list.signal);
     if (fresh) list.slot.keep(kept);
     return [=] {
       const fused::cpu::AdagradArgs args{sdk::cpu::plan_ref(*kept->plan), kept->list(kParam), kept->list(kGrad),
                                          kept->list(kSum), kept->neg_clr.data(), st, hyper, grad_factor};
       const fused::cpu::AdagradFn kernel = fused::cpu::adagrad_kernel();
-      sdk::parallel_chunks(
-          *kept->plan, [&](std::int64_t b, std::int64_t e) { kernel(args, b, e); },
-          [&](std::size_t t) { kept->states[t]->step(kept->steps[t]); }, kept->empty);
+      sdk::parallel_chunks(*kept->plan, [&](std::int64_t b, std::int64_t e) { kernel(args, b, e); });
     };
   }
 #if defined(AMPFUSE_WITH_CUDA)
