@@ -112,29 +112,6 @@ struct Entry {
 /// (FusedOptimizer::state_stamp's default): its steps never reuse a plan.
 constexpr std::size_t kNoStamp = 0;
 
-/// Folds a tensor into a state stamp: its TensorImpl's address, and nothing
-/// read through it, so that a step over many small parameters does not wait
-/// on a cache miss per state tensor. A state tensor is told apart by
-/// identity: one replaced (the state's setters, load(), state().clear()) is
-/// seen, one resized or re-pointed in place (resize_, set_) is not. A tensor
-/// made where a freed one was can have the same address, so whoever keeps a
-/// stamp must keep the TensorImpls from being reused:
-/// FusedOptimizer::stamp_tensors (what a state_stamp override should call)
-/// holds a weak reference to each tensor while the step plan holds. Start
-/// from seed 1; never kNoStamp.
-///
-/// (seed ^ address) times an odd constant is, for a given seed, a bijection
-/// of the address, and for a given address one of the seed: a stamp folded
-/// over several tensors changes whenever one of them does, whatever the
-/// others are. One multiply per tensor: a step over many small parameters
-/// stamps every state. (stamp_tensors stamps several tensors without the
-/// chain: see there.)
-inline std::size_t stamp_of(std::size_t seed, const at::Tensor& t) {
-  const std::size_t h =
-      (seed ^ reinterpret_cast<std::uintptr_t>(t.unsafeGetTensorImpl())) * 0x9E3779B97F4A7C15ull;
-  return h == kNoStamp ? 1 : h;
-}
-
 /// Validates every parameter of every group of `opt` (and the signals) and
 /// returns those with grads. Accepted: fp32, fp16 and bf16 (and fp64 when
 /// `float64`: the optimizer's kernels have a Double path) strided parameters
@@ -1022,25 +999,29 @@ class FusedOptimizer : public Base, public ScalerAware {
   /// or of a later version, whose key would be dropped). Empty (the default):
   /// not checked.
   virtual std::vector<std::string> saved_state_keys() const { return {}; }
-  /// A fingerprint of every tensor a state holds (stamp_of over each, from
-  /// seed 1), so that the step plan sees a state tensor replaced from
-  /// outside: its steps then validate the state again. Read only; may run
-  /// on several threads at once. The default, kNoStamp, makes every step
-  /// validate and prepare from scratch.
+  /// A fingerprint of every tensor a state holds (stamp_tensors over them),
+  /// so that the step plan sees a state tensor replaced from outside: its
+  /// steps then validate the state again. Read only; may run on several
+  /// threads at once. The default, kNoStamp, makes every step validate and
+  /// prepare from scratch.
   virtual std::size_t state_stamp(const State& /*state*/) const { return kNoStamp; }
 
-  /// For state_stamp: a stamp of `tensors` by their TensorImpls' addresses
-  /// (as stamp_of's, nothing read through them), and, when the step plan is
-  /// recorded, a weak reference to each kept with the plan:
-  /// a state tensor dropped from the state frees its memory as before, but
-  /// its TensorImpl, whose address the plan compares, is not reused while
-  /// the plan holds.
+  /// For state_stamp: a stamp of `tensors` by their TensorImpls' addresses,
+  /// nothing read through them, so that a step over many small parameters
+  /// does not wait on a cache miss per state tensor. A state tensor is told
+  /// apart by identity: one replaced (the state's setters, load(),
+  /// state().clear()) is seen, one resized or re-pointed in place (resize_,
+  /// set_) is not. A tensor made where a freed one was could have the same
+  /// address, so when the step plan is recorded a weak reference to each
+  /// tensor is kept with the plan: a state tensor dropped from the state
+  /// frees its memory as before, but its TensorImpl, whose address the plan
+  /// compares, is not reused while the plan holds. Never kNoStamp.
   std::size_t stamp_tensors(std::initializer_list<const at::Tensor*> tensors) const {
     // Each address times an odd constant of its position, summed: with the
     // others fixed, a bijection of each address (the stamp changes whenever
-    // one tensor does, as stamp_of's fold), but the products do not wait on
-    // each other, where each fold of a chain waited on the one before
-    // (a match of the plan stamps every parameter's state, at every step).
+    // one tensor does), and the products do not wait on each other, where
+    // each fold of a chain would wait on the one before (a match of the plan
+    // stamps every parameter's state, at every step).
     std::size_t h = 1, odd = 0x9E3779B97F4A7C15ull;
     for (const at::Tensor* t : tensors) {
       h += reinterpret_cast<std::uintptr_t>(t->unsafeGetTensorImpl()) * odd;
