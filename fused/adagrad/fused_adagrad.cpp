@@ -109,22 +109,9 @@ sdk::Launch FusedAdagrad::prepare_list(const sdk::ParamList& list) {
     } else {
       kept->refresh_grads(list);
     }
-    // One clr per run of equal steps (in each thread's range), not per
-    // tensor. The counters advance in the pass that reads them, taken back
-    // if a later list fails to prepare (as FusedAdam's).
-    sdk::parallel_per_tensor(
-        n,
-        [&](std::size_t i) {
-          FusedAdagradParamState& s = *kept->states[i];
-          const std::int64_t step = s.step() + 1;
-          s.step(step);
-          return step;
-        },
-        kept->steps, kept->neg_clr,
-        [&](std::int64_t step) { return fused::adagrad_neg_clr(hyper, static_cast<double>(step)); });
-    undo_on_failure([kept] {
-      for (std::size_t i = 0; i < kept->states.size(); ++i) kept->states[i]->step(kept->steps[i] - 1);
-    });
+    // One clr per run of equal steps (in each thread's range), not per tensor.
+    advance_host_steps(kept, kept->neg_clr,
+                       [&](std::int64_t step) { return fused::adagrad_neg_clr(hyper, static_cast<double>(step)); });
     const double grad_factor = sdk::cpu_grad_factor(list.signal);
     if (fresh) list.slot.keep(kept);
     return [=] {

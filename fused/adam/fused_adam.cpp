@@ -479,22 +479,9 @@ sdk::Launch FusedAdamImpl<Base, Options, State, kDecoupled>::prepare_list(const 
         (kept->coded[i] != 0 ? coded_ptrs(Coded8List::kGrad) : list_ptrs(AdamList::kGrad))[i] = list[i]->grad.data_ptr();
       });
     }
-    // Two pow() per run of equal steps (in each thread's range), not per
-    // tensor. The counters advance in the pass that reads them (one pass over
-    // the states, not a second one after the kernel), and are taken back if
-    // a later list fails to prepare; the kernel takes the scalars made here.
-    sdk::parallel_per_tensor(
-        n,
-        [&](std::size_t i) {
-          State& s = *kept->states[i];
-          const std::int64_t step = s.step() + 1;
-          s.step(step);
-          return step;
-        },
-        kept->steps, kept->scalars,
-        [&](std::int64_t step) { return fused::adam_step_scalars(o.lr(), beta1, beta2, static_cast<double>(step)); });
-    this->undo_on_failure([kept] {
-      for (std::size_t i = 0; i < kept->states.size(); ++i) kept->states[i]->step(kept->steps[i] - 1);
+    // Two pow() per run of equal steps (in each thread's range), not per tensor.
+    this->advance_host_steps(kept, kept->scalars, [&](std::int64_t step) {
+      return fused::adam_step_scalars(o.lr(), beta1, beta2, static_cast<double>(step));
     });
     const double grad_factor = sdk::cpu_grad_factor(pl.signal);
     if (fresh) pl.slot.keep(kept);

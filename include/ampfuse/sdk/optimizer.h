@@ -1053,6 +1053,31 @@ class FusedOptimizer : public Base, public ScalerAware {
   /// made by state_for is taken back without it. Undone in reverse order.
   void undo_on_failure(std::function<void()> undo) { undo_.push_back(std::move(undo)); }
 
+  /// In prepare_list, on CPU, for host step counters (a state's step(), as
+  /// LibTorch's Adam and Adagrad states keep them): advances each counter of
+  /// kept->states by one in the pass that reads it, with kept->steps[i] the
+  /// new count and out[i] = f(count) computed once per run of equal counts
+  /// (parallel_per_tensor), and takes the counters back should a later list
+  /// throw. One pass over the states, and no write after the kernel: the
+  /// kernel takes the per-tensor values in `out`. Kept is what the list keeps
+  /// in its ListSlot, with members `states` (pointers to State-like objects)
+  /// and `steps` (std::vector<std::int64_t>); the undo holds it.
+  template <class Kept, class Value, class F>
+  void advance_host_steps(const std::shared_ptr<Kept>& kept, std::vector<Value>& out, F&& f) {
+    parallel_per_tensor(
+        kept->states.size(),
+        [&](std::size_t i) {
+          auto& s = *kept->states[i];
+          const std::int64_t step = s.step() + 1;
+          s.step(step);
+          return step;
+        },
+        kept->steps, out, std::forward<F>(f));
+    undo_on_failure([kept] {
+      for (std::size_t i = 0; i < kept->states.size(); ++i) kept->states[i]->step(kept->steps[i] - 1);
+    });
+  }
+
   const Options& options_of(std::size_t group) const {
     return static_cast<const Options&>(this->param_groups()[group].options());
   }
