@@ -353,7 +353,6 @@ struct AdamKept {
   std::shared_ptr<const Plan> plan8;
   std::vector<std::int64_t> steps;
   std::vector<fused::AdamStepScalars> scalars;
-  std::vector<std::size_t> empty;  // 32-bit zero-element parameters: no chunk sets their counters
 };
 
 }  // namespace
@@ -430,8 +429,6 @@ sdk::Launch FusedAdamImpl<Base, Options, State, kDecoupled>::prepare_list(const 
       any_coded = any_coded || k.coded[i] != 0;
     }
     if (any_coded) k.numels8 = std::move(numels8);
-    for (std::size_t i = 0; i < n; ++i)
-      if (k.coded[i] == 0 && k.numels[i] == 0) k.empty.push_back(i);
     if (!on_cuda) k.ptrs.assign(fused::kAdamCpuLists, std::vector<void*>(n, nullptr));
     kept = std::make_shared<AdamKept<State>>(std::move(k));
   }

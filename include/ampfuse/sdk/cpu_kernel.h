@@ -798,7 +798,7 @@ inline void for_each_block_lists(char* const (&base)[Depth], char* const* next, 
     constexpr std::size_t kBlockBytes = kWidth * kMaxElementSize;
     alignas(64) unsigned char tail[Depth][kBlockBytes];
     // A tail of one element (every one-element tensor's) is moved as one
-    // scalar: a third of the instructions of the general tail.
+    // scalar per list: no page test, no lane mask, no copies (load_one).
     const bool one = kOneElementTails && n - i == 1;
     #pragma GCC unroll 16  // a list left out of kUsed then costs nothing
     for (int l = 0; l < Depth; ++l) {
