@@ -552,43 +552,41 @@ constexpr bool kOneElementTails = true;
 /// test and no copy are needed, since nothing past the element is read.
 template <std::size_t kBlockBytes>
 [[gnu::always_inline]] inline void load_one(unsigned char* block, const void* src, std::size_t es) {
-  std::uint64_t x;
-  if (es == 4) {
-    std::uint32_t y;
-    std::memcpy(&y, src, 4);
-    x = y;
-  } else if (es == 8) {
-    std::memcpy(&x, src, 8);
-  } else if (es == 2) {
-    std::uint16_t y;
-    std::memcpy(&y, src, 2);
-    x = y;
-  } else {
-    x = *static_cast<const unsigned char*>(src);
-  }
-  if constexpr (kBlockBytes < 16) {  // the baseline's blocks of 8-bit and 16-bit elements
-    std::memset(block, 0, kBlockBytes);
-    std::memcpy(block, src, es);
-  } else {
-#if defined(__AVX__)
-    const __m256i first = _mm256_zextsi128_si256(_mm_cvtsi64_si128(static_cast<long long>(x)));
-    if constexpr (kBlockBytes == 16) {
-      _mm_store_si128(reinterpret_cast<__m128i*>(block), _mm256_castsi256_si128(first));
+#if defined(__SSE2__)
+  if constexpr (kBlockBytes >= 16) {
+    // The element's bytes, zero-extended, in moves of fixed size (a memcpy
+    // of es bytes is a call where es is not a constant).
+    std::uint64_t x;
+    if (es == 4) {
+      std::uint32_t y;
+      std::memcpy(&y, src, 4);
+      x = y;
+    } else if (es == 8) {
+      std::memcpy(&x, src, 8);
+    } else if (es == 2) {
+      std::uint16_t y;
+      std::memcpy(&y, src, 2);
+      x = y;
     } else {
-      _mm256_store_si256(reinterpret_cast<__m256i*>(block), first);
+      x = *static_cast<const unsigned char*>(src);
+    }
+    const __m128i first = _mm_cvtsi64_si128(static_cast<long long>(x));
+#if defined(__AVX__)
+    if constexpr (kBlockBytes >= 32) {
+      _mm256_store_si256(reinterpret_cast<__m256i*>(block), _mm256_zextsi128_si256(first));
       for (std::size_t off = 32; off < kBlockBytes; off += 32)
         _mm256_store_si256(reinterpret_cast<__m256i*>(block + off), _mm256_setzero_si256());
+      return;
     }
-#elif defined(__SSE2__)
-    _mm_store_si128(reinterpret_cast<__m128i*>(block), _mm_cvtsi64_si128(static_cast<long long>(x)));
+#endif
+    _mm_store_si128(reinterpret_cast<__m128i*>(block), first);
     for (std::size_t off = 16; off < kBlockBytes; off += 16)
       _mm_store_si128(reinterpret_cast<__m128i*>(block + off), _mm_setzero_si128());
-#else
-    (void)x;
-    std::memset(block, 0, kBlockBytes);
-    std::memcpy(block, src, es);
-#endif
+    return;
   }
+#endif
+  std::memset(block, 0, kBlockBytes);  // the baseline's 4- and 8-byte blocks, and targets without SSE2
+  std::memcpy(block, src, es);
 }
 
 /// Writes the one element of `es` bytes at the start of block to dst
