@@ -110,6 +110,7 @@ struct GradKey {
   std::int64_t numel = 0;
   c10::ScalarType dtype = c10::ScalarType::Undefined;
   // What else a comparison reads, kept only to be prefetched (it may dangle).
+  const void* param = nullptr;
   const void* autograd_meta = nullptr;
   const void* grad_slot = nullptr;
   const void* storage = nullptr;
@@ -128,6 +129,7 @@ GradKey grad_key(const at::Tensor& p) {
   GradKey k;
   k.grad = grad_of(p);
   if (p.defined()) {
+    k.param = p.unsafeGetTensorImpl();
     k.autograd_meta = p.unsafeGetTensorImpl()->autograd_meta();
     k.grad_slot = &p.unsafeGetTensorImpl()->grad();
   }
@@ -201,25 +203,25 @@ const GradScaler::GradsPlan& GradScaler::grads_plan(torch::optim::Optimizer& opt
     groups.emplace_back(group.params().data(), group.params().size());
     total += group.params().size();
   }
-  std::vector<const at::Tensor*> params;  // reserved: a pointer per parameter, every step
-  params.reserve(total);
-  for (const auto& group : optimizer.param_groups())
-    for (const at::Tensor& p : group.params()) params.push_back(&p);
   // A reusable plan has no staged grads: its checks hold for in-place ops too.
-  if (kept && kept->reusable && kept->groups == groups &&
-      kept->keys.size() == params.size()) {
+  // Each group's params() is where and as long as the plan recorded: the
+  // parameters are walked there, by flat index, with no list made per step.
+  if (kept && kept->reusable && kept->groups == groups && kept->keys.size() == total) {
     std::atomic<bool> same{true};
-    at::parallel_for(0, static_cast<std::int64_t>(params.size()), sdk::kEntriesGrain,
-                     [&](std::int64_t b, std::int64_t e) {
-                       for (std::int64_t k = b; k < e && same.load(std::memory_order_relaxed); ++k) {
-                         if (k + sdk::kPrefetchAhead < e) {
-                           const GradKey& ahead = kept->keys[static_cast<std::size_t>(k + sdk::kPrefetchAhead)];
-                           sdk::prefetch(params[k + sdk::kPrefetchAhead]->unsafeGetTensorImpl());
-                           sdk::prefetch_grad(ahead.autograd_meta, ahead.grad_slot, ahead.grad, ahead.storage);
-                         }
-                         if (!same_grad(*params[k], kept->keys[static_cast<std::size_t>(k)])) same = false;
-                       }
-                     });
+    at::parallel_for(0, static_cast<std::int64_t>(total), sdk::kEntriesGrain, [&](std::int64_t b, std::int64_t e) {
+      std::size_t g = 0, i = static_cast<std::size_t>(b);
+      while (i >= groups[g].second) i -= groups[g++].second;
+      for (std::int64_t k = b; k < e && same.load(std::memory_order_relaxed); ++k, ++i) {
+        while (i == groups[g].second) ++g, i = 0;
+        if (k + sdk::kPrefetchAhead < e) {
+          const GradKey& ahead = kept->keys[static_cast<std::size_t>(k + sdk::kPrefetchAhead)];
+          sdk::prefetch(ahead.param);
+          sdk::prefetch_grad(ahead.autograd_meta, ahead.grad_slot, ahead.grad, ahead.storage);
+        }
+        const at::Tensor& p = static_cast<const at::Tensor*>(groups[g].first)[i];
+        if (!same_grad(p, kept->keys[static_cast<std::size_t>(k)])) same = false;
+      }
+    });
     if (same) return *kept;
   }
   auto plan = std::make_shared<GradsPlan>();
@@ -231,8 +233,9 @@ const GradScaler::GradsPlan& GradScaler::grads_plan(torch::optim::Optimizer& opt
                    std::all_of(plan->views.begin(), plan->views.end(),
                                [](const detail::CheckedList& l) { return l.staged.empty(); });
   plan->groups = std::move(groups);
-  plan->keys.resize(params.size());
-  for (std::size_t k = 0; k < params.size(); ++k) plan->keys[k] = grad_key(*params[k]);
+  plan->keys.reserve(total);
+  for (const auto& group : optimizer.param_groups())
+    for (const at::Tensor& p : group.params()) plan->keys.push_back(grad_key(p));
   kept = std::move(plan);
   return *kept;
 }

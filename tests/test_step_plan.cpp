@@ -411,6 +411,46 @@ TEST_P(StepPlanTest, GradScalerSeesNewGrads) {
   EXPECT_TRUE(scaler.last_step_skipped(opt));
 }
 
+// The scaler compares its kept grads group by group, split over threads
+// (more parameters than one thread's range): a new grad at any place (first
+// or last of a group, where the threads' ranges meet) is seen and read, not
+// the one it replaced. 3 threads, so that a range starts inside a group.
+TEST_P(StepPlanTest, GradScalerSeesANewGradAnywhereInManyGroups) {
+  const int threads = torch::get_num_threads();
+  torch::set_num_threads(3);
+  const std::vector<std::size_t> sizes = {700, 1, 900};
+  std::vector<torch::optim::OptimizerParamGroup> groups;
+  std::vector<torch::Tensor> params;
+  for (std::size_t n : sizes) {
+    std::vector<torch::Tensor> group;
+    for (std::size_t i = 0; i < n; ++i) {
+      params.push_back(param({2}, torch::kFloat));
+      group.push_back(params.back());
+    }
+    groups.emplace_back(group, std::make_unique<torch::optim::AdamOptions>(1e-2));
+  }
+  ampfuse::FusedAdam opt(std::move(groups), torch::optim::AdamOptions(1e-2));
+  ampfuse::GradScaler scaler(ampfuse::GradScalerOptions().init_scale(4.0));
+  scaler.scale(torch::ones({}, params[0].options()));
+  for (auto& p : params) p.mutable_grad() = torch::randn_like(p);
+  for (std::size_t k : {std::size_t{0}, std::size_t{533}, std::size_t{699}, std::size_t{700}, std::size_t{701},
+                        std::size_t{1067}, std::size_t{1600}}) {
+    scaler.step(opt);  // the grads as kept: finite
+    scaler.update();
+    EXPECT_FALSE(scaler.last_step_skipped(opt)) << "before parameter " << k;
+    const torch::Tensor before = params[k].detach().clone();
+    torch::Tensor g = torch::randn_like(params[k]);
+    g[1] = std::numeric_limits<float>::infinity();
+    params[k].mutable_grad() = g;  // a new tensor
+    scaler.step(opt);
+    scaler.update();
+    EXPECT_TRUE(scaler.last_step_skipped(opt)) << "parameter " << k;
+    EXPECT_TRUE(bitwise_equal(params[k].detach(), before)) << "parameter " << k;
+    params[k].mutable_grad() = torch::randn_like(params[k]);
+  }
+  torch::set_num_threads(threads);
+}
+
 // A step the scaler skips on CPU prepares no list: grads that moved at that
 // step must still be read again at the next one (which reads the new grad,
 // not the freed one: compared with a twin that forgets its plan).
