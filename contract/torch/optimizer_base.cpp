@@ -963,12 +963,14 @@ PlanMatch match_plan(torch::optim::Optimizer& opt, const StateStamp& stamp, cons
     const bool float64_ok = float64, staged_ok = stage_grads;
     bool any_moved = false;
     auto [g, i] = place(static_cast<std::size_t>(begin));
+    // The group's params(), looked up once per group (params() is a call into LibTorch).
+    const std::vector<at::Tensor>* params = &groups[g].params();
     for (std::int64_t k = begin; k < end && !changed.load(std::memory_order_relaxed); ++k) {
-      while (i == groups[g].params().size()) {
-        ++g;
+      while (i == params->size()) {
+        params = &groups[++g].params();
         i = 0;
       }
-      const at::Tensor& p = groups[g].params()[i];
+      const at::Tensor& p = (*params)[i];
       PlanParam& kept = keys.params[static_cast<std::size_t>(k)];
       if (k + kPrefetchAhead < end) {  // from the record: the loads overlap instead of waiting in turn
         const PlanParam& ahead = keys.params[static_cast<std::size_t>(k + kPrefetchAhead)];

@@ -212,8 +212,14 @@ struct PlanParam {
 };
 
 /// A fingerprint of a state object's tensors (their TensorImpl addresses),
-/// so that a state tensor replaced from outside is seen.
-using StateStamp = std::function<std::size_t(const torch::optim::OptimizerParamState&)>;
+/// so that a state tensor replaced from outside is seen: fn(self, state). A
+/// plain function and its object, not a std::function: a plan's match calls
+/// it once per parameter and step.
+struct StateStamp {
+  std::size_t (*fn)(const void* self, const torch::optim::OptimizerParamState& state);
+  const void* self;
+  std::size_t operator()(const torch::optim::OptimizerParamState& state) const { return fn(self, state); }
+};
 
 /// The parameters of an optimizer as a step plan recorded them.
 struct PlanKeys {
@@ -1170,9 +1176,12 @@ class FusedOptimizer : public Base, public ScalerAware {
 
   void run_step(const StepSignals* signals) {
     at::NoGradGuard no_grad;
-    const StateStamp stamp = [this](const torch::optim::OptimizerParamState& st) {
-      return typeid(st) == typeid(State) ? state_stamp(static_cast<const State&>(st)) : ~std::size_t{0};
-    };
+    const StateStamp stamp{[](const void* self, const torch::optim::OptimizerParamState& st) {
+                             return typeid(st) == typeid(State)
+                                        ? static_cast<const FusedOptimizer*>(self)->state_stamp(static_cast<const State&>(st))
+                                        : ~std::size_t{0};
+                           },
+                           this};
     std::vector<Launch> launches;
     undo_.clear();
     stale_masters_.clear();
