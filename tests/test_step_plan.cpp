@@ -433,8 +433,9 @@ TEST_P(StepPlanTest, GradScalerSeesANewGradAnywhereInManyGroups) {
   ampfuse::GradScaler scaler(ampfuse::GradScalerOptions().init_scale(4.0));
   scaler.scale(torch::ones({}, params[0].options()));
   for (auto& p : params) p.mutable_grad() = torch::randn_like(p);
-  for (std::size_t k : {std::size_t{0}, std::size_t{533}, std::size_t{699}, std::size_t{700}, std::size_t{701},
-                        std::size_t{1067}, std::size_t{1600}}) {
+  // 1,601 parameters over 3 threads: ranges [0, 534), [534, 1068), [1068, 1601).
+  for (std::size_t k : {std::size_t{0}, std::size_t{533}, std::size_t{534}, std::size_t{699}, std::size_t{700},
+                        std::size_t{701}, std::size_t{1067}, std::size_t{1068}, std::size_t{1600}}) {
     scaler.step(opt);  // the grads as kept: finite
     scaler.update();
     EXPECT_FALSE(scaler.last_step_skipped(opt)) << "before parameter " << k;
