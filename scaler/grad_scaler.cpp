@@ -23,6 +23,7 @@
 #include "ampfuse/sdk/optimizer.h"
 #include "ampfuse/tensor_ops.h"
 #include "contract/torch/data_address.h"
+#include "contract/torch/group_spans.h"
 #include "contract/torch/tensor_ops_views.h"
 #include "scaler/update_scale.h"
 
@@ -178,7 +179,7 @@ constexpr const char* kScaleFix =
 // Not kept when a grad is sparse or staged through a dense copy: those are
 // collected again at every step.
 struct GradScaler::GradsPlan {
-  std::vector<std::pair<const void*, std::size_t>> groups;  // each group's params(): data() and size()
+  sdk::GroupSpans groups;                                   // each group's params(): data() and size()
   std::vector<GradKey> keys;                                // per parameter, in group order
   CollectedGrads collected;
   std::vector<detail::CheckedList> views;
@@ -196,30 +197,21 @@ const GradScaler::GradsPlan& GradScaler::grads_plan(torch::optim::Optimizer& opt
   // starts over rather than keeping theirs.
   if (grads_plans_.plans.size() > 64 && grads_plans_.plans.count(&optimizer) == 0) grads_plans_.plans.clear();
   std::shared_ptr<GradsPlan>& kept = grads_plans_.plans[&optimizer];
-  std::vector<std::pair<const void*, std::size_t>> groups;
-  groups.reserve(optimizer.param_groups().size());
-  std::size_t total = 0;
-  for (const auto& group : optimizer.param_groups()) {
-    groups.emplace_back(group.params().data(), group.params().size());
-    total += group.params().size();
-  }
   // A reusable plan has no staged grads: its checks hold for in-place ops too.
   // Each group's params() is where and as long as the plan recorded: the
   // parameters are walked there, by flat index, with no list made per step.
-  if (kept && kept->reusable && kept->groups == groups && kept->keys.size() == total) {
+  if (kept && kept->reusable && sdk::same_spans(optimizer, kept->groups)) {
     std::atomic<bool> same{true};
-    at::parallel_for(0, static_cast<std::int64_t>(total), sdk::kEntriesGrain, [&](std::int64_t b, std::int64_t e) {
-      std::size_t g = 0, i = static_cast<std::size_t>(b);
-      while (i >= groups[g].second) i -= groups[g++].second;
-      for (std::int64_t k = b; k < e && same.load(std::memory_order_relaxed); ++k, ++i) {
-        while (i == groups[g].second) ++g, i = 0;
+    const auto total = static_cast<std::int64_t>(kept->keys.size());  // span_total(kept->groups)
+    at::parallel_for(0, total, sdk::kEntriesGrain, [&](std::int64_t b, std::int64_t e) {
+      sdk::FlatParams cursor(kept->groups, static_cast<std::size_t>(b));
+      for (std::int64_t k = b; k < e && same.load(std::memory_order_relaxed); ++k, cursor.advance()) {
         if (k + sdk::kPrefetchAhead < e) {
           const GradKey& ahead = kept->keys[static_cast<std::size_t>(k + sdk::kPrefetchAhead)];
           sdk::prefetch(ahead.param);
           sdk::prefetch_grad(ahead.autograd_meta, ahead.grad_slot, ahead.grad, ahead.storage);
         }
-        const at::Tensor& p = static_cast<const at::Tensor*>(groups[g].first)[i];
-        if (!same_grad(p, kept->keys[static_cast<std::size_t>(k)])) same = false;
+        if (!same_grad(*cursor, kept->keys[static_cast<std::size_t>(k)])) same = false;
       }
     });
     if (same) return *kept;
@@ -232,8 +224,8 @@ const GradScaler::GradsPlan& GradScaler::grads_plan(torch::optim::Optimizer& opt
   plan->reusable = !plan->collected.any_sparse &&
                    std::all_of(plan->views.begin(), plan->views.end(),
                                [](const detail::CheckedList& l) { return l.staged.empty(); });
-  plan->groups = std::move(groups);
-  plan->keys.reserve(total);
+  plan->groups = sdk::group_spans(optimizer);
+  plan->keys.reserve(sdk::span_total(plan->groups));
   for (const auto& group : optimizer.param_groups())
     for (const at::Tensor& p : group.params()) plan->keys.push_back(grad_key(p));
   kept = std::move(plan);

@@ -17,8 +17,10 @@
 
 #include <functional>
 #include <string>
+#include <tuple>
 #include <vector>
 
+#include "contract/torch/group_spans.h"
 #include "tests/common.h"
 
 namespace {
@@ -501,6 +503,48 @@ TEST_P(StepPlanTest, AStepThatThrowsForgetsItsPlan) {
   EXPECT_EQ(opt.last_plan_match(), PlanMatch::kChanged);
 }
 
+// Empty param groups before, between and after the others: a reused plan
+// walks past them (the optimizer's match and the scaler's grads compare), so
+// a new grad in the group after one is seen, and the steps give the bits of
+// steps prepared from scratch.
+TEST_P(StepPlanTest, EmptyGroupsAnywhereKeepThePlanAndNewGradsAreSeen) {
+  auto make = [](std::vector<torch::Tensor>& params) {
+    std::vector<torch::optim::OptimizerParamGroup> groups;
+    const std::vector<std::vector<std::size_t>> members = {{}, {0, 1}, {}, {}, {2}, {3, 4}, {}};
+    for (const auto& m : members) {
+      std::vector<torch::Tensor> group;
+      for (std::size_t i : m) group.push_back(params[i]);
+      groups.emplace_back(group, std::make_unique<torch::optim::AdamOptions>(1e-2));
+    }
+    return std::make_unique<Forgetful<ampfuse::FusedAdam>>(std::move(groups), torch::optim::AdamOptions(1e-2));
+  };
+  Twins<ampfuse::FusedAdam> t({param({3}, torch::kFloat), param({1}, torch::kFloat), param({40}, torch::kFloat),
+                               param({2}, torch::kFloat), param({5}, torch::kFloat)},
+                              make);
+  t.grads(false);
+  EXPECT_TRUE(t.step(PlanMatch::kChanged));
+  t.grads(true);
+  EXPECT_TRUE(t.step(PlanMatch::kSame));
+  t.grads(false);
+  EXPECT_TRUE(t.step(PlanMatch::kGradsMoved));
+  ampfuse::GradScaler scaler(ampfuse::GradScalerOptions().init_scale(4.0));
+  scaler.scale(torch::ones({}, t.a[0].options()));
+  for (std::size_t k = 0; k < t.a.size(); ++k) {
+    scaler.step(*t.reused);  // the grads as kept: finite
+    scaler.update();
+    EXPECT_FALSE(scaler.last_step_skipped(*t.reused)) << "before parameter " << k;
+    const torch::Tensor before = t.a[k].detach().clone();
+    torch::Tensor g = torch::randn_like(t.a[k]);
+    g[0] = std::numeric_limits<float>::quiet_NaN();
+    t.a[k].mutable_grad() = g;  // a new tensor
+    scaler.step(*t.reused);
+    scaler.update();
+    EXPECT_TRUE(scaler.last_step_skipped(*t.reused)) << "parameter " << k;
+    EXPECT_TRUE(bitwise_equal(t.a[k].detach(), before)) << "parameter " << k;
+    t.a[k].mutable_grad() = torch::randn_like(t.a[k]);
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(All, StepPlanTest, ::testing::Values("cpu", "cuda"),
                          [](const auto& info) { return info.param; });
 
@@ -536,6 +580,37 @@ TEST(StepPlanCounters, EveryCounterAdvancesOncePerStep) {
       "FusedAdagrad", torch::optim::AdagradOptions(1e-3));
   expect_counters_advance_once<ampfuse::FusedRMSprop, ampfuse::FusedRMSpropParamState>(
       "FusedRMSprop", torch::optim::RMSpropOptions(1e-3));
+}
+
+}  // namespace
+
+namespace {
+
+// The walk by flat index that kept plans compare with (contract/torch/
+// group_spans.h): from every start, empty groups anywhere, it reaches each
+// later parameter once, in order, with its group and index.
+TEST(GroupSpans, FlatParamsWalksEveryParameterFromAnyIndex) {
+  const std::vector<std::size_t> sizes = {0, 3, 0, 0, 1, 2, 0};
+  std::vector<std::vector<torch::Tensor>> groups;
+  std::vector<std::tuple<std::size_t, std::size_t, const c10::TensorImpl*>> flat;  // (group, index, tensor)
+  for (std::size_t g = 0; g < sizes.size(); ++g) {
+    groups.emplace_back();
+    for (std::size_t i = 0; i < sizes[g]; ++i) groups.back().push_back(torch::zeros({1}));
+  }
+  ampfuse::sdk::GroupSpans spans;
+  for (std::size_t g = 0; g < groups.size(); ++g) {
+    spans.emplace_back(groups[g].data(), groups[g].size());
+    for (std::size_t i = 0; i < groups[g].size(); ++i) flat.emplace_back(g, i, groups[g][i].unsafeGetTensorImpl());
+  }
+  ASSERT_EQ(ampfuse::sdk::span_total(spans), flat.size());
+  for (std::size_t k = 0; k <= flat.size(); ++k) {
+    ampfuse::sdk::FlatParams cursor(spans, k);
+    for (std::size_t j = k; j < flat.size(); ++j, cursor.advance()) {
+      EXPECT_EQ(cursor.group(), std::get<0>(flat[j])) << "from " << k << ", parameter " << j;
+      EXPECT_EQ(cursor.index(), std::get<1>(flat[j])) << "from " << k << ", parameter " << j;
+      EXPECT_EQ((*cursor).unsafeGetTensorImpl(), std::get<2>(flat[j])) << "from " << k << ", parameter " << j;
+    }
+  }
 }
 
 }  // namespace

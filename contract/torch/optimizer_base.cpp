@@ -35,6 +35,7 @@
 #endif
 
 #include "contract/torch/data_address.h"
+#include "contract/torch/group_spans.h"
 
 namespace ampfuse::sdk {
 
@@ -840,8 +841,7 @@ std::vector<const at::Tensor*> all_params(torch::optim::Optimizer& opt) {
 }  // namespace
 
 void record_plan(torch::optim::Optimizer& opt, const StateStamp& stamp, PlanKeys& keys) {
-  keys.groups.clear();
-  for (const auto& group : opt.param_groups()) keys.groups.emplace_back(group.params().data(), group.params().size());
+  keys.groups = group_spans(opt);
   const std::vector<const at::Tensor*> params = all_params(opt);
   keys.params.resize(params.size());
   parallel_entries(params.size(), [&](std::size_t k) {
@@ -874,23 +874,9 @@ std::vector<std::int64_t> kernel_strides(const at::Tensor& p) {
 PlanMatch match_plan(torch::optim::Optimizer& opt, const StateStamp& stamp, const char* name,
                      const StepSignals* signals, PlanKeys& keys, bool float64, bool stage_grads,
                      std::size_t state_bytes) {
-  const auto& groups = opt.param_groups();
-  if (groups.size() != keys.groups.size()) return PlanMatch::kChanged;
-  for (std::size_t g = 0; g < groups.size(); ++g)
-    if (groups[g].params().data() != keys.groups[g].first || groups[g].params().size() != keys.groups[g].second)
-      return PlanMatch::kChanged;
-  // Flat positions: each group's params() is contiguous and unchanged in size.
-  std::vector<std::pair<const at::Tensor*, std::size_t>> starts;  // (first param, first flat index)
-  std::size_t total = 0;
-  for (const auto& group : groups) {
-    starts.emplace_back(group.params().data(), total);
-    total += group.params().size();
-  }
-  auto place = [&](std::size_t k) {
-    std::size_t g = starts.size() - 1;
-    while (starts[g].second > k) --g;
-    return std::make_pair(g, k - starts[g].second);
-  };
+  // Each group's params() is where and as long as recorded: the kept spans reach every parameter.
+  if (!same_spans(opt, keys.groups)) return PlanMatch::kChanged;
+  const std::size_t total = span_total(keys.groups);
   const auto& states = opt.state();
   // Whether p, its grad and its state are those `kept` recorded (kAll: the
   // common case), or all but a dense grad that replaced a dense grad
@@ -962,15 +948,9 @@ PlanMatch match_plan(torch::optim::Optimizer& opt, const StateStamp& stamp, cons
     // line that other threads read (this frame's) made them wait on each other.
     const bool float64_ok = float64, staged_ok = stage_grads;
     bool any_moved = false;
-    auto [g, i] = place(static_cast<std::size_t>(begin));
-    // The group's params(), looked up once per group (params() is a call into LibTorch).
-    const std::vector<at::Tensor>* params = &groups[g].params();
-    for (std::int64_t k = begin; k < end && !changed.load(std::memory_order_relaxed); ++k) {
-      while (i == params->size()) {
-        params = &groups[++g].params();
-        i = 0;
-      }
-      const at::Tensor& p = (*params)[i];
+    FlatParams cursor(keys.groups, static_cast<std::size_t>(begin));
+    for (std::int64_t k = begin; k < end && !changed.load(std::memory_order_relaxed); ++k, cursor.advance()) {
+      const at::Tensor& p = *cursor;
       PlanParam& kept = keys.params[static_cast<std::size_t>(k)];
       if (k + kPrefetchAhead < end) {  // from the record: the loads overlap instead of waiting in turn
         const PlanParam& ahead = keys.params[static_cast<std::size_t>(k + kPrefetchAhead)];
@@ -982,10 +962,7 @@ PlanMatch match_plan(torch::optim::Optimizer& opt, const StateStamp& stamp, cons
       }
       GradNow now;
       const Same same = compare(p, kept, &now);
-      if (same == Same::kAll) {
-        ++i;
-        continue;
-      }
+      if (same == Same::kAll) continue;
       if (same == Same::kNo) {
         const PlanParam full = plan_param(p, opt, stamp);
         if (full.param != kept.param || full.param_data != kept.param_data || full.numel != kept.numel ||
@@ -1001,7 +978,8 @@ PlanMatch match_plan(torch::optim::Optimizer& opt, const StateStamp& stamp, cons
       if (now.grad != kept.grad || now.grad_data != kept.grad_data || now.grad_numel != kept.grad_numel ||
           now.grad_dtype != kept.grad_dtype) {
         try {
-          if ((moved_grad_kind(p, same == Same::kAllButGrad ? now.grad : nullptr, g, i, float64_ok, staged_ok) == GradKind::kStaged) !=
+          if ((moved_grad_kind(p, same == Same::kAllButGrad ? now.grad : nullptr, cursor.group(),
+                              cursor.index(), float64_ok, staged_ok) == GradKind::kStaged) !=
               kept.grad_staged) {
             changed = true;  // a grad now read through a copy, or no longer: its Entry changes
             break;
@@ -1021,7 +999,6 @@ PlanMatch match_plan(torch::optim::Optimizer& opt, const StateStamp& stamp, cons
         kept.grad_storage = now.grad_storage;  // what the next match prefetches
         any_moved = true;
       }
-      ++i;
     }
     if (any_moved) moved.store(true, std::memory_order_relaxed);
   });
