@@ -433,66 +433,71 @@ TEST_P(Adam8, StepsAsTheFloat64ReferenceWithinTheCodeBound) {
 // kernels' flushing changes nothing), parameters, absmax and codes must
 // agree bit for bit: every lane computes the rule, the second moments'
 // codes included (coded without |v|, v being +0 or above).
+// Three settings: no weight decay and not maximized (the lanes skip the
+// rule's first lines at the unscaled steps), maximized only, and decoupled
+// weight decay, maximized or not (a coin).
 TEST_P(Adam8, StepIsTheScalarRuleBitForBit) {
   using namespace ampfuse::fused;
   const std::vector<std::int64_t> sizes = {4096 + 100, 3 * 65536 + 1000};
-  std::vector<torch::Tensor> params;
-  for (std::int64_t n : sizes) params.push_back(torch::randn({n}).requires_grad_());
-  const double lr = 1e-2, wd = 0.05;
-  const bool maximize = std::bernoulli_distribution()(rng_);
-  SCOPED_TRACE(maximize ? "maximize" : "minimize");
-  ampfuse::FusedAdamW opt(params, torch::optim::AdamWOptions(lr).weight_decay(wd),
-                          ampfuse::FusedAdamOptions().moments_8bit(true).maximize(maximize));
-  const AdamHyperT<float> hyper = make_adam_hyper(lr, 0.9, 0.999, 1e-8, wd, false, maximize, true).as<float>();
   std::size_t elements = 0;
-  for (std::int64_t step = 1; step <= 6; ++step) {
-    const float factor = step == 3 ? 1.0f / 1024 : 1.0f;  // step 3: grads scaled by 1024, unscaled in the step
-    std::vector<torch::Tensor> before, grads;
-    std::vector<Coded8State> coded;
-    for (auto& p : params) {
-      const auto g = torch::randn_like(p) * torch::exp(torch::randn_like(p)) * 1e-3;
-      g.narrow(0, 0, 300).zero_();
-      p.mutable_grad() = step == 3 ? g * 1024 : g;
-      before.push_back(p.detach().clone());
-      grads.push_back(p.grad().clone());
-      coded.push_back(state_before_step(opt, p, step));
-    }
-    if (step == 3) ampfuse_test::step_with_cpu_signal(opt, factor, torch::zeros({}));
-    else opt.step();
-    const auto scalars = adam_step_scalars(lr, 0.9, 0.999, static_cast<double>(step));
-    const float neg_step_size = static_cast<float>(scalars.neg_step_size);
-    const float inv_bc2_sqrt = adam8_inv_bc2_sqrt(scalars.bias_correction2_sqrt);
-    for (std::size_t k = 0; k < params.size(); ++k) {
-      SCOPED_TRACE("param " + std::to_string(k) + ", step " + std::to_string(step));
-      const auto& st = static_cast<const ampfuse::FusedAdamWParamState&>(*opt.state().at(params[k].unsafeGetTensorImpl()));
-      const auto p0 = to_vector<float>(before[k]), g0 = to_vector<float>(grads[k]), p1 = to_vector<float>(params[k]);
-      const auto cm0 = to_vector<std::uint8_t>(coded[k].codes_m), cv0 = to_vector<std::uint8_t>(coded[k].codes_v);
-      const auto am0 = to_vector<float>(coded[k].absmax_m), av0 = to_vector<float>(coded[k].absmax_v);
-      const auto cm1 = to_vector<std::uint8_t>(st.exp_avg_8bit()), cv1 = to_vector<std::uint8_t>(st.exp_avg_sq_8bit());
-      const auto am1 = to_vector<float>(st.exp_avg_absmax()), av1 = to_vector<float>(st.exp_avg_sq_absmax());
-      const std::size_t n = p0.size();
-      for (std::size_t b = 0; b * 256 < n; ++b) {
-        const std::size_t end = std::min(n, b * 256 + 256);
-        std::vector<float> m(end - b * 256), v(end - b * 256);
-        std::uint32_t m_max = 0, v_max = 0;
-        for (std::size_t i = b * 256; i < end; ++i) {
-          float p = p0[i], mi = decode8<SignedMap8>(cm0[i], am0[b]), vi = decode8<UnsignedMap8>(cv0[i], av0[b]);
-          const float g = factor == 1.0f ? g0[i] : g0[i] * factor;
-          adam8_update<float, ampfuse::sdk::ScalarOps>(p, g, mi, vi, hyper, neg_step_size, inv_bc2_sqrt);
-          ASSERT_TRUE(std::memcmp(&p, &p1[i], 4) == 0) << "param element " << i << ": " << p1[i] << ", the rule's " << p;
-          m[i - b * 256] = mi;
-          v[i - b * 256] = vi;
-          m_max = std::max(m_max, quant_float_bits(mi) & 0x7FFFFFFFu);
-          v_max = std::max(v_max, quant_float_bits(vi) & 0x7FFFFFFFu);
+  for (int setting = 0; setting < 3; ++setting) {
+    std::vector<torch::Tensor> params;
+    for (std::int64_t n : sizes) params.push_back(torch::randn({n}).requires_grad_());
+    const double lr = 1e-2, wd = setting == 2 ? 0.05 : 0.0;
+    const bool maximize = setting == 0 ? false : setting == 1 ? true : std::bernoulli_distribution()(rng_);
+    SCOPED_TRACE(std::string(maximize ? "maximize" : "minimize") + ", weight decay " + std::to_string(wd));
+    ampfuse::FusedAdamW opt(params, torch::optim::AdamWOptions(lr).weight_decay(wd),
+                            ampfuse::FusedAdamOptions().moments_8bit(true).maximize(maximize));
+    const AdamHyperT<float> hyper = make_adam_hyper(lr, 0.9, 0.999, 1e-8, wd, false, maximize, true).as<float>();
+    for (std::int64_t step = 1; step <= 6; ++step) {
+      const float factor = step == 3 ? 1.0f / 1024 : 1.0f;  // step 3: grads scaled by 1024, unscaled in the step
+      std::vector<torch::Tensor> before, grads;
+      std::vector<Coded8State> coded;
+      for (auto& p : params) {
+        const auto g = torch::randn_like(p) * torch::exp(torch::randn_like(p)) * 1e-3;
+        g.narrow(0, 0, 300).zero_();
+        p.mutable_grad() = step == 3 ? g * 1024 : g;
+        before.push_back(p.detach().clone());
+        grads.push_back(p.grad().clone());
+        coded.push_back(state_before_step(opt, p, step));
+      }
+      if (step == 3) ampfuse_test::step_with_cpu_signal(opt, factor, torch::zeros({}));
+      else opt.step();
+      const auto scalars = adam_step_scalars(lr, 0.9, 0.999, static_cast<double>(step));
+      const float neg_step_size = static_cast<float>(scalars.neg_step_size);
+      const float inv_bc2_sqrt = adam8_inv_bc2_sqrt(scalars.bias_correction2_sqrt);
+      for (std::size_t k = 0; k < params.size(); ++k) {
+        SCOPED_TRACE("param " + std::to_string(k) + ", step " + std::to_string(step));
+        const auto& st = static_cast<const ampfuse::FusedAdamWParamState&>(*opt.state().at(params[k].unsafeGetTensorImpl()));
+        const auto p0 = to_vector<float>(before[k]), g0 = to_vector<float>(grads[k]), p1 = to_vector<float>(params[k]);
+        const auto cm0 = to_vector<std::uint8_t>(coded[k].codes_m), cv0 = to_vector<std::uint8_t>(coded[k].codes_v);
+        const auto am0 = to_vector<float>(coded[k].absmax_m), av0 = to_vector<float>(coded[k].absmax_v);
+        const auto cm1 = to_vector<std::uint8_t>(st.exp_avg_8bit()), cv1 = to_vector<std::uint8_t>(st.exp_avg_sq_8bit());
+        const auto am1 = to_vector<float>(st.exp_avg_absmax()), av1 = to_vector<float>(st.exp_avg_sq_absmax());
+        const std::size_t n = p0.size();
+        for (std::size_t b = 0; b * 256 < n; ++b) {
+          const std::size_t end = std::min(n, b * 256 + 256);
+          std::vector<float> m(end - b * 256), v(end - b * 256);
+          std::uint32_t m_max = 0, v_max = 0;
+          for (std::size_t i = b * 256; i < end; ++i) {
+            float p = p0[i], mi = decode8<SignedMap8>(cm0[i], am0[b]), vi = decode8<UnsignedMap8>(cv0[i], av0[b]);
+            const float g = factor == 1.0f ? g0[i] : g0[i] * factor;
+            adam8_update<float, ampfuse::sdk::ScalarOps>(p, g, mi, vi, hyper, neg_step_size, inv_bc2_sqrt);
+            ASSERT_TRUE(std::memcmp(&p, &p1[i], 4) == 0) << "param element " << i << ": " << p1[i] << ", the rule's " << p;
+            m[i - b * 256] = mi;
+            v[i - b * 256] = vi;
+            m_max = std::max(m_max, quant_float_bits(mi) & 0x7FFFFFFFu);
+            v_max = std::max(v_max, quant_float_bits(vi) & 0x7FFFFFFFu);
+          }
+          const float m_abs = absmax_from_bits(m_max), v_abs = absmax_from_bits(v_max);
+          ASSERT_TRUE(std::memcmp(&m_abs, &am1[b], 4) == 0) << "exp_avg absmax of block " << b;
+          ASSERT_TRUE(std::memcmp(&v_abs, &av1[b], 4) == 0) << "exp_avg_sq absmax of block " << b;
+          for (std::size_t i = b * 256; i < end; ++i) {
+            ASSERT_EQ(int(cm1[i]), int(encode8<SignedMap8>(m[i - b * 256], m_abs))) << "exp_avg element " << i;
+            ASSERT_EQ(int(cv1[i]), int(encode8<UnsignedMap8>(v[i - b * 256], v_abs))) << "exp_avg_sq element " << i;
+          }
+          elements += end - b * 256;
         }
-        const float m_abs = absmax_from_bits(m_max), v_abs = absmax_from_bits(v_max);
-        ASSERT_TRUE(std::memcmp(&m_abs, &am1[b], 4) == 0) << "exp_avg absmax of block " << b;
-        ASSERT_TRUE(std::memcmp(&v_abs, &av1[b], 4) == 0) << "exp_avg_sq absmax of block " << b;
-        for (std::size_t i = b * 256; i < end; ++i) {
-          ASSERT_EQ(int(cm1[i]), int(encode8<SignedMap8>(m[i - b * 256], m_abs))) << "exp_avg element " << i;
-          ASSERT_EQ(int(cv1[i]), int(encode8<UnsignedMap8>(v[i - b * 256], v_abs))) << "exp_avg_sq element " << i;
-        }
-        elements += end - b * 256;
       }
     }
   }

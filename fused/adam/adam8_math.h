@@ -245,18 +245,33 @@ AMPFUSE_HOST_DEVICE float absmax_from_bits(std::uint32_t max_abs_bits) {
 ///   v = fma(v, beta2, ((1 - beta2) * g) * g)
 ///   p = fma(neg_step_size, m / fma(sqrt(v), 1 / sqrt(bc2), eps), p)
 /// V: float, or a block of fp32 lanes.
+/// Split in two for the CPU lanes, which test the options once per block
+/// (adam8_has_prologue) rather than once per lane block: the first two lines
+/// (adam8_prologue), then the rest (adam8_moments).
+AMPFUSE_HOST_DEVICE bool adam8_has_prologue(const AdamHyperT<float>& h) {
+  return h.maximize || h.weight_decay != 0.0f;
+}
 template <class V, class Ops>
-AMPFUSE_HOST_DEVICE void adam8_update(V& p, V g, V& m, V& v, const AdamHyperT<float>& h, float neg_step_size,
-                                      float inv_bc2_sqrt) {
+AMPFUSE_HOST_DEVICE void adam8_prologue(V& p, V& g, const AdamHyperT<float>& h) {
   if (h.maximize) g = -g;
   if (h.weight_decay != 0.0f) {
     if (h.decoupled_weight_decay) p = p * Ops::splat(h.decay_factor);
     else g = Ops::fma(Ops::splat(h.weight_decay), p, g);
   }
+}
+template <class V, class Ops>
+AMPFUSE_HOST_DEVICE void adam8_moments(V& p, V g, V& m, V& v, const AdamHyperT<float>& h, float neg_step_size,
+                                       float inv_bc2_sqrt) {
   m = Ops::fma(m, Ops::splat(h.beta1), Ops::splat(h.one_minus_beta1) * g);
   v = Ops::fma(v, Ops::splat(h.beta2), (Ops::splat(h.one_minus_beta2) * g) * g);
   const V denom = Ops::fma(Ops::sqrt(v), Ops::splat(inv_bc2_sqrt), Ops::splat(h.eps));
   p = Ops::fma(Ops::splat(neg_step_size), m / denom, p);
+}
+template <class V, class Ops>
+AMPFUSE_HOST_DEVICE void adam8_update(V& p, V g, V& m, V& v, const AdamHyperT<float>& h, float neg_step_size,
+                                      float inv_bc2_sqrt) {
+  adam8_prologue<V, Ops>(p, g, h);
+  adam8_moments<V, Ops>(p, g, m, v, h, neg_step_size, inv_bc2_sqrt);
 }
 
 /// 1 / sqrt(bc2) as the 8-bit step uses it, from adam_step_scalars' fp64 sqrt(bc2).
