@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <random>
 #include <sstream>
 #include <string>
@@ -305,13 +306,22 @@ TEST(Adam8Map, CodeByAdditionIsTheCodeBySearch) {
 struct Coded8State {
   torch::Tensor codes_m, absmax_m, codes_v, absmax_v;
 };
-Coded8State state_before_step(const ampfuse::FusedAdamW& opt, const torch::Tensor& p, std::int64_t step) {
+// p's 8-bit state in a FusedAdamW (decoupled) or a FusedAdam.
+Coded8State coded_state(const torch::optim::Optimizer& opt, const torch::Tensor& p, bool decoupled) {
+  const auto& s = *opt.state().at(p.unsafeGetTensorImpl());
+  const auto of = [](const auto& st) {
+    return Coded8State{st.exp_avg_8bit(), st.exp_avg_absmax(), st.exp_avg_sq_8bit(), st.exp_avg_sq_absmax()};
+  };
+  return decoupled ? of(static_cast<const ampfuse::FusedAdamWParamState&>(s))
+                   : of(static_cast<const ampfuse::FusedAdamParamState&>(s));
+}
+Coded8State state_before_step(const torch::optim::Optimizer& opt, const torch::Tensor& p, std::int64_t step,
+                              bool decoupled = true) {
   if (step == 1)
     return {torch::zeros_like(p, torch::kByte), torch::zeros({ampfuse::fused::quant_blocks(p.numel())}),
             torch::zeros_like(p, torch::kByte), torch::zeros({ampfuse::fused::quant_blocks(p.numel())})};
-  const auto& st = static_cast<const ampfuse::FusedAdamWParamState&>(*opt.state().at(p.unsafeGetTensorImpl()));
-  return {st.exp_avg_8bit().clone(), st.exp_avg_absmax().clone(), st.exp_avg_sq_8bit().clone(),
-          st.exp_avg_sq_absmax().clone()};
+  const Coded8State st = coded_state(opt, p, decoupled);
+  return {st.codes_m.clone(), st.absmax_m.clone(), st.codes_v.clone(), st.absmax_v.clone()};
 }
 
 // The fp64 reference of one 8-bit step from the optimizer's own state: the
@@ -433,22 +443,28 @@ TEST_P(Adam8, StepsAsTheFloat64ReferenceWithinTheCodeBound) {
 // kernels' flushing changes nothing), parameters, absmax and codes must
 // agree bit for bit: every lane computes the rule, the second moments'
 // codes included (coded without |v|, v being +0 or above).
-// Three settings: no weight decay and not maximized (the lanes skip the
-// rule's first lines at the unscaled steps), maximized only, and decoupled
-// weight decay, maximized or not (a coin).
+// Four settings: no weight decay and not maximized (the lanes skip the
+// rule's first lines at the unscaled steps), maximized only, and weight
+// decay, decoupled (FusedAdamW) and coupled (FusedAdam), maximized or not
+// (a coin).
 TEST_P(Adam8, StepIsTheScalarRuleBitForBit) {
   using namespace ampfuse::fused;
   const std::vector<std::int64_t> sizes = {4096 + 100, 3 * 65536 + 1000};
   std::size_t elements = 0;
-  for (int setting = 0; setting < 3; ++setting) {
+  for (int setting = 0; setting < 4; ++setting) {
     std::vector<torch::Tensor> params;
     for (std::int64_t n : sizes) params.push_back(torch::randn({n}).requires_grad_());
-    const double lr = 1e-2, wd = setting == 2 ? 0.05 : 0.0;
+    const double lr = 1e-2, wd = setting >= 2 ? 0.05 : 0.0;
     const bool maximize = setting == 0 ? false : setting == 1 ? true : std::bernoulli_distribution()(rng_);
-    SCOPED_TRACE(std::string(maximize ? "maximize" : "minimize") + ", weight decay " + std::to_string(wd));
-    ampfuse::FusedAdamW opt(params, torch::optim::AdamWOptions(lr).weight_decay(wd),
-                            ampfuse::FusedAdamOptions().moments_8bit(true).maximize(maximize));
-    const AdamHyperT<float> hyper = make_adam_hyper(lr, 0.9, 0.999, 1e-8, wd, false, maximize, true).as<float>();
+    const bool decoupled = setting != 3;
+    SCOPED_TRACE(std::string(maximize ? "maximize" : "minimize") + ", weight decay " + std::to_string(wd) +
+                 (decoupled ? " (decoupled)" : " (coupled)"));
+    const auto options = ampfuse::FusedAdamOptions().moments_8bit(true).maximize(maximize);
+    std::unique_ptr<torch::optim::Optimizer> made;
+    if (decoupled) made = std::make_unique<ampfuse::FusedAdamW>(params, torch::optim::AdamWOptions(lr).weight_decay(wd), options);
+    else made = std::make_unique<ampfuse::FusedAdam>(params, torch::optim::AdamOptions(lr).weight_decay(wd), options);
+    torch::optim::Optimizer& opt = *made;
+    const AdamHyperT<float> hyper = make_adam_hyper(lr, 0.9, 0.999, 1e-8, wd, false, maximize, decoupled).as<float>();
     for (std::int64_t step = 1; step <= 6; ++step) {
       const float factor = step == 3 ? 1.0f / 1024 : 1.0f;  // step 3: grads scaled by 1024, unscaled in the step
       std::vector<torch::Tensor> before, grads;
@@ -459,21 +475,21 @@ TEST_P(Adam8, StepIsTheScalarRuleBitForBit) {
         p.mutable_grad() = step == 3 ? g * 1024 : g;
         before.push_back(p.detach().clone());
         grads.push_back(p.grad().clone());
-        coded.push_back(state_before_step(opt, p, step));
+        coded.push_back(state_before_step(opt, p, step, decoupled));
       }
-      if (step == 3) ampfuse_test::step_with_cpu_signal(opt, factor, torch::zeros({}));
+      if (step == 3) ampfuse_test::step_with_cpu_signal(dynamic_cast<ampfuse::ScalerAware&>(opt), factor, torch::zeros({}));
       else opt.step();
       const auto scalars = adam_step_scalars(lr, 0.9, 0.999, static_cast<double>(step));
       const float neg_step_size = static_cast<float>(scalars.neg_step_size);
       const float inv_bc2_sqrt = adam8_inv_bc2_sqrt(scalars.bias_correction2_sqrt);
       for (std::size_t k = 0; k < params.size(); ++k) {
         SCOPED_TRACE("param " + std::to_string(k) + ", step " + std::to_string(step));
-        const auto& st = static_cast<const ampfuse::FusedAdamWParamState&>(*opt.state().at(params[k].unsafeGetTensorImpl()));
+        const Coded8State st = coded_state(opt, params[k], decoupled);
         const auto p0 = to_vector<float>(before[k]), g0 = to_vector<float>(grads[k]), p1 = to_vector<float>(params[k]);
         const auto cm0 = to_vector<std::uint8_t>(coded[k].codes_m), cv0 = to_vector<std::uint8_t>(coded[k].codes_v);
         const auto am0 = to_vector<float>(coded[k].absmax_m), av0 = to_vector<float>(coded[k].absmax_v);
-        const auto cm1 = to_vector<std::uint8_t>(st.exp_avg_8bit()), cv1 = to_vector<std::uint8_t>(st.exp_avg_sq_8bit());
-        const auto am1 = to_vector<float>(st.exp_avg_absmax()), av1 = to_vector<float>(st.exp_avg_sq_absmax());
+        const auto cm1 = to_vector<std::uint8_t>(st.codes_m), cv1 = to_vector<std::uint8_t>(st.codes_v);
+        const auto am1 = to_vector<float>(st.absmax_m), av1 = to_vector<float>(st.absmax_v);
         const std::size_t n = p0.size();
         for (std::size_t b = 0; b * 256 < n; ++b) {
           const std::size_t end = std::min(n, b * 256 + 256);

@@ -416,11 +416,12 @@ TEST_P(StepPlanTest, GradScalerSeesNewGrads) {
 // The scaler compares its kept grads group by group, split over threads
 // (more parameters than one thread's range): a new grad at any place (first
 // or last of a group, where the threads' ranges meet) is seen and read, not
-// the one it replaced. 3 threads, so that a range starts inside a group.
+// the one it replaced. 3 threads, so that a range starts inside a group;
+// empty groups first, between the others and last.
 TEST_P(StepPlanTest, GradScalerSeesANewGradAnywhereInManyGroups) {
   const int threads = torch::get_num_threads();
   torch::set_num_threads(3);
-  const std::vector<std::size_t> sizes = {700, 1, 900};
+  const std::vector<std::size_t> sizes = {0, 700, 0, 1, 0, 0, 900, 0};
   std::vector<torch::optim::OptimizerParamGroup> groups;
   std::vector<torch::Tensor> params;
   for (std::size_t n : sizes) {

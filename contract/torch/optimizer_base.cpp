@@ -25,6 +25,7 @@
 #include <sstream>
 #include <string>
 #include <tuple>
+#include <type_traits>
 #include <utility>
 
 #if defined(AMPFUSE_WITH_CUDA)
@@ -839,6 +840,8 @@ std::vector<const at::Tensor*> all_params(torch::optim::Optimizer& opt) {
 }
 
 }  // namespace
+
+static_assert(std::is_same_v<decltype(PlanKeys::groups), GroupSpans>, "a plan keeps its groups as GroupSpans");
 
 void record_plan(torch::optim::Optimizer& opt, const StateStamp& stamp, PlanKeys& keys) {
   keys.groups = group_spans(opt);
