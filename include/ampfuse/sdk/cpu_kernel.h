@@ -382,7 +382,7 @@ class ChunkLookahead {
   ChunkLookahead(const PlanRef& plan, std::int64_t chunk_begin, std::int64_t chunk_end)
       : cursor_(plan, chunk_begin), end_(chunk_end) {}
   /// The chunk to prefetch while running ch; null when ch is large or none is that far.
-  const ChunkRef* far(const ChunkRef& ch) {
+  [[gnu::always_inline]] const ChunkRef* far(const ChunkRef& ch) {
     if (ch.n >= kPrefetchElements || ch.chunk + kChunksAhead >= end_) return nullptr;
     far_ = cursor_.at(ch.chunk + kChunksAhead);
     return &far_;
@@ -816,6 +816,30 @@ inline void for_each_block_lists(char* const (&base)[Depth], char* const* next, 
   }
 }
 
+// for_each_block_lists over a chunk of one element (n == 1, kOneElementTails)
+// of tensor t at element `begin`: one block through zero-padded copies made by
+// load_one, the written lists stored back by store_one.
+template <int Depth, unsigned kUsed, unsigned kWritten, class BlockFn>
+[[gnu::always_inline]] inline void for_one_element_lists(void* const* const (&lists)[Depth], std::int64_t t,
+                                                         std::int64_t begin, const std::size_t (&elem_size)[Depth],
+                                                         BlockFn&& block_fn) {
+  constexpr std::size_t kBlockBytes = kWidth * kMaxElementSize;
+  alignas(64) unsigned char tail[Depth][kBlockBytes];
+  char* at[Depth] = {};
+  void* blocks[Depth] = {};
+  #pragma GCC unroll 16  // a list left out of kUsed then costs nothing
+  for (int l = 0; l < Depth; ++l) {
+    if (((kUsed >> l) & 1u) == 0) continue;
+    at[l] = static_cast<char*>(lists[l][t]) + begin * static_cast<std::int64_t>(elem_size[l]);
+    load_one<kBlockBytes>(tail[l], at[l], elem_size[l]);
+    blocks[l] = tail[l];
+  }
+  block_fn(blocks);
+  #pragma GCC unroll 16
+  for (int l = 0; l < Depth; ++l)
+    if (((kUsed >> l) & 1u) != 0 && ((kWritten >> l) & 1u) != 0) store_one(at[l], tail[l], elem_size[l]);
+}
+
 struct VecOps {
   static VecF splat(float x) { return ::ampfuse::sdk::cpu::AMPFUSE_CPU_ISA::splat(x); }
   static VecF max(VecF a, VecF b) { return vmax(a, b); }
@@ -885,19 +909,23 @@ inline void for_each_chunk_block(const PlanRef& plan, std::int64_t chunk_begin, 
   };
   ChunkLookahead lookahead(plan, chunk_begin, chunk_end);
   for_each_chunk_with_next(plan, chunk_begin, chunk_end, [&](const ChunkRef& ch, const ChunkRef* next) {
-    char* base[Depth];
-    char* next_base[Depth] = {};
-    bases(ch, base);
-    if (next != nullptr && ch.n >= kWidth) bases(*next, next_base);  // read by the block loop only
     if (const ChunkRef* far = lookahead.far(ch)) {
-      char* far_base[Depth];
-      bases(*far, far_base);
       #pragma GCC unroll 16  // a list left out of kUsed then costs nothing
       for (int l = 0; l < Depth; ++l)
-        if (((kUsed >> l) & 1u) != 0) __builtin_prefetch(far_base[l]);
+        if (((kUsed >> l) & 1u) != 0)
+          __builtin_prefetch(static_cast<char*>(lists[l][far->tensor]) + far->begin * elem_size[l]);
     }
-    for_each_block_lists<Depth, kUsed, kWritten>(base, next_base, next ? next->n : 0, elem_size, ch.n,
-                                                 [&](void* const (&blocks)[Depth]) { block_fn(ch.tensor, blocks); });
+    if (kOneElementTails && ch.n == 1) {
+      for_one_element_lists<Depth, kUsed, kWritten>(lists, ch.tensor, ch.begin, elem_size,
+                                                    [&](void* const (&blocks)[Depth]) { block_fn(ch.tensor, blocks); });
+    } else {
+      char* base[Depth];
+      char* next_base[Depth] = {};
+      bases(ch, base);
+      if (next != nullptr && ch.n >= kWidth) bases(*next, next_base);  // read by the block loop only
+      for_each_block_lists<Depth, kUsed, kWritten>(base, next_base, next ? next->n : 0, elem_size, ch.n,
+                                                   [&](void* const (&blocks)[Depth]) { block_fn(ch.tensor, blocks); });
+    }
     chunk_fn(ch.tensor, ch.chunk);
   });
 }
