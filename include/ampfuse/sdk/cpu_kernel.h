@@ -733,6 +733,12 @@ template <ScalarType ST, class BlockFn>
 inline void for_each_block_read(const char* src, const char* next, std::int64_t next_n, std::int64_t n,
                                 BlockFn&& block_fn) {
   constexpr std::size_t es = size_of(ST);
+  if (kOneElementTails && n == 1) {  // every one-element tensor's chunk: no streams to set up
+    alignas(64) unsigned char one[kWidth * size_of(ST)];
+    load_one<sizeof one>(one, src, es);
+    block_fn(one, 0);
+    return;
+  }
   const auto run_of = [](std::int64_t count) { return count / (kUnroll * kWidth) * kWidth; };
   const std::int64_t run = run_of(n), next_run = run_of(next_n);
   for (std::int64_t i = 0; i < run; i += kWidth)
