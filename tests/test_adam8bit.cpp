@@ -436,6 +436,47 @@ TEST_P(Adam8, StepsAsTheFloat64ReferenceWithinTheCodeBound) {
   EXPECT_LE(check.neighbours, check.codes / 1000);
 }
 
+// One parameter's 8-bit step against the scalar rule, block by block and
+// element by element in fp32 (StepIsTheScalarRuleBitForBit): from the
+// parameter, grad, codes and absmax before the step, the rule's parameter,
+// absmax and codes must be the step's, bit for bit. factor multiplies the
+// grads first (the scaled step's unscale). Counts the elements in `elements`.
+void expect_scalar_rule(const torch::Tensor& before, const torch::Tensor& grad, const Coded8State& coded,
+                        const torch::Tensor& after, const Coded8State& st,
+                        const ampfuse::fused::AdamHyperT<float>& hyper, float neg_step_size, float inv_bc2_sqrt,
+                        float factor, std::size_t& elements) {
+  using namespace ampfuse::fused;
+  const auto p0 = to_vector<float>(before), g0 = to_vector<float>(grad), p1 = to_vector<float>(after);
+  const auto cm0 = to_vector<std::uint8_t>(coded.codes_m), cv0 = to_vector<std::uint8_t>(coded.codes_v);
+  const auto am0 = to_vector<float>(coded.absmax_m), av0 = to_vector<float>(coded.absmax_v);
+  const auto cm1 = to_vector<std::uint8_t>(st.codes_m), cv1 = to_vector<std::uint8_t>(st.codes_v);
+  const auto am1 = to_vector<float>(st.absmax_m), av1 = to_vector<float>(st.absmax_v);
+  const std::size_t n = p0.size();
+  for (std::size_t b = 0; b * 256 < n; ++b) {
+    const std::size_t end = std::min(n, b * 256 + 256);
+    std::vector<float> m(end - b * 256), v(end - b * 256);
+    std::uint32_t m_max = 0, v_max = 0;
+    for (std::size_t i = b * 256; i < end; ++i) {
+      float p = p0[i], mi = decode8<SignedMap8>(cm0[i], am0[b]), vi = decode8<UnsignedMap8>(cv0[i], av0[b]);
+      const float g = factor == 1.0f ? g0[i] : g0[i] * factor;
+      adam8_update<float, ampfuse::sdk::ScalarOps>(p, g, mi, vi, hyper, neg_step_size, inv_bc2_sqrt);
+      ASSERT_TRUE(std::memcmp(&p, &p1[i], 4) == 0) << "param element " << i << ": " << p1[i] << ", the rule's " << p;
+      m[i - b * 256] = mi;
+      v[i - b * 256] = vi;
+      m_max = std::max(m_max, quant_float_bits(mi) & 0x7FFFFFFFu);
+      v_max = std::max(v_max, quant_float_bits(vi) & 0x7FFFFFFFu);
+    }
+    const float m_abs = absmax_from_bits(m_max), v_abs = absmax_from_bits(v_max);
+    ASSERT_TRUE(std::memcmp(&m_abs, &am1[b], 4) == 0) << "exp_avg absmax of block " << b;
+    ASSERT_TRUE(std::memcmp(&v_abs, &av1[b], 4) == 0) << "exp_avg_sq absmax of block " << b;
+    for (std::size_t i = b * 256; i < end; ++i) {
+      ASSERT_EQ(int(cm1[i]), int(encode8<SignedMap8>(m[i - b * 256], m_abs))) << "exp_avg element " << i;
+      ASSERT_EQ(int(cv1[i]), int(encode8<UnsignedMap8>(v[i - b * 256], v_abs))) << "exp_avg_sq element " << i;
+    }
+    elements += end - b * 256;
+  }
+}
+
 // The step against adam8_math.h's scalar functions (what the CUDA kernel
 // runs), element by element in fp32: decode8, adam8_update with
 // ScalarOps (fused multiply-adds, IEEE square root and division), the
@@ -484,36 +525,9 @@ TEST_P(Adam8, StepIsTheScalarRuleBitForBit) {
       const float inv_bc2_sqrt = adam8_inv_bc2_sqrt(scalars.bias_correction2_sqrt);
       for (std::size_t k = 0; k < params.size(); ++k) {
         SCOPED_TRACE("param " + std::to_string(k) + ", step " + std::to_string(step));
-        const Coded8State st = coded_state(opt, params[k], decoupled);
-        const auto p0 = to_vector<float>(before[k]), g0 = to_vector<float>(grads[k]), p1 = to_vector<float>(params[k]);
-        const auto cm0 = to_vector<std::uint8_t>(coded[k].codes_m), cv0 = to_vector<std::uint8_t>(coded[k].codes_v);
-        const auto am0 = to_vector<float>(coded[k].absmax_m), av0 = to_vector<float>(coded[k].absmax_v);
-        const auto cm1 = to_vector<std::uint8_t>(st.codes_m), cv1 = to_vector<std::uint8_t>(st.codes_v);
-        const auto am1 = to_vector<float>(st.absmax_m), av1 = to_vector<float>(st.absmax_v);
-        const std::size_t n = p0.size();
-        for (std::size_t b = 0; b * 256 < n; ++b) {
-          const std::size_t end = std::min(n, b * 256 + 256);
-          std::vector<float> m(end - b * 256), v(end - b * 256);
-          std::uint32_t m_max = 0, v_max = 0;
-          for (std::size_t i = b * 256; i < end; ++i) {
-            float p = p0[i], mi = decode8<SignedMap8>(cm0[i], am0[b]), vi = decode8<UnsignedMap8>(cv0[i], av0[b]);
-            const float g = factor == 1.0f ? g0[i] : g0[i] * factor;
-            adam8_update<float, ampfuse::sdk::ScalarOps>(p, g, mi, vi, hyper, neg_step_size, inv_bc2_sqrt);
-            ASSERT_TRUE(std::memcmp(&p, &p1[i], 4) == 0) << "param element " << i << ": " << p1[i] << ", the rule's " << p;
-            m[i - b * 256] = mi;
-            v[i - b * 256] = vi;
-            m_max = std::max(m_max, quant_float_bits(mi) & 0x7FFFFFFFu);
-            v_max = std::max(v_max, quant_float_bits(vi) & 0x7FFFFFFFu);
-          }
-          const float m_abs = absmax_from_bits(m_max), v_abs = absmax_from_bits(v_max);
-          ASSERT_TRUE(std::memcmp(&m_abs, &am1[b], 4) == 0) << "exp_avg absmax of block " << b;
-          ASSERT_TRUE(std::memcmp(&v_abs, &av1[b], 4) == 0) << "exp_avg_sq absmax of block " << b;
-          for (std::size_t i = b * 256; i < end; ++i) {
-            ASSERT_EQ(int(cm1[i]), int(encode8<SignedMap8>(m[i - b * 256], m_abs))) << "exp_avg element " << i;
-            ASSERT_EQ(int(cv1[i]), int(encode8<UnsignedMap8>(v[i - b * 256], v_abs))) << "exp_avg_sq element " << i;
-          }
-          elements += end - b * 256;
-        }
+        ASSERT_NO_FATAL_FAILURE(expect_scalar_rule(before[k], grads[k], coded[k], params[k],
+                                                   coded_state(opt, params[k], decoupled), hyper, neg_step_size,
+                                                   inv_bc2_sqrt, factor, elements));
       }
     }
   }

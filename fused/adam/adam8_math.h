@@ -245,9 +245,10 @@ AMPFUSE_HOST_DEVICE float absmax_from_bits(std::uint32_t max_abs_bits) {
 ///   v = fma(v, beta2, ((1 - beta2) * g) * g)
 ///   p = fma(neg_step_size, m / fma(sqrt(v), 1 / sqrt(bc2), eps), p)
 /// V: float, or a block of fp32 lanes.
-/// Split in two for the CPU lanes, which test the options once per block
-/// (adam8_has_prologue) rather than once per lane block: the first two lines
-/// (adam8_prologue), then the rest (adam8_moments).
+/// The rule is written in two halves, for the CPU lanes, which test the
+/// options once per block (adam8_has_prologue) rather than once per lane
+/// block: the first two lines (adam8_prologue), then the rest
+/// (adam8_moments). adam8_update, after them, is the whole rule.
 AMPFUSE_HOST_DEVICE bool adam8_has_prologue(const AdamHyperT<float>& h) {
   return h.maximize || h.weight_decay != 0.0f;
 }
@@ -267,6 +268,7 @@ AMPFUSE_HOST_DEVICE void adam8_moments(V& p, V g, V& m, V& v, const AdamHyperT<f
   const V denom = Ops::fma(Ops::sqrt(v), Ops::splat(inv_bc2_sqrt), Ops::splat(h.eps));
   p = Ops::fma(Ops::splat(neg_step_size), m / denom, p);
 }
+/// The 8-bit step's update, the rule above: both halves in a row.
 template <class V, class Ops>
 AMPFUSE_HOST_DEVICE void adam8_update(V& p, V g, V& m, V& v, const AdamHyperT<float>& h, float neg_step_size,
                                       float inv_bc2_sqrt) {
