@@ -44,8 +44,10 @@ class FusedLambTest : public ampfuse_test::DeviceIsaTest<LambCase> {
   }
 
   // Shapes with 0, 1, odd, vector width +- 1, a multi-chunk tensor and an all-zero parameter.
+  // Runs of one-element tensors in both groups: the CPU executor walks them
+  // slot by slot (for_each_chunk_ahead), and each one's norms must stay its own.
   std::vector<std::vector<std::int64_t>> shapes() const {
-    return {{0}, {1}, {7, 3}, {15}, {17}, {65537 * 2 + 3}, {33, 17}, {300}};
+    return {{0}, {1}, {1}, {1}, {1}, {1}, {1}, {1}, {7, 3}, {15}, {17}, {65537 * 2 + 3}, {33, 17}, {300}};
   }
 };
 

@@ -356,6 +356,8 @@ class ChunkCursor {
     const std::int64_t rest = plan_.slot_numel[slot_] - begin;
     return ChunkRef{c, plan_.slot_tensor[slot_], begin, rest < plan_.chunk_size ? rest : plan_.chunk_size};
   }
+  /// The slot of the chunk asked last.
+  std::int64_t slot() const { return slot_; }
 
  private:
   PlanRef plan_;  // a copy: a few pointers, and no reference to a temporary
@@ -408,6 +410,51 @@ inline void for_each_chunk_with_next(const PlanRef& plan, std::int64_t chunk_beg
     pending = current;
   });
   if (pending.chunk >= 0) f(pending, static_cast<const ChunkRef*>(nullptr));
+}
+
+// Calls f(ch, next, far) for chunks [chunk_begin, chunk_end) in order: next
+// as for_each_chunk_with_next passes it, far as ChunkLookahead::far returns
+// it for ch. A run of tensors of one element each (a slot and a chunk per
+// tensor, such as 10,000 one-element parameters) is walked slot by slot: the
+// chunk that follows and the one kChunksAhead further are read off the
+// slots, without the cursors' search, as long as they lie in the run.
+template <class F>
+inline void for_each_chunk_ahead(const PlanRef& plan, std::int64_t chunk_begin, std::int64_t chunk_end, F&& f) {
+  if (chunk_begin >= chunk_end) return;
+  ChunkCursor cursor(plan, chunk_begin);
+  ChunkLookahead lookahead(plan, chunk_begin, chunk_end);
+  ChunkRef ch = cursor.at(chunk_begin);
+  for (;;) {
+    const std::int64_t c = ch.chunk;
+    ChunkRef next{};
+    if (ch.n == 1 && ch.begin == 0) {  // a one-element tensor: the run starts here
+      const std::int64_t s = cursor.slot();
+      std::int64_t run = 1;  // chunk c + k is slot s + k for k < run
+      while (c + run < chunk_end && plan.slot_numel[s + run] == 1) ++run;
+      for (std::int64_t k = 0; k < run; ++k) {
+        const ChunkRef one{c + k, plan.slot_tensor[s + k], 0, 1};
+        const bool last = k + 1 == run;
+        if (!last) next = ChunkRef{c + k + 1, plan.slot_tensor[s + k + 1], 0, 1};
+        else if (c + run < chunk_end) next = cursor.at(c + run);
+        ChunkRef far_in_run;
+        const ChunkRef* far = nullptr;
+        if (k + kChunksAhead < run) {
+          far_in_run = ChunkRef{c + k + kChunksAhead, plan.slot_tensor[s + k + kChunksAhead], 0, 1};
+          far = &far_in_run;
+        } else {
+          far = lookahead.far(one);
+        }
+        f(one, last && c + run >= chunk_end ? nullptr : &next, far);
+      }
+      if (c + run >= chunk_end) return;
+    } else {
+      const bool more = c + 1 < chunk_end;
+      if (more) next = cursor.at(c + 1);
+      f(ch, more ? &next : nullptr, lookahead.far(ch));
+      if (!more) return;
+    }
+    ch = next;
+  }
 }
 
 // Independent accumulators per reduction: enough to hide the latency of the
@@ -733,7 +780,7 @@ template <ScalarType ST, class BlockFn>
 inline void for_each_block_read(const char* src, const char* next, std::int64_t next_n, std::int64_t n,
                                 BlockFn&& block_fn) {
   constexpr std::size_t es = size_of(ST);
-  if (kOneElementTails && n == 1) {  // every one-element tensor's chunk: no streams to set up
+  if (kOneElementTails && n == 1) {  // a chunk of one element (a one-element tensor's): no streams to set up
     alignas(64) unsigned char one[kWidth * size_of(ST)];
     load_one<sizeof one>(one, src, es);
     block_fn(one, 0);
@@ -801,7 +848,8 @@ inline void for_each_block_lists(char* const (&base)[Depth], char* const* next, 
   if (i < n) {
     constexpr std::size_t kBlockBytes = kWidth * kMaxElementSize;
     alignas(64) unsigned char tail[Depth][kBlockBytes];
-    // A tail of one element (every one-element tensor's) is moved as one
+    // A tail of one element (a chunk of kWidth * k + 1 elements; a chunk of
+    // one element does not get here, see for_one_element_lists) is moved as one
     // scalar per list: no page test, no lane mask, no copies (load_one).
     const bool one = kOneElementTails && n - i == 1;
     #pragma GCC unroll 16  // a list left out of kUsed then costs nothing
@@ -836,6 +884,7 @@ template <int Depth, unsigned kUsed, unsigned kWritten, class BlockFn>
   #pragma GCC unroll 16  // a list left out of kUsed then costs nothing
   for (int l = 0; l < Depth; ++l) {
     if (((kUsed >> l) & 1u) == 0) continue;
+    assert(elem_size[l] <= kMaxElementSize && "an element is at most 8 bytes");
     at[l] = static_cast<char*>(lists[l][t]) + begin * static_cast<std::int64_t>(elem_size[l]);
     load_one<kBlockBytes>(tail[l], at[l], elem_size[l]);
     blocks[l] = tail[l];
@@ -913,9 +962,8 @@ inline void for_each_chunk_block(const PlanRef& plan, std::int64_t chunk_begin, 
     for (int l = 0; l < Depth; ++l)
       base[l] = ((kUsed >> l) & 1u) != 0 ? static_cast<char*>(lists[l][ch.tensor]) + ch.begin * elem_size[l] : nullptr;
   };
-  ChunkLookahead lookahead(plan, chunk_begin, chunk_end);
-  for_each_chunk_with_next(plan, chunk_begin, chunk_end, [&](const ChunkRef& ch, const ChunkRef* next) {
-    if (const ChunkRef* far = lookahead.far(ch)) {
+  for_each_chunk_ahead(plan, chunk_begin, chunk_end, [&](const ChunkRef& ch, const ChunkRef* next, const ChunkRef* far) {
+    if (far != nullptr) {
       #pragma GCC unroll 16  // a list left out of kUsed then costs nothing
       for (int l = 0; l < Depth; ++l)
         if (((kUsed >> l) & 1u) != 0)
