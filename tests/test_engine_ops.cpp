@@ -448,6 +448,66 @@ TEST(EngineDeterminism, SumOfSquaresDoesNotDependOnThreads) {
   EXPECT_EQ(results[0], results[2]);
 }
 
+// Runs of one-element tensors, which the CPU walk takes slot by slot
+// (for_each_chunk_ahead), split between 1, 2 and 3 threads at different
+// places: the check finds a non-finite value in every tensor of a run,
+// the sum of squares does not depend on the split, and FusedAdam steps every
+// tensor as torch::optim::Adam does. Two larger tensors interrupt the runs,
+// one of them ending in a chunk of one element (not a one-element tensor).
+TEST(EngineOneElementRuns, CheckAndStepSeeEveryTensorOfARun) {
+  ampfuse_test::seed_for_test();
+  std::vector<std::int64_t> sizes(40, 1);
+  sizes[13] = 5000;
+  sizes[14] = 65536 + 1;
+  std::vector<torch::Tensor> list;
+  for (const std::int64_t n : sizes) list.push_back(torch::randn({n}));
+  const int threads = torch::get_num_threads();
+  std::vector<float> sums;
+  for (const int n : {1, 2, 3}) {
+    torch::set_num_threads(n);
+    SCOPED_TRACE(std::to_string(n) + " threads");
+    auto found = torch::zeros({1});
+    auto sum_sq = torch::zeros({1});
+    ampfuse::check_non_finite(list, found, sum_sq);
+    EXPECT_EQ(found.item<float>(), 0.0f);
+    sums.push_back(sum_sq.item<float>());
+    for (std::size_t i = 0; i < list.size(); ++i) {
+      auto last = list[i].view({-1}).narrow(0, list[i].numel() - 1, 1);
+      const auto saved = last.clone();
+      last.fill_(i % 2 == 0 ? std::numeric_limits<float>::infinity() : std::numeric_limits<float>::quiet_NaN());
+      found.zero_();
+      ampfuse::check_non_finite(list, found);
+      EXPECT_NE(found.item<float>(), 0.0f) << "the non-finite last element of tensor " << i << " was not found";
+      last.copy_(saved);
+    }
+  }
+  EXPECT_EQ(sums[0], sums[1]);
+  EXPECT_EQ(sums[0], sums[2]);
+  for (const int n : {1, 2, 3}) {
+    torch::set_num_threads(n);
+    SCOPED_TRACE(std::to_string(n) + " threads");
+    std::vector<torch::Tensor> ours, theirs;
+    for (const auto& t : list) {
+      ours.push_back(t.clone().requires_grad_());
+      theirs.push_back(t.clone().requires_grad_());
+    }
+    ampfuse::FusedAdam fused(ours, torch::optim::AdamOptions(1e-2));
+    torch::optim::Adam reference(theirs, torch::optim::AdamOptions(1e-2));
+    for (int step = 0; step < 3; ++step) {
+      for (std::size_t i = 0; i < ours.size(); ++i) {
+        const auto g = torch::randn_like(ours[i]);
+        ours[i].mutable_grad() = g;
+        theirs[i].mutable_grad() = g.clone();
+      }
+      fused.step();
+      reference.step();
+    }
+    for (std::size_t i = 0; i < ours.size(); ++i)
+      EXPECT_TRUE(torch::allclose(ours[i], theirs[i], 1e-5, 1e-6)) << "tensor " << i << " of " << ours[i].numel();
+  }
+  torch::set_num_threads(threads);
+}
+
 }  // namespace
 
 #if defined(AMPFUSE_WITH_CUDA)
