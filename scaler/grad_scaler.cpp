@@ -3,6 +3,7 @@
 
 #include "ampfuse/grad_scaler.h"
 
+#include <ATen/ops/empty.h>
 #include <ATen/ops/full.h>
 #include <ATen/ops/ones_like.h>
 #include <ATen/ops/stack.h>
@@ -160,6 +161,19 @@ bool has_sparse_grad(torch::optim::Optimizer& optimizer) {
 
 at::TensorOptions f32_on(c10::Device device) { return at::TensorOptions().dtype(at::kFloat).device(device); }
 
+// A one-element fp32 CPU tensor holding `value`, written directly: per step,
+// where the ops that make one cost more than the scaler's other work.
+at::Tensor cpu_scalar(float value) {
+  at::Tensor t = at::empty({}, f32_on(c10::kCPU));
+  *t.data_ptr<float>() = value;
+  return t;
+}
+
+// A found_inf of `device`, zero.
+at::Tensor zero_found_inf(c10::Device device) {
+  return device.is_cpu() ? cpu_scalar(0.f) : at::zeros({}, f32_on(device));
+}
+
 // t on `device`, asynchronously where that is safe: a copy to a CUDA device
 // is stream-ordered, but a non-blocking copy to the CPU may be read by the
 // host before it lands, so copies to the CPU block (PyTorch's own advice).
@@ -184,6 +198,10 @@ struct GradScaler::GradsPlan {
   CollectedGrads collected;
   std::vector<detail::CheckedList> views;
   bool reusable = false;
+  /// The optimizer's ScalerAware::grads_id when it last stepped on exactly
+  /// these grads, checked just before (0: unknown). While the optimizer
+  /// reports the same id, the plan holds without a walk.
+  std::uint64_t grads_id = 0;
 
   const DeviceGrads& grads() const { return collected.grads; }
   void write_back() const {
@@ -279,6 +297,7 @@ void GradScaler::prepare(torch::optim::Optimizer& optimizer, OptimizerState& sta
 
 at::Tensor GradScaler::inv_scale_on(c10::Device device) const {
   // PyTorch: self._scale.double().reciprocal().float()
+  if (scale_.is_cpu() && device.is_cpu()) return cpu_scalar(static_cast<float>(1.0 / static_cast<double>(*scale_.data_ptr<float>())));
   return to_device(scale_.to(at::kDouble).reciprocal().to(at::kFloat), device);
 }
 
@@ -290,7 +309,7 @@ void GradScaler::check_grads(torch::optim::Optimizer& optimizer, OptimizerState&
   const DeviceGrads& grads = plan.grads();
   std::vector<DeviceState> devices;
   for (const auto& [device, list] : grads)
-    devices.push_back({device, at::zeros({}, f32_on(device)), inv_scale_on(device), {}});
+    devices.push_back({device, zero_found_inf(device), inv_scale_on(device), {}});
   for (std::size_t i = 0; i < devices.size(); ++i) {
     DeviceState& ds = devices[i];
     if (unscale_in_place) {
@@ -425,7 +444,7 @@ at::Tensor GradScaler::clip_grad_norm_(torch::optim::Optimizer& optimizer, doubl
   at::Tensor total_sq;
   for (std::size_t i = 0; i < grads.size(); ++i) {
     const c10::Device device = grads[i].first;
-    DeviceState ds{device, at::zeros({}, f32_on(device)), scaled ? inv_scale_on(device) : at::Tensor(), {}};
+    DeviceState ds{device, zero_found_inf(device), scaled ? inv_scale_on(device) : at::Tensor(), {}};
     at::Tensor sum_sq = at::zeros({}, at::TensorOptions().dtype(at::kDouble).device(device));
     detail::check_non_finite(plan.views[i], device, ds.found_inf, sum_sq);
     total_sq = total_sq.defined() ? total_sq.add_(to_device(sum_sq, total_sq.device())) : sum_sq;
@@ -464,15 +483,20 @@ void GradScaler::step(torch::optim::Optimizer& optimizer) {
   auto* aware = dynamic_cast<ScalerAware*>(&optimizer);
   if (aware && aware->steps_sparse_grads() && has_sparse_grad(optimizer)) aware = nullptr;  // PyTorch's path
   if (aware) {
-    if (!state.checked) check_grads(optimizer, state, /*unscale_in_place=*/false);
-    TORCH_CHECK(!state.devices.empty(), "No inf checks were recorded for this optimizer.");
-    // The grads will be written after the step: check them for that before it.
-    if (options_.unscaled_grads_after_step())
-      grads_plan(optimizer, "GradScaler::step", /*in_place=*/true, /*for_norm=*/false);
-    StepSignals signals;
-    for (const DeviceState& ds : state.devices)
-      signals.set(ds.device, {ds.inv_scale, combined_found_inf(state, ds.device), ds.clip_coef});
-    aware->step_with_signals(signals);
+    if (state.checked || !step_in_one_pass(optimizer, *aware, state)) {
+      const bool checked_here = !state.checked;
+      if (checked_here) check_grads(optimizer, state, /*unscale_in_place=*/false);
+      TORCH_CHECK(!state.devices.empty(), "No inf checks were recorded for this optimizer.");
+      // The grads will be written after the step: check them for that before it.
+      if (options_.unscaled_grads_after_step())
+        grads_plan(optimizer, "GradScaler::step", /*in_place=*/true, /*for_norm=*/false);
+      StepSignals signals;
+      for (const DeviceState& ds : state.devices)
+        signals.set(ds.device, {ds.inv_scale, combined_found_inf(state, ds.device), ds.clip_coef});
+      aware->step_with_signals(signals);
+      // (After unscale_ or clip_grad_norm_, the grads may have been replaced since they were checked.)
+      if (checked_here) remember_grads_id(optimizer, *aware);
+    }
     if (options_.unscaled_grads_after_step()) apply_deferred_factors(optimizer, state, /*unless_found=*/true);
   } else {
     if (!state.checked) check_grads(optimizer, state, /*unscale_in_place=*/true);
@@ -487,6 +511,61 @@ void GradScaler::step(torch::optim::Optimizer& optimizer) {
   }
   last_found_inf_[&optimizer] = combined_found_inf(state, state.devices.front().device);
   state.stage = Stage::kStepped;
+}
+
+// GradScaler::step's single pass, for a ScalerAware optimizer whose grads
+// nothing read earlier in the iteration: the optimizer validates its
+// parameters and grads and, before its update, calls back to have them
+// checked. Where it names the grads that the kept plan was checked on at its
+// last step (grads_id), they are checked through that plan, without the walk
+// over every parameter that grads_plan would make again; otherwise
+// grads_plan walks, or collects them anew. Taken for one device without a
+// process group, where found_inf is the check's own tensor (with several,
+// the signal is a sum made after the checks; across ranks, a collective
+// result). False: not taken, nothing done. A step that fails before its
+// check (a parameter moved to another device, say) is retried by the
+// two-pass path, which validates from scratch and reports any error; the
+// optimizer's steps are all-or-nothing, so the failed one wrote nothing.
+bool GradScaler::step_in_one_pass(torch::optim::Optimizer& optimizer, ScalerAware& aware, OptimizerState& state) {
+  if (state.group != nullptr) return false;
+  const auto found = grads_plans_.plans.find(&optimizer);
+  if (found == grads_plans_.plans.end() || !found->second || found->second->grads_id == 0 ||
+      found->second->grads().size() != 1)
+    return false;
+  std::shared_ptr<GradsPlan> plan = found->second;  // grads_plan may replace it in the map
+  const c10::Device device = plan->grads().front().first;
+  DeviceState ds{device, zero_found_inf(device), inv_scale_on(device), {}};
+  StepSignals signals;
+  signals.set(device, {ds.inv_scale, ds.found_inf, {}});
+  const bool writes_grads = options_.unscaled_grads_after_step();
+  bool checked = false;
+  try {
+    const bool taken = aware.step_with_grads_check(signals, [&] {
+      if (aware.grads_id() != plan->grads_id) {
+        grads_plan(optimizer, "GradScaler::step", /*in_place=*/writes_grads, /*for_norm=*/false);
+        plan = grads_plans_.plans.at(&optimizer);
+      }
+      // The optimizer found every parameter on `device`; a plan of no grads is the two-pass path's error.
+      TORCH_CHECK(plan->grads().size() == 1 && plan->grads().front().first == device);
+      detail::check_non_finite(plan->views.front(), device, ds.found_inf);
+      checked = true;
+    });
+    if (!taken) return false;
+  } catch (...) {
+    if (checked) throw;  // the optimizer's own error, after the check: retrying could step twice
+    return false;
+  }
+  if (plan->reusable) plan->grads_id = aware.grads_id();
+  state.devices = {std::move(ds)};
+  state.checked = true;
+  return true;
+}
+
+// After a step on grads that the kept plan was checked on just before.
+void GradScaler::remember_grads_id(const torch::optim::Optimizer& optimizer, const ScalerAware& aware) {
+  const auto found = grads_plans_.plans.find(&optimizer);
+  if (found != grads_plans_.plans.end() && found->second && found->second->reusable)
+    found->second->grads_id = aware.grads_id();
 }
 
 // Multiplies the optimizer's grads by the factors the step deferred: the
@@ -525,8 +604,11 @@ void GradScaler::update() {
   for (const auto& [opt, state] : per_optimizer_)
     for (const DeviceState& ds : state.devices) found_infs.push_back(ds.found_inf);
   TORCH_CHECK(!found_infs.empty(), "No inf checks were recorded prior to update.");
-  at::Tensor combined = to_device(found_infs[0], scale_.device()).clone();
-  for (std::size_t i = 1; i < found_infs.size(); ++i) combined.add_(to_device(found_infs[i], scale_.device()));
+  at::Tensor combined = to_device(found_infs[0], scale_.device());  // only read, unless summed into
+  if (found_infs.size() > 1) {
+    combined = combined.clone();
+    for (std::size_t i = 1; i < found_infs.size(); ++i) combined.add_(to_device(found_infs[i], scale_.device()));
+  }
 
   const scaler::UpdateScaleParams params{options_.growth_factor(), options_.backoff_factor(),
                                          options_.growth_interval(), options_.min_scale()};

@@ -16,6 +16,8 @@
 #include <ampfuse/grad_scaler.h>
 
 #include <functional>
+#include <limits>
+#include <set>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -544,6 +546,265 @@ TEST_P(StepPlanTest, EmptyGroupsAnywhereKeepThePlanAndNewGradsAreSeen) {
     EXPECT_TRUE(bitwise_equal(t.a[k].detach(), before)) << "parameter " << k;
     t.a[k].mutable_grad() = torch::randn_like(t.a[k]);
   }
+}
+
+// GradScaler::step in one pass (ScalerAware::step_with_grads_check): the
+// optimizer validates, then calls back for the scaler's check, which reads
+// the grads through what the scaler kept while the optimizer names the same
+// grads (grads_id), and walks or collects them anew otherwise. `One` offers
+// the single pass and counts what the scaler did with it; `Two` never
+// offers it, so its scaler checks first and then steps.
+template <class Opt>
+class OnePass : public Forgetful<Opt> {
+ public:
+  using Forgetful<Opt>::Forgetful;
+  bool step_with_grads_check(const ampfuse::StepSignals& signals, const std::function<void()>& check) override {
+    ++offered;
+    if (fail_before_check) {
+      fail_before_check = false;
+      TORCH_CHECK(false, "failed before the check");
+    }
+    return Opt::step_with_grads_check(signals, [&] {
+      ++checked;
+      check();
+      TORCH_CHECK(!fail_after_check, "failed after the check");
+    });
+  }
+  int offered = 0, checked = 0;
+  bool fail_before_check = false, fail_after_check = false;
+};
+template <class Opt>
+class TwoPasses : public Forgetful<Opt> {
+ public:
+  using Forgetful<Opt>::Forgetful;
+  bool step_with_grads_check(const ampfuse::StepSignals&, const std::function<void()>&) override { return false; }
+};
+
+// Both twins get the same grads, each through its own scaler; after every
+// step their parameters, state and skips must be the same bits. The events
+// change the grads under the kept plan every way the two checks could tell
+// apart: in place (the kept plan, no walk), new tensors (the walk inside the
+// callback), an inf or NaN in place or in a new tensor, a grad appearing on
+// a frozen parameter or going away, steps after unscale_ or clip_grad_norm_
+// (the two-pass path) with a grad replaced after the unscale_, a new group,
+// and new storage for a parameter.
+TEST_P(StepPlanTest, GradScalerInOnePassChecksWhatTwoPassesCheck) {
+  const auto make_scaler = [] { return ampfuse::GradScaler(ampfuse::GradScalerOptions().init_scale(8.0)); };
+  std::vector<torch::Tensor> a, b;
+  for (const auto& p : {param({33}, torch::kFloat), param({1}, torch::kFloat), param({0}, torch::kFloat),
+                        param({300}, torch::kFloat), param({7}, torch::kFloat)}) {
+    a.push_back(p.detach().clone().requires_grad_());
+    b.push_back(p.detach().clone().requires_grad_());
+  }
+  const torch::optim::AdamOptions options(1e-2);
+  OnePass<ampfuse::FusedAdam> one(a, options);
+  TwoPasses<ampfuse::FusedAdam> two(b, options);
+  ampfuse::GradScaler sa = make_scaler(), sb = make_scaler();
+  sa.scale(torch::ones({}, a[0].options()));
+  sb.scale(torch::ones({}, b[0].options()));
+  // new (true) or in place (false) grads for parameters 0..3 (4 stays frozen until it gets one)
+  const auto grads = [&](bool fresh, std::vector<std::size_t> which = {0, 1, 2, 3}) {
+    for (std::size_t i : which) {
+      const torch::Tensor g = torch::randn_like(a[i]) * 8;
+      for (torch::Tensor* p : {&a[i], &b[i]}) {
+        if (!fresh && p->grad().defined()) p->mutable_grad().copy_(g);
+        else p->mutable_grad() = g.clone();
+      }
+    }
+  };
+  const auto poison = [&](std::size_t i, std::int64_t at, float value) {
+    a[i].mutable_grad()[at] = value;
+    b[i].mutable_grad()[at] = value;
+  };
+  int step = 0;
+  // before_step runs on each twin with its scaler; expect: whether the scaler offered and checked in one pass.
+  const auto run = [&](bool offered, bool checked, bool skipped,
+                       const std::function<void(ampfuse::GradScaler&, torch::optim::Optimizer&)>& before_step = {}) {
+    SCOPED_TRACE("step " + std::to_string(step++));
+    const int offers = one.offered, checks = one.checked;
+    if (before_step) {
+      before_step(sa, one);
+      before_step(sb, two);
+    }
+    sa.step(one);
+    sa.update();
+    sb.step(two);
+    sb.update();
+    EXPECT_EQ(one.offered - offers, offered ? 1 : 0);
+    EXPECT_EQ(one.checked - checks, checked ? 1 : 0);
+    EXPECT_EQ(sa.last_step_skipped(one), skipped);
+    EXPECT_EQ(sb.last_step_skipped(two), skipped);
+    EXPECT_EQ(sa.get_scale(), sb.get_scale());
+    ASSERT_EQ(a.size(), b.size());
+    for (std::size_t i = 0; i < a.size(); ++i) {
+      EXPECT_TRUE(bitwise_equal(a[i].detach(), b[i].detach())) << "parameter " << i;
+      const auto sta = one.state().find(a[i].unsafeGetTensorImpl());
+      const auto stb = two.state().find(b[i].unsafeGetTensorImpl());
+      ASSERT_EQ(sta == one.state().end(), stb == two.state().end()) << "parameter " << i;
+      if (sta == one.state().end()) continue;
+      const auto& x = static_cast<const ampfuse::FusedAdamParamState&>(*sta->second);
+      const auto& y = static_cast<const ampfuse::FusedAdamParamState&>(*stb->second);
+      EXPECT_TRUE(bitwise_equal(x.exp_avg(), y.exp_avg())) << "parameter " << i;
+      EXPECT_TRUE(bitwise_equal(x.exp_avg_sq(), y.exp_avg_sq())) << "parameter " << i;
+      EXPECT_EQ(x.step(), y.step()) << "parameter " << i;
+    }
+  };
+  grads(true);
+  run(false, false, false);  // no plan kept yet: two passes, and the optimizer's grads_id is kept
+  grads(false);
+  run(true, true, false);  // the kept plan
+  grads(false);
+  poison(3, 299, std::numeric_limits<float>::infinity());
+  run(true, true, true);
+  grads(true);
+  run(true, true, false);  // new grads: walked inside the callback
+  grads(true);
+  poison(0, 0, std::numeric_limits<float>::quiet_NaN());
+  run(true, true, true);  // new grads, one with a NaN
+  grads(false);
+  run(true, true, false);
+  grads(false);
+  grads(true, {4});  // a grad for the frozen parameter
+  run(true, true, false);
+  grads(false, {0, 1, 2, 3, 4});
+  poison(4, 6, -std::numeric_limits<float>::infinity());
+  run(true, true, true);
+  a[4].mutable_grad() = torch::Tensor();  // it goes away again
+  b[4].mutable_grad() = torch::Tensor();
+  grads(false);
+  run(true, true, false);
+  grads(false);
+  run(false, false, false, [](auto& scaler, auto& opt) { scaler.unscale_(opt); });  // two passes
+  grads(false);
+  run(true, true, false);
+  grads(false);
+  run(false, false, false, [](auto& scaler, auto& opt) { scaler.clip_grad_norm_(opt, 0.5); });
+  grads(false);
+  // A grad replaced after unscale_ is read by the step as given (as in PyTorch), and the next step sees it.
+  run(false, false, false, [&](auto& scaler, auto& opt) {
+    scaler.unscale_(opt);
+    auto& params = &opt == &one ? a : b;
+    params[1].mutable_grad() = torch::full_like(params[1], 0.25);
+  });
+  grads(false);
+  poison(1, 0, std::numeric_limits<float>::infinity());
+  run(true, true, true);
+  grads(false);
+  run(true, true, false);
+  for (auto* params : {&a, &b}) params->push_back(torch::full({5}, 0.5, a[0].options()).requires_grad_());
+  one.add_param_group(torch::optim::OptimizerParamGroup({a.back()}, std::make_unique<torch::optim::AdamOptions>(1e-3)));
+  two.add_param_group(torch::optim::OptimizerParamGroup({b.back()}, std::make_unique<torch::optim::AdamOptions>(1e-3)));
+  grads(false);
+  grads(true, {5});
+  run(true, true, false);  // a new group: collected anew inside the callback
+  grads(false, {0, 1, 2, 3, 5});
+  run(true, true, false);
+  torch::NoGradGuard no_grad;
+  const torch::Tensor moved = a[3].detach().clone();
+  a[3].set_data(moved);  // new storage, as module.to() makes
+  b[3].set_data(moved.clone());
+  grads(false, {0, 1, 2, 3, 5});
+  run(true, true, false);
+  grads(false, {0, 1, 2, 3, 5});
+  poison(5, 4, std::numeric_limits<float>::infinity());
+  run(true, true, true);
+}
+
+// A single pass that fails before its check is taken by the two passes
+// (which validate from scratch and would report the error): the step is
+// made once. One that fails after its check throws, retrying nothing, and
+// writes nothing; the next step goes on as the twin's.
+TEST_P(StepPlanTest, GradScalerInOnePassFailsBeforeOrAfterItsCheck) {
+  std::vector<torch::Tensor> a, b;
+  for (const auto& p : {param({20}, torch::kFloat), param({1}, torch::kFloat)}) {
+    a.push_back(p.detach().clone().requires_grad_());
+    b.push_back(p.detach().clone().requires_grad_());
+  }
+  OnePass<ampfuse::FusedAdam> one(a, torch::optim::AdamOptions(1e-2));
+  TwoPasses<ampfuse::FusedAdam> two(b, torch::optim::AdamOptions(1e-2));
+  ampfuse::GradScaler sa(ampfuse::GradScalerOptions().init_scale(4.0)), sb(ampfuse::GradScalerOptions().init_scale(4.0));
+  sa.scale(torch::ones({}, a[0].options()));
+  sb.scale(torch::ones({}, b[0].options()));
+  const auto grads = [&] {
+    for (std::size_t i = 0; i < a.size(); ++i) {
+      const torch::Tensor g = torch::randn_like(a[i]);
+      a[i].mutable_grad() = g.clone();
+      b[i].mutable_grad() = g.clone();
+    }
+  };
+  const auto same = [&](const char* when) {
+    for (std::size_t i = 0; i < a.size(); ++i) EXPECT_TRUE(bitwise_equal(a[i].detach(), b[i].detach())) << when << ", parameter " << i;
+  };
+  const auto both = [&] {
+    sa.step(one);
+    sa.update();
+    sb.step(two);
+    sb.update();
+  };
+  grads();
+  both();
+  grads();
+  one.fail_before_check = true;
+  both();  // taken by the two passes
+  EXPECT_EQ(one.checked, 0);
+  same("after a failure before the check");
+  EXPECT_EQ(one.state().size(), 2u);
+  for (const auto& p : a)
+    EXPECT_EQ(static_cast<const ampfuse::FusedAdamParamState&>(*one.state().at(p.unsafeGetTensorImpl())).step(), 2);
+  grads();
+  const std::vector<torch::Tensor> before = {a[0].detach().clone(), a[1].detach().clone()};
+  one.fail_after_check = true;
+  try {
+    sa.step(one);
+    ADD_FAILURE() << "a step that failed after its check returned";
+  } catch (const c10::Error& e) {
+    EXPECT_THAT(e.what(), HasSubstr("failed after the check"));
+  }
+  EXPECT_EQ(one.checked, 1);
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    EXPECT_TRUE(bitwise_equal(a[i].detach(), before[i])) << "parameter " << i;
+    EXPECT_EQ(static_cast<const ampfuse::FusedAdamParamState&>(*one.state().at(a[i].unsafeGetTensorImpl())).step(), 2);
+  }
+  one.fail_after_check = false;
+  both();
+  same("after a failure after the check");
+}
+
+// ScalerAware::grads_id as FusedOptimizer keeps it: 0 without a plan, the
+// same while the plan's grads are the same tensors, new (never seen before,
+// in any optimizer) when they change or the plan is made again, 0 after a
+// step that failed.
+TEST_P(StepPlanTest, GradsIdNamesThePlansGrads) {
+  auto p = param({12}, torch::kFloat), q = param({3}, torch::kFloat);
+  Forgetful<ampfuse::FusedAdam> opt({p}, torch::optim::AdamOptions(1e-2)), other({q}, torch::optim::AdamOptions(1e-2));
+  EXPECT_EQ(opt.grads_id(), 0u);
+  std::set<std::uint64_t> seen;
+  const auto fresh_id = [&](const ampfuse::ScalerAware& o) {
+    EXPECT_NE(o.grads_id(), 0u);
+    EXPECT_TRUE(seen.insert(o.grads_id()).second) << "grads_id " << o.grads_id() << " was given before";
+  };
+  p.mutable_grad() = torch::randn_like(p);
+  q.mutable_grad() = torch::randn_like(q);
+  opt.step();
+  fresh_id(opt);
+  other.step();
+  fresh_id(other);
+  p.mutable_grad().copy_(torch::randn_like(p));
+  const std::uint64_t kept = opt.grads_id();
+  opt.step();
+  EXPECT_EQ(opt.grads_id(), kept) << "grads written in place are the same grads";
+  p.mutable_grad() = torch::randn_like(p);
+  opt.step();
+  fresh_id(opt);
+  opt.forget();
+  EXPECT_EQ(opt.grads_id(), 0u);
+  opt.step();
+  fresh_id(opt);
+  const ampfuse::StepSignals none;  // no signal for the parameter's device: the step throws
+  EXPECT_THROW(opt.step_with_signals(none), c10::Error);
+  EXPECT_EQ(opt.grads_id(), 0u);
+  opt.step();
+  fresh_id(opt);
 }
 
 INSTANTIATE_TEST_SUITE_P(All, StepPlanTest, ::testing::Values("cpu", "cuda"),

@@ -18,7 +18,8 @@ struct CheckArgs {
   sdk::cpu::PlanRef plan;
   void* const* data;  ///< by original tensor index
   ScalarType dtype;
-  unsigned char* chunk_non_finite;  ///< out, one per chunk: 1 when the chunk holds inf or NaN
+  /// out: set to 1 (an atomic store) when a chunk holds inf or NaN, left alone otherwise
+  unsigned char* non_finite;
   double* chunk_sum_sq;             ///< out, one per chunk, or null: sum of squares in fp64
 };
 
@@ -27,7 +28,7 @@ struct ScaleArgs {
   void* const* data;
   ScalarType dtype;
   float scale;
-  unsigned char* chunk_non_finite;  ///< out, or null: as in CheckArgs, of the values before scaling
+  unsigned char* non_finite;  ///< out, or null: as in CheckArgs, of the values before scaling
 };
 
 using CheckFn = void (*)(const CheckArgs&, std::int64_t chunk_begin, std::int64_t chunk_end);

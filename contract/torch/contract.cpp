@@ -3,6 +3,8 @@
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/util/Exception.h>
 
+#include <atomic>
+
 namespace ampfuse {
 
 // Tensors always carry the index, so a device named without one is resolved
@@ -42,6 +44,11 @@ bool StepSignals::contains(c10::Device device) const {
   for (const auto& entry : signals_)
     if (entry.first == device) return true;
   return false;
+}
+
+std::uint64_t new_grads_id() {
+  static std::atomic<std::uint64_t> last{0};
+  return last.fetch_add(1, std::memory_order_relaxed) + 1;
 }
 
 }  // namespace ampfuse

@@ -288,22 +288,20 @@ void check_non_finite(const CheckedList& list, c10::Device device, const at::Ten
                       const c10::optional<at::Tensor>& sum_sq) {
   if (device.is_cpu()) {
     const cpu::Kernels& k = cpu::kernels();
-    bool any_non_finite = false;
+    unsigned char any_non_finite = 0;  // written by the kernels' threads (atomic stores)
     double total = 0.0;
     for (const CpuGroups::One& g : cpu_groups(list).groups) {
       const std::int64_t num_chunks = g.plan.num_chunks();
-      std::vector<unsigned char> chunk_non_finite(static_cast<std::size_t>(num_chunks));
       std::vector<double> chunk_sum_sq(sum_sq ? static_cast<std::size_t>(num_chunks) : 0);
-      const cpu::CheckArgs args{sdk::cpu::plan_ref(g.plan), g.ptrs.data(), g.dtype, chunk_non_finite.data(),
+      const cpu::CheckArgs args{sdk::cpu::plan_ref(g.plan), g.ptrs.data(), g.dtype, &any_non_finite,
                                 sum_sq ? chunk_sum_sq.data() : nullptr};
       at::parallel_for(0, num_chunks, 1, [&](std::int64_t b, std::int64_t e) {
         const sdk::cpu::FlushSubnormals flush;
         k.check(args, b, e);
       });
-      for (unsigned char f : chunk_non_finite) any_non_finite |= f != 0;
       for (double s : chunk_sum_sq) total += s;
     }
-    if (any_non_finite) *found_inf.data_ptr<float>() = 1.f;
+    if (any_non_finite != 0) *found_inf.data_ptr<float>() = 1.f;
     if (sum_sq) {
       if (sum_sq->scalar_type() == c10::ScalarType::Double) {
         *sum_sq->data_ptr<double>() += total;
@@ -333,18 +331,16 @@ void scale(const CheckedList& list, c10::Device device, const at::Tensor& scale,
   if (device.is_cpu()) {
     const cpu::Kernels& k = cpu::kernels();
     const float s = *scale.data_ptr<float>();
-    bool any_non_finite = false;
+    unsigned char any_non_finite = 0;  // written by the kernels' threads (atomic stores)
     for (const CpuGroups::One& g : cpu_groups(list).groups) {
-      std::vector<unsigned char> chunk_non_finite(found_inf ? static_cast<std::size_t>(g.plan.num_chunks()) : 0);
       const cpu::ScaleArgs args{sdk::cpu::plan_ref(g.plan), g.ptrs.data(), g.dtype, s,
-                                found_inf ? chunk_non_finite.data() : nullptr};
+                                found_inf ? &any_non_finite : nullptr};
       at::parallel_for(0, g.plan.num_chunks(), 1, [&](std::int64_t b, std::int64_t e) {
         const sdk::cpu::FlushSubnormals flush;
         k.scale(args, b, e);
       });
-      for (unsigned char f : chunk_non_finite) any_non_finite |= f != 0;
     }
-    if (any_non_finite) *found_inf->data_ptr<float>() = 1.f;
+    if (any_non_finite != 0) *found_inf->data_ptr<float>() = 1.f;
     return;
   }
 #if defined(AMPFUSE_WITH_CUDA)

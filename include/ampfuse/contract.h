@@ -7,6 +7,8 @@
 #include <ATen/core/Tensor.h>
 #include <c10/core/Device.h>
 
+#include <cstdint>
+#include <functional>
 #include <utility>
 #include <vector>
 
@@ -83,6 +85,29 @@ class ScalerAware {
   /// precedence over for this optimizer), so every rank skips and clips
   /// together. Default: null.
   virtual c10d::ProcessGroup* grads_sharded_over() const { return nullptr; }
+  /// Optional, for one pass over the grads where two would walk them
+  /// (GradScaler::step when nothing read them earlier in the iteration):
+  /// steps as step_with_signals does, but calls `check_grads` once, after
+  /// validating the parameters, grads and state (against the signals'
+  /// devices) and before anything reads found_inf or writes. There the
+  /// scaler fills the signals' found_inf; should it throw, the step writes
+  /// nothing and rethrows. Returns false, having done nothing, where the
+  /// optimizer does not offer this (the default): the scaler then checks
+  /// first and calls step_with_signals.
+  virtual bool step_with_grads_check(const StepSignals& /*signals*/, const std::function<void()>& /*check_grads*/) {
+    return false;
+  }
+  /// Names the grads that the optimizer's last step read, or the one in
+  /// progress once it has validated them: while it stays the same (and not
+  /// 0), the optimizer has the same parameters in the same order, each with
+  /// the same grad tensor (same TensorImpl, data, size and dtype). Ids are
+  /// never reused, not even by another optimizer. 0: none known (the
+  /// default). With step_with_grads_check, it lets the scaler check through
+  /// what it kept instead of walking the parameters again.
+  virtual std::uint64_t grads_id() const { return 0; }
 };
+
+/// A new id for ScalerAware::grads_id, never returned before in this process.
+std::uint64_t new_grads_id();
 
 }  // namespace ampfuse

@@ -150,6 +150,8 @@ class GradScaler {
   void require_scale(const char* what) const;
   void prepare(torch::optim::Optimizer& optimizer, OptimizerState& state);
   void check_grads(torch::optim::Optimizer& optimizer, OptimizerState& state, bool unscale_in_place);
+  bool step_in_one_pass(torch::optim::Optimizer& optimizer, ScalerAware& aware, OptimizerState& state);
+  void remember_grads_id(const torch::optim::Optimizer& optimizer, const ScalerAware& aware);
   at::Tensor inv_scale_on(c10::Device device) const;
   at::Tensor combined_found_inf(const OptimizerState& state, c10::Device device) const;
   void reduce_across_ranks(OptimizerState& state, bool found, at::Tensor* sum_sq, const char* op);

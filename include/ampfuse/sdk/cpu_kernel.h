@@ -457,6 +457,40 @@ inline void for_each_chunk_ahead(const PlanRef& plan, std::int64_t chunk_begin, 
   }
 }
 
+// As for_each_chunk_ahead, but a run of one-element tensors goes to
+// run(first_chunk, tensors, count) in one call: chunks first_chunk + k,
+// k < count, are element 0 of original tensors tensors[k]. For a pass whose
+// work per element is a few instructions (a check for inf and NaN), so that
+// the walk does not cost more than the work.
+template <class F, class Run>
+inline void for_each_chunk_or_run(const PlanRef& plan, std::int64_t chunk_begin, std::int64_t chunk_end, F&& f,
+                                  Run&& run) {
+  if (chunk_begin >= chunk_end) return;
+  ChunkCursor cursor(plan, chunk_begin);
+  ChunkLookahead lookahead(plan, chunk_begin, chunk_end);
+  ChunkRef ch = cursor.at(chunk_begin);
+  for (;;) {
+    const std::int64_t c = ch.chunk;
+    std::int64_t after = c + 1;
+    if (ch.n == 1 && ch.begin == 0) {
+      const std::int64_t s = cursor.slot();
+      std::int64_t count = 1;
+      while (c + count < chunk_end && plan.slot_numel[s + count] == 1) ++count;
+      run(c, plan.slot_tensor + s, count);
+      after = c + count;
+      if (after >= chunk_end) return;
+      ch = cursor.at(after);
+      continue;
+    }
+    const bool more = after < chunk_end;
+    ChunkRef next{};
+    if (more) next = cursor.at(after);
+    f(ch, more ? &next : nullptr, lookahead.far(ch));
+    if (!more) return;
+    ch = next;
+  }
+}
+
 // Independent accumulators per reduction: enough to hide the latency of the
 // adds that carry a sum from one block to the next.
 constexpr int kUnroll = 4;

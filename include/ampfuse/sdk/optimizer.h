@@ -861,6 +861,15 @@ class FusedOptimizer : public Base, public ScalerAware {
 
   /// The contract step (GradScaler::step calls it).
   void step_with_signals(const StepSignals& signals) override { run_step(&signals); }
+  /// The contract step with the scaler's check between validation and
+  /// update (ScalerAware::step_with_grads_check).
+  bool step_with_grads_check(const StepSignals& signals, const std::function<void()>& check_grads) override {
+    run_step(&signals, &check_grads);
+    return true;
+  }
+  /// The grads of the step plan (ScalerAware::grads_id): a new id whenever
+  /// a step finds its plan's grads or parameters changed.
+  std::uint64_t grads_id() const override { return grads_id_; }
   /// takes_sparse_grads(), for GradScaler (ScalerAware::steps_sparse_grads).
   bool steps_sparse_grads() const override { return takes_sparse_grads(); }
 
@@ -1044,6 +1053,7 @@ class FusedOptimizer : public Base, public ScalerAware {
   /// from scratch (load() calls it).
   void forget_plan() {
     plan_valid_ = false;
+    grads_id_ = 0;
     plan_slots_.clear();
     plan_lists_.clear();
     plan_entries_.clear();  // they may refer to the staged grads' buffers
@@ -1174,7 +1184,7 @@ class FusedOptimizer : public Base, public ScalerAware {
     return ref;
   }
 
-  void run_step(const StepSignals* signals) {
+  void run_step(const StepSignals* signals, const std::function<void()>* check_grads = nullptr) {
     at::NoGradGuard no_grad;
     const StateStamp stamp{[](const void* self, const torch::optim::OptimizerParamState& st) {
                              return typeid(st) == typeid(State)
@@ -1225,6 +1235,8 @@ class FusedOptimizer : public Base, public ScalerAware {
                       ", param ", list.front()->index, " is on ", std::get<1>(key),
                       " but the scaler sent no signal for that device");
       }
+      if (match != PlanMatch::kSame) grads_id_ = new_grads_id();
+      if (check_grads) (*check_grads)();  // found_inf is final from here on
       // Grads laid out otherwise than their parameters: this step's values,
       // in the parameters' layout, before anything reads them.
       refresh_staged_grads(staged_grads_);
@@ -1289,6 +1301,7 @@ class FusedOptimizer : public Base, public ScalerAware {
   std::vector<std::function<void()>> stale_masters_;  ///< the refreshes prepare_master asked for
   // The step plan (see the top of this file).
   bool plan_valid_ = false;
+  std::uint64_t grads_id_ = 0;  ///< grads_id(); 0 while there is no plan
   PlanMatch last_match_ = PlanMatch::kChanged;
   PlanKeys plan_keys_;
   std::vector<Entry> plan_entries_;
