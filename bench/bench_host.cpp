@@ -12,6 +12,7 @@
 //               scaled fused path (_amp_foreach_non_finite_check_and_unscale_,
 //               _fused_adam_ with found_inf, _foreach_sub_ of the steps,
 //               _amp_update_scale_)
+//   HostScalerMovedGrads  the same as ours with new grad tensors at every step
 // bench/report.py shows ampfuse's time per parameter beside the table.
 //
 // ceiling_objects bounds what any step can reach here that checks, every
@@ -135,6 +136,25 @@ struct Tag {
 
 }  // namespace
 
+// Copies of `params` whose grads are new tensors at every next(), as after
+// zero_grad() (which sets them to none) and a backward: two sets of grads
+// take turns (swapping them costs a reference each).
+struct GradsTakingTurns {
+  std::vector<torch::Tensor> params;
+  std::array<std::vector<torch::Tensor>, 2> sets;
+  int turn = 0;
+
+  explicit GradsTakingTurns(const std::vector<torch::Tensor>& of) {
+    for (const auto& p : of) params.push_back(p.detach().clone().requires_grad_());
+    for (auto& set : sets)
+      for (const auto& p : params) set.push_back(torch::randn_like(p));
+  }
+  void next() {
+    const auto& grads = sets[static_cast<std::size_t>(turn++ & 1)];
+    for (std::size_t i = 0; i < params.size(); ++i) params[i].mutable_grad() = grads[i];
+  }
+};
+
 void register_host(torch::Device device) {
   const std::string tail = "/" + host_set().name + (device.is_cuda() ? "@cuda" : "");
   auto fopts = torch::TensorOptions().dtype(torch::kFloat).device(device);
@@ -152,20 +172,12 @@ void register_host(torch::Device device) {
     auto opt = std::make_shared<ampfuse::FusedAdam>(data().params, torch::optim::AdamOptions(kLr));
     return Fn([=] { opt->step(); });
   }, bytes);
-  // New grad tensors at every step, as after zero_grad() (which sets them to
-  // none) and a backward: the plan sees every grad moved and checks each. Two
-  // sets of grads take turns (swapping them costs a reference each).
+  // New grad tensors at every step: the plan sees every grad moved and checks each.
   register_one("HostMovedGrads/ours" + tail, device, [=] {
-    std::vector<torch::Tensor> params;
-    for (const auto& p : data().params) params.push_back(p.detach().clone().requires_grad_());
-    auto opt = std::make_shared<ampfuse::FusedAdam>(params, torch::optim::AdamOptions(kLr));
-    auto sets = std::make_shared<std::array<std::vector<torch::Tensor>, 2>>();
-    for (auto& set : *sets)
-      for (const auto& p : params) set.push_back(torch::randn_like(p));
-    auto turn = std::make_shared<int>(0);
+    auto turns = std::make_shared<GradsTakingTurns>(data().params);
+    auto opt = std::make_shared<ampfuse::FusedAdam>(turns->params, torch::optim::AdamOptions(kLr));
     return Fn([=] {
-      const auto& grads = (*sets)[static_cast<std::size_t>((*turn)++ & 1)];
-      for (std::size_t i = 0; i < params.size(); ++i) params[i].mutable_grad() = grads[i];
+      turns->next();
       opt->step();
     });
   }, bytes);
@@ -219,6 +231,18 @@ void register_host(torch::Device device) {
         std::make_shared<ampfuse::GradScaler>(ampfuse::GradScalerOptions().init_scale(1.0).growth_interval(1 << 30));
     scaler->scale(torch::ones({}, fopts));
     return Fn([=] {
+      scaler->step(*opt);
+      scaler->update();
+    });
+  }, bytes);
+  register_one("HostScalerMovedGrads/ours" + tail, device, [=] {
+    auto turns = std::make_shared<GradsTakingTurns>(data().params);
+    auto opt = std::make_shared<ampfuse::FusedAdam>(turns->params, torch::optim::AdamOptions(kLr));
+    auto scaler =
+        std::make_shared<ampfuse::GradScaler>(ampfuse::GradScalerOptions().init_scale(1.0).growth_interval(1 << 30));
+    scaler->scale(torch::ones({}, fopts));
+    return Fn([=] {
+      turns->next();
       scaler->step(*opt);
       scaler->update();
     });

@@ -116,6 +116,9 @@ struct GradKey {
   const void* autograd_meta = nullptr;
   const void* grad_slot = nullptr;
   const void* storage = nullptr;
+  // Where the grad's view is in a reusable plan: views[list], element pos (-1: not kept there).
+  std::int32_t list = -1;
+  std::int64_t pos = -1;
 };
 
 // p's grad as the plan keeps it. Through the TensorImpl: Tensor::grad() also
@@ -150,6 +153,17 @@ bool same_grad(const at::Tensor& p, const GradKey& kept) {
   if (grad != kept.grad) return false;
   return grad == nullptr || (grad->numel() == kept.numel && grad->dtype().toScalarType() == kept.dtype &&
                              sdk::data_address(grad) == kept.data);
+}
+
+// Whether p's grad, no longer the one `key` recorded, is a tensor whose view
+// in a reusable plan (on `device`) differs only by its data pointer: strided,
+// without gaps or overlaps, of the same numel, dtype and device. It then
+// passes every check the plan's views were made with.
+bool moved_alike(const at::Tensor& p, const GradKey& key, c10::Device device) {
+  const c10::TensorImpl* grad = grad_of(p);
+  return grad != nullptr && key.grad != nullptr && grad->layout() == c10::kStrided && grad->numel() == key.numel &&
+         grad->dtype().toScalarType() == key.dtype && grad->device() == device &&
+         grad->is_non_overlapping_and_dense();
 }
 
 bool has_sparse_grad(torch::optim::Optimizer& optimizer) {
@@ -219,20 +233,47 @@ const GradScaler::GradsPlan& GradScaler::grads_plan(torch::optim::Optimizer& opt
   // Each group's params() is where and as long as the plan recorded: the
   // parameters are walked there, by flat index, with no list made per step.
   if (kept && kept->reusable && sdk::same_spans(optimizer, kept->groups)) {
-    std::atomic<bool> same{true};
+    // A grad replaced by another dense tensor of the same numel, dtype and
+    // device (new grads at every step, as after zero_grad() and a backward)
+    // would pass the same checks and make the same view but for its data
+    // pointer: the view and the key are updated in place (each thread
+    // writes only its parameters' entries). Anything else starts over.
+    std::atomic<bool> same{true}, moved{false};
     const auto total = static_cast<std::int64_t>(kept->keys.size());  // span_total(kept->groups)
     at::parallel_for(0, total, sdk::kEntriesGrain, [&](std::int64_t b, std::int64_t e) {
       sdk::FlatParams cursor(kept->groups, static_cast<std::size_t>(b));
+      bool any_moved = false;
       for (std::int64_t k = b; k < e && same.load(std::memory_order_relaxed); ++k, cursor.advance()) {
         if (k + sdk::kPrefetchAhead < e) {
           const GradKey& ahead = kept->keys[static_cast<std::size_t>(k + sdk::kPrefetchAhead)];
           sdk::prefetch(ahead.param);
           sdk::prefetch_grad(ahead.autograd_meta, ahead.grad_slot, ahead.grad, ahead.storage);
         }
-        if (!same_grad(*cursor, kept->keys[static_cast<std::size_t>(k)])) same = false;
+        GradKey& key = kept->keys[static_cast<std::size_t>(k)];
+        if (same_grad(*cursor, key)) continue;
+        if (key.list < 0 || !moved_alike(*cursor, key, kept->grads()[static_cast<std::size_t>(key.list)].first)) {
+          same = false;
+          break;
+        }
+        // As the view's data_ptr(): a copy-on-write storage is materialized.
+        void* const data = const_cast<c10::TensorImpl*>(grad_of(*cursor))->mutable_data();
+        const std::int32_t list = key.list;
+        const std::int64_t pos = key.pos;
+        key = grad_key(*cursor);
+        key.list = list;
+        key.pos = pos;
+        kept->views[static_cast<std::size_t>(list)].views.lists[0][static_cast<std::size_t>(pos)].data = data;
+        any_moved = true;
       }
+      if (any_moved) moved.store(true, std::memory_order_relaxed);
     });
-    if (same) return *kept;
+    if (same) {
+      if (moved) {
+        for (const auto& list : kept->views) detail::views_moved(list);
+        kept->grads_id = 0;  // not the grads the optimizer's id named
+      }
+      return *kept;
+    }
   }
   auto plan = std::make_shared<GradsPlan>();
   plan->collected =
@@ -244,8 +285,24 @@ const GradScaler::GradsPlan& GradScaler::grads_plan(torch::optim::Optimizer& opt
                                [](const detail::CheckedList& l) { return l.staged.empty(); });
   plan->groups = sdk::group_spans(optimizer);
   plan->keys.reserve(sdk::span_total(plan->groups));
-  for (const auto& group : optimizer.param_groups())
-    for (const at::Tensor& p : group.params()) plan->keys.push_back(grad_key(p));
+  // Each grad's place among the views, as grads_by_device made them: by
+  // device in order of first appearance, in parameter order within one.
+  std::vector<std::int64_t> filled(plan->views.size(), 0);
+  for (const auto& group : optimizer.param_groups()) {
+    for (const at::Tensor& p : group.params()) {
+      GradKey key = grad_key(p);
+      if (plan->reusable && key.grad != nullptr) {
+        const auto& grads = plan->grads();
+        for (std::size_t l = 0; l < grads.size(); ++l) {
+          if (grads[l].first != key.grad->device()) continue;
+          key.list = static_cast<std::int32_t>(l);
+          key.pos = filled[l]++;
+          break;
+        }
+      }
+      plan->keys.push_back(key);
+    }
+  }
   kept = std::move(plan);
   return *kept;
 }
@@ -538,9 +595,9 @@ bool GradScaler::step_in_one_pass(torch::optim::Optimizer& optimizer, ScalerAwar
   StepSignals signals;
   signals.set(device, {ds.inv_scale, ds.found_inf, {}});
   const bool writes_grads = options_.unscaled_grads_after_step();
-  bool checked = false;
+  bool checked = false, taken = false;
   try {
-    const bool taken = aware.step_with_grads_check(signals, [&] {
+    taken = aware.step_with_grads_check(signals, [&] {
       if (aware.grads_id() != plan->grads_id) {
         grads_plan(optimizer, "GradScaler::step", /*in_place=*/writes_grads, /*for_norm=*/false);
         plan = grads_plans_.plans.at(&optimizer);
@@ -550,11 +607,14 @@ bool GradScaler::step_in_one_pass(torch::optim::Optimizer& optimizer, ScalerAwar
       detail::check_non_finite(plan->views.front(), device, ds.found_inf);
       checked = true;
     });
-    if (!taken) return false;
   } catch (...) {
     if (checked) throw;  // the optimizer's own error, after the check: retrying could step twice
     return false;
   }
+  if (!taken) return false;
+  // (Outside the try: a step taken must not be retried.)
+  TORCH_CHECK(checked, "GradScaler::step: the optimizer's step_with_grads_check returned true without calling "
+                       "check_grads (ScalerAware: it must call it once, before reading found_inf or writing)");
   if (plan->reusable) plan->grads_id = aware.grads_id();
   state.devices = {std::move(ds)};
   state.checked = true;

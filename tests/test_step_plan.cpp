@@ -602,13 +602,20 @@ TEST_P(StepPlanTest, GradScalerInOnePassChecksWhatTwoPassesCheck) {
   ampfuse::GradScaler sa = make_scaler(), sb = make_scaler();
   sa.scale(torch::ones({}, a[0].options()));
   sb.scale(torch::ones({}, b[0].options()));
-  // new (true) or in place (false) grads for parameters 0..3 (4 stays frozen until it gets one)
+  // new (true) or in place (false) grads for parameters 0..3 (4 stays frozen until it gets one). The
+  // grads replaced stay alive, so that no new grad lands where one the scaler kept was (a stale read
+  // would then see the new values).
+  std::vector<torch::Tensor> replaced;
   const auto grads = [&](bool fresh, std::vector<std::size_t> which = {0, 1, 2, 3}) {
     for (std::size_t i : which) {
       const torch::Tensor g = torch::randn_like(a[i]) * 8;
       for (torch::Tensor* p : {&a[i], &b[i]}) {
-        if (!fresh && p->grad().defined()) p->mutable_grad().copy_(g);
-        else p->mutable_grad() = g.clone();
+        if (!fresh && p->grad().defined()) {
+          p->mutable_grad().copy_(g);
+        } else {
+          if (p->grad().defined()) replaced.push_back(p->grad());
+          p->mutable_grad() = g.clone();
+        }
       }
     }
   };
@@ -768,6 +775,86 @@ TEST_P(StepPlanTest, GradScalerInOnePassFailsBeforeOrAfterItsCheck) {
   one.fail_after_check = false;
   both();
   same("after a failure after the check");
+}
+
+// An optimizer whose step_with_grads_check says it stepped without calling
+// the check is refused (its found_inf was never computed), and not retried.
+TEST_P(StepPlanTest, GradScalerRefusesAOnePassWithoutItsCheck) {
+  struct NoCheck : Forgetful<ampfuse::FusedAdam> {
+    using Forgetful<ampfuse::FusedAdam>::Forgetful;
+    bool step_with_grads_check(const ampfuse::StepSignals&, const std::function<void()>&) override {
+      ++calls;
+      return true;
+    }
+    int calls = 0;
+  };
+  auto p = param({6}, torch::kFloat);
+  NoCheck opt({p}, torch::optim::AdamOptions(1e-2));
+  ampfuse::GradScaler scaler(ampfuse::GradScalerOptions().init_scale(2.0));
+  scaler.scale(torch::ones({}, p.options()));
+  p.mutable_grad() = torch::randn_like(p);
+  scaler.step(opt);  // two passes: no id recorded yet
+  scaler.update();
+  EXPECT_EQ(opt.calls, 0);
+  try {
+    scaler.step(opt);
+    ADD_FAILURE() << "a single pass without its check was accepted";
+  } catch (const c10::Error& e) {
+    EXPECT_THAT(e.what(), HasSubstr("without calling check_grads"));
+  }
+  EXPECT_EQ(opt.calls, 1);
+}
+
+// New grads at every step, of the shapes of those they replace: the scaler
+// follows them in its kept views (and CPU pointer arrays) instead of
+// collecting them anew. unscale_ must then write the new grads, bit for bit
+// as ATen's unscale, and leave the replaced ones alone; a list that mixes
+// dtypes (pointer arrays made again) and a zero-element grad included.
+TEST_P(StepPlanTest, GradScalerFollowsNewGradsOfTheSameShapes) {
+  std::vector<torch::Tensor> params = {param({5}, torch::kFloat), param({0}, torch::kFloat),
+                                       param({1}, torch::kBFloat16), param({70000}, torch::kFloat),
+                                       param({3}, torch::kHalf), param({1}, torch::kFloat)};
+  ampfuse::FusedAdam opt(params, torch::optim::AdamOptions(1e-3));
+  ampfuse::GradScaler scaler(ampfuse::GradScalerOptions().init_scale(4.0).growth_interval(1000));
+  scaler.scale(torch::ones({}, params[0].options()));
+  std::vector<torch::Tensor> replaced;
+  for (int step = 0; step < 6; ++step) {
+    SCOPED_TRACE("step " + std::to_string(step));
+    std::vector<torch::Tensor> expected;
+    for (auto& p : params) {
+      if (p.grad().defined()) replaced.push_back(p.grad());
+      p.mutable_grad() = (torch::randn_like(p.detach(), p.options().dtype(torch::kFloat)) * 4).to(p.scalar_type());
+      expected.push_back(p.grad().clone());
+    }
+    const bool poisoned = step == 3;
+    if (poisoned) {
+      params[5].mutable_grad()[0] = std::numeric_limits<float>::infinity();
+      expected[5][0] = std::numeric_limits<float>::infinity();
+    }
+    std::vector<torch::Tensor> before_replaced;
+    for (const auto& g : replaced) before_replaced.push_back(g.clone());
+    if (step % 2 == 1) {
+      scaler.unscale_(opt);
+      auto found = torch::zeros({}, params[0].options().dtype(torch::kFloat));
+      for (const auto& dtype : {torch::kFloat, torch::kBFloat16, torch::kHalf}) {
+        std::vector<torch::Tensor> same;
+        for (auto& g : expected)
+          if (g.scalar_type() == dtype) same.push_back(g);
+        at::_amp_foreach_non_finite_check_and_unscale_(
+            same, found, torch::full({}, static_cast<float>(1.0 / scaler.get_scale()), found.options()));
+      }
+      for (std::size_t i = 0; i < params.size(); ++i)
+        EXPECT_TRUE(bitwise_equal(params[i].grad(), expected[i])) << "grad " << i;
+      EXPECT_EQ(found.item<float>() != 0, poisoned);
+    }
+    for (std::size_t i = 0; i < replaced.size(); ++i)
+      EXPECT_TRUE(bitwise_equal(replaced[i], before_replaced[i])) << "replaced grad " << i;
+    const torch::Tensor before = params[0].detach().clone();
+    scaler.step(opt);
+    scaler.update();
+    EXPECT_EQ(scaler.last_step_skipped(opt), poisoned);
+    EXPECT_EQ(bitwise_equal(params[0].detach(), before), poisoned);
+  }
 }
 
 // ScalerAware::grads_id as FusedOptimizer keeps it: 0 without a plan, the

@@ -284,6 +284,18 @@ const CpuGroups& cpu_groups(const CheckedList& list) {
 
 }  // namespace
 
+void views_moved(const CheckedList& list) {
+  if (!list.cpu_groups) return;
+  const std::vector<TensorView>& views = list.views.lists[0];
+  // One dtype group (the common case) holds every view, in order.
+  if (list.cpu_groups->groups.size() == 1 && list.cpu_groups->groups[0].ptrs.size() == views.size()) {
+    std::vector<void*>& ptrs = const_cast<CpuGroups&>(*list.cpu_groups).groups[0].ptrs;
+    for (std::size_t i = 0; i < views.size(); ++i) ptrs[i] = views[i].data;
+    return;
+  }
+  list.cpu_groups.reset();
+}
+
 void check_non_finite(const CheckedList& list, c10::Device device, const at::Tensor& found_inf,
                       const c10::optional<at::Tensor>& sum_sq) {
   if (device.is_cpu()) {

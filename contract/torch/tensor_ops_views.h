@@ -39,6 +39,11 @@ struct CheckedList {
 CheckedList make_views(const std::vector<const at::Tensor*>& tensors, const std::string& name, const char* op,
                        bool in_place);
 
+/// After the data pointers of some of `list`'s views were changed (tensors
+/// replaced by others that pass the same checks): the CPU pointer array kept
+/// with the list follows them, or is dropped to be made again.
+void views_moved(const CheckedList& list);
+
 /// ampfuse::check_non_finite on a checked list of one device.
 void check_non_finite(const CheckedList& list, c10::Device device, const at::Tensor& found_inf,
                       const c10::optional<at::Tensor>& sum_sq = c10::nullopt);

@@ -859,8 +859,10 @@ class FusedOptimizer : public Base, public ScalerAware {
     return loss;
   }
 
-  /// The contract step (GradScaler::step calls it).
-  void step_with_signals(const StepSignals& signals) override { run_step(&signals); }
+  /// The contract step (GradScaler::step calls it, or step_with_grads_check).
+  /// Final: GradScaler may take the step through step_with_grads_check
+  /// instead, which an override of this one would not see.
+  void step_with_signals(const StepSignals& signals) final { run_step(&signals); }
   /// The contract step with the scaler's check between validation and
   /// update (ScalerAware::step_with_grads_check).
   bool step_with_grads_check(const StepSignals& signals, const std::function<void()>& check_grads) override {
@@ -983,6 +985,9 @@ class FusedOptimizer : public Base, public ScalerAware {
   /// parameters: read only.
   virtual void check_state(const at::Tensor& /*param*/, const State& /*state*/, std::size_t /*group*/,
                            std::size_t /*index*/) const {}
+  /// No hook below may replace a parameter's grad: the step plan and
+  /// grads_id() name the grads validated, and GradScaler checks through them.
+  ///
   /// Validates anything else about the step's parameters, and the groups'
   /// options; throw to refuse. load() calls it with no entries, with the
   /// checkpoint's options in place.
