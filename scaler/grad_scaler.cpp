@@ -538,9 +538,14 @@ void GradScaler::step(torch::optim::Optimizer& optimizer) {
   prepare(optimizer, state);
 
   auto* aware = dynamic_cast<ScalerAware*>(&optimizer);
-  if (aware && aware->steps_sparse_grads() && has_sparse_grad(optimizer)) aware = nullptr;  // PyTorch's path
+  // A sparse grad fails the single pass before its check (the optimizer
+  // refuses it under the contract), so only a step that takes two passes
+  // asks whether one is sparse: an optimizer that steps them (as
+  // torch::optim::Adagrad's does) then takes PyTorch's path.
+  const bool one_pass = aware != nullptr && !state.checked && step_in_one_pass(optimizer, *aware, state);
+  if (!one_pass && aware && aware->steps_sparse_grads() && has_sparse_grad(optimizer)) aware = nullptr;
   if (aware) {
-    if (state.checked || !step_in_one_pass(optimizer, *aware, state)) {
+    if (!one_pass) {
       const bool checked_here = !state.checked;
       if (checked_here) check_grads(optimizer, state, /*unscale_in_place=*/false);
       TORCH_CHECK(!state.devices.empty(), "No inf checks were recorded for this optimizer.");

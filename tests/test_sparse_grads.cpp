@@ -154,6 +154,47 @@ TEST_P(SparseGradTest, UnderGradScalerAsTorchOptimAdagrad) {
   expect_close(ours, ref, 1e-5, "after 10 steps, 1 skipped");
 }
 
+// Dense grads for some steps (GradScaler steps them in one pass from the
+// second on), then a sparse one, then dense again: the sparse step fails the
+// single pass before its check and takes PyTorch's path, as
+// torch::optim::Adagrad's under the same scaler.
+TEST_P(SparseGradTest, SparseGradAfterDenseStepsUnderGradScaler) {
+  const auto opts = torch::TensorOptions().device(device_);
+  std::vector<torch::Tensor> ours = {torch::randn({40, 8}, opts).requires_grad_(),
+                                     torch::randn({33}, opts).requires_grad_()};
+  const auto ref = copies(ours);
+  ampfuse::FusedAdagrad opt(ours, torch::optim::AdagradOptions(0.05));
+  torch::optim::Adagrad ref_opt(ref, torch::optim::AdagradOptions(0.05));
+  const auto scaler_options = ampfuse::GradScalerOptions().init_scale(1024.0).growth_interval(3);
+  ampfuse::GradScaler scaler(scaler_options), ref_scaler(scaler_options);
+  for (int step = 0; step < 8; ++step) {
+    SCOPED_TRACE("step " + std::to_string(step));
+    const float scale = static_cast<float>(scaler.get_scale());
+    if (step == 4 || step == 5) {
+      auto sparse = sparse_grad(ours[0], 12, torch::kFloat);
+      sparse = torch::sparse_coo_tensor(sparse._indices(), sparse._values() * scale, sparse.sizes());
+      ours[0].mutable_grad() = sparse;
+      ref[0].mutable_grad() = sparse.clone();
+    } else {
+      const auto dense = torch::randn_like(ours[0]) * scale;
+      ours[0].mutable_grad() = dense.clone();
+      ref[0].mutable_grad() = dense.clone();
+    }
+    const auto dense = torch::randn_like(ours[1]) * scale;
+    ours[1].mutable_grad() = dense.clone();
+    ref[1].mutable_grad() = dense.clone();
+    scaler.scale(torch::ones({}, opts));
+    ref_scaler.scale(torch::ones({}, opts));
+    scaler.step(opt);
+    ref_scaler.step(ref_opt);
+    scaler.update();
+    ref_scaler.update();
+    EXPECT_FALSE(scaler.last_step_skipped(opt));
+    EXPECT_EQ(scaler.get_scale(), ref_scaler.get_scale());
+  }
+  expect_close(ours, ref, 1e-5, "after 8 steps, 2 of them with a sparse grad");
+}
+
 // Weight decay with a sparse grad is refused, as torch::optim::Adagrad
 // refuses it, naming the group and the parameter, before anything is
 // written: the dense parameter stepped in the same call and its state stay
