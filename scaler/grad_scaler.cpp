@@ -267,13 +267,14 @@ const GradScaler::GradsPlan& GradScaler::grads_plan(torch::optim::Optimizer& opt
       }
       if (any_moved) moved.store(true, std::memory_order_relaxed);
     });
-    if (same) {
-      if (moved) {
-        for (const auto& list : kept->views) detail::views_moved(list);
-        kept->grads_id = 0;  // not the grads the optimizer's id named
-      }
-      return *kept;
+    // Also when the walk stopped at a change: the plan stays in the map
+    // should the collection below throw, and its pointer arrays must then
+    // follow the views already updated.
+    if (moved) {
+      for (const auto& list : kept->views) detail::views_moved(list);
+      kept->grads_id = 0;  // not the grads the optimizer's id named
     }
+    if (same) return *kept;
   }
   auto plan = std::make_shared<GradsPlan>();
   plan->collected =
