@@ -857,6 +857,41 @@ TEST_P(StepPlanTest, GradScalerFollowsNewGradsOfTheSameShapes) {
   }
 }
 
+// A walk of the kept plan that follows moved grads and then stops at a grad
+// it cannot take (here an integer one, refused by the collection that
+// follows): the plan stays kept, its keys already name the moved grads, and
+// once the refused grad is replaced by the one the plan knows, the next walk
+// finds every key the same. The checks must then read the moved grads, not
+// the ones they replaced.
+TEST_P(StepPlanTest, GradScalerFollowsMovedGradsPastARefusedOne) {
+  std::vector<torch::Tensor> params = {param({5}, torch::kFloat), param({300}, torch::kFloat),
+                                       param({3}, torch::kFloat)};
+  ampfuse::FusedAdam opt(params, torch::optim::AdamOptions(1e-3));
+  ampfuse::GradScaler scaler(ampfuse::GradScalerOptions().init_scale(4.0).growth_interval(1000));
+  scaler.scale(torch::ones({}, params[0].options()));
+  for (auto& p : params) p.mutable_grad() = torch::randn_like(p.detach());
+  scaler.step(opt);  // the plan is made and its checks run
+  scaler.update();
+  const std::vector<torch::Tensor> old = {params[0].grad(), params[1].grad(), params[2].grad()};
+  const std::vector<torch::Tensor> old_values = {old[0].clone(), old[1].clone(), old[2].clone()};
+  params[0].mutable_grad() = torch::randn_like(params[0].detach());
+  params[1].mutable_grad() = torch::randn_like(params[1].detach());
+  params[1].mutable_grad()[7] = std::numeric_limits<float>::infinity();
+  params[2].mutable_grad() = torch::ones({3}, params[2].options().dtype(torch::kInt));
+  EXPECT_THROW(scaler.unscale_(opt), c10::Error);
+  params[2].mutable_grad() = old[2];
+  const torch::Tensor moved0 = params[0].grad().clone(), moved1 = params[1].grad().clone();
+  scaler.unscale_(opt);
+  EXPECT_TRUE(bitwise_equal(params[0].grad(), moved0 * 0.25f)) << "the moved grad is unscaled";
+  EXPECT_TRUE(bitwise_equal(params[1].grad(), moved1 * 0.25f));
+  for (std::size_t i = 0; i < 2; ++i) EXPECT_TRUE(bitwise_equal(old[i], old_values[i])) << "replaced grad " << i;
+  const torch::Tensor before = params[0].detach().clone();
+  scaler.step(opt);
+  scaler.update();
+  EXPECT_TRUE(scaler.last_step_skipped(opt)) << "the inf is in a moved grad";
+  EXPECT_TRUE(bitwise_equal(params[0].detach(), before));
+}
+
 // ScalerAware::grads_id as FusedOptimizer keeps it: 0 without a plan, the
 // same while the plan's grads are the same tensors, new (never seen before,
 // in any optimizer) when they change or the plan is made again, 0 after a
