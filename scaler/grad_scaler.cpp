@@ -161,9 +161,13 @@ bool same_grad(const at::Tensor& p, const GradKey& kept) {
 // passes every check the plan's views were made with.
 bool moved_alike(const at::Tensor& p, const GradKey& key, c10::Device device) {
   const c10::TensorImpl* grad = grad_of(p);
-  return grad != nullptr && key.grad != nullptr && grad->layout() == c10::kStrided && grad->numel() == key.numel &&
-         grad->dtype().toScalarType() == key.dtype && grad->device() == device &&
-         grad->is_non_overlapping_and_dense();
+  if (grad == nullptr || key.grad == nullptr || grad->layout() != c10::kStrided || grad->numel() != key.numel ||
+      grad->dtype().toScalarType() != key.dtype || grad->device() != device || !grad->is_non_overlapping_and_dense())
+    return false;
+  // A copy-on-write storage (at::_lazy_clone) is materialized by the view's
+  // data pointer, which ATen forbids on the walk's threads: such a grad is
+  // collected anew, on the calling thread.
+  return !sdk::copy_on_write(grad);
 }
 
 bool has_sparse_grad(torch::optim::Optimizer& optimizer) {
@@ -240,7 +244,7 @@ const GradScaler::GradsPlan& GradScaler::grads_plan(torch::optim::Optimizer& opt
     // writes only its parameters' entries). Anything else starts over.
     std::atomic<bool> same{true}, moved{false};
     const auto total = static_cast<std::int64_t>(kept->keys.size());  // span_total(kept->groups)
-    at::parallel_for(0, total, sdk::kEntriesGrain, [&](std::int64_t b, std::int64_t e) {
+    const auto walk = [&](std::int64_t b, std::int64_t e) {
       sdk::FlatParams cursor(kept->groups, static_cast<std::size_t>(b));
       bool any_moved = false;
       for (std::int64_t k = b; k < e && same.load(std::memory_order_relaxed); ++k, cursor.advance()) {
@@ -250,12 +254,15 @@ const GradScaler::GradsPlan& GradScaler::grads_plan(torch::optim::Optimizer& opt
           sdk::prefetch_grad(ahead.autograd_meta, ahead.grad_slot, ahead.grad, ahead.storage);
         }
         GradKey& key = kept->keys[static_cast<std::size_t>(k)];
-        if (same_grad(*cursor, key)) continue;
+        // An op that writes the grads must not write a copy-on-write storage
+        // through the kept view (the tensor it shares it with would change):
+        // such a grad is collected anew, its storage copied on this thread.
+        if (same_grad(*cursor, key) && !(in_place && key.grad != nullptr && sdk::copy_on_write(key.grad))) continue;
         if (key.list < 0 || !moved_alike(*cursor, key, kept->grads()[static_cast<std::size_t>(key.list)].first)) {
           same = false;
           break;
         }
-        // As the view's data_ptr(): a copy-on-write storage is materialized.
+        // As the view's data_ptr() (not a copy-on-write storage: moved_alike).
         void* const data = const_cast<c10::TensorImpl*>(grad_of(*cursor))->mutable_data();
         const std::int32_t list = key.list;
         const std::int64_t pos = key.pos;
@@ -266,7 +273,15 @@ const GradScaler::GradsPlan& GradScaler::grads_plan(torch::optim::Optimizer& opt
         any_moved = true;
       }
       if (any_moved) moved.store(true, std::memory_order_relaxed);
-    });
+    };
+    // Should the walk throw, some threads may have updated keys and views
+    // that the pointer arrays do not follow yet: the plan is dropped.
+    try {
+      at::parallel_for(0, total, sdk::kEntriesGrain, walk);
+    } catch (...) {
+      kept.reset();
+      throw;
+    }
     // Also when the walk stopped at a change: the plan stays in the map
     // should the collection below throw, and its pointer arrays must then
     // follow the views already updated.
@@ -614,8 +629,13 @@ bool GradScaler::step_in_one_pass(torch::optim::Optimizer& optimizer, ScalerAwar
       checked = true;
     });
   } catch (...) {
-    if (checked) throw;  // the optimizer's own error, after the check: retrying could step twice
-    return false;
+    if (!checked) return false;
+    // The optimizer's own error, after the check: retrying could step twice.
+    // The check stands, as the two passes' does when the optimizer throws:
+    // update() reads its found_inf (and backs off when it found an inf).
+    state.devices = {std::move(ds)};
+    state.checked = true;
+    throw;
   }
   if (!taken) return false;
   // (Outside the try: a step taken must not be retried.)

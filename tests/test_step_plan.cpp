@@ -15,6 +15,8 @@
 #include <ampfuse/fused_sgd.h>
 #include <ampfuse/grad_scaler.h>
 
+#include <ATen/ops/_lazy_clone.h>
+
 #include <functional>
 #include <limits>
 #include <set>
@@ -759,6 +761,10 @@ TEST_P(StepPlanTest, GradScalerInOnePassFailsBeforeOrAfterItsCheck) {
   for (const auto& p : a)
     EXPECT_EQ(static_cast<const ampfuse::FusedAdamParamState&>(*one.state().at(p.unsafeGetTensorImpl())).step(), 2);
   grads();
+  // An inf the failed step's check finds: update() reads it (and backs off)
+  // as after a failed step of the two passes, and as the twin's skip does.
+  a[1].mutable_grad()[0] = std::numeric_limits<float>::infinity();
+  b[1].mutable_grad()[0] = std::numeric_limits<float>::infinity();
   const std::vector<torch::Tensor> before = {a[0].detach().clone(), a[1].detach().clone()};
   one.fail_after_check = true;
   try {
@@ -772,9 +778,21 @@ TEST_P(StepPlanTest, GradScalerInOnePassFailsBeforeOrAfterItsCheck) {
     EXPECT_TRUE(bitwise_equal(a[i].detach(), before[i])) << "parameter " << i;
     EXPECT_EQ(static_cast<const ampfuse::FusedAdamParamState&>(*one.state().at(a[i].unsafeGetTensorImpl())).step(), 2);
   }
-  one.fail_after_check = false;
-  both();
+  sa.update();
+  sb.step(two);
+  sb.update();
+  EXPECT_EQ(sa.get_scale(), 2.0) << "the failed step's inf backs the scale off";
+  EXPECT_EQ(sa.get_scale(), sb.get_scale());
   same("after a failure after the check");
+  one.fail_after_check = false;
+  grads();
+  both();
+  same("after a failure after the check and a step");
+  grads();
+  one.fail_after_check = true;
+  EXPECT_THROW(sa.step(one), c10::Error);
+  EXPECT_NO_THROW(sa.update()) << "the check of a step that failed after it is recorded";
+  EXPECT_EQ(sa.get_scale(), 2.0) << "no inf: the scale stays";
 }
 
 // An optimizer whose step_with_grads_check says it stepped without calling
@@ -890,6 +908,200 @@ TEST_P(StepPlanTest, GradScalerFollowsMovedGradsPastARefusedOne) {
   scaler.update();
   EXPECT_TRUE(scaler.last_step_skipped(opt)) << "the inf is in a moved grad";
   EXPECT_TRUE(bitwise_equal(params[0].detach(), before));
+}
+
+// Copy-on-write grads (at::_lazy_clone), which torch::optim and PyTorch's
+// GradScaler take: the fused step reads them where they are (a copy made on
+// ATen's threads is an error there), the scaler collects them on the
+// calling thread, and nothing writes the tensors they were cloned from.
+// Steps equal a twin's on plain copies of the same grads, bit for bit: on a
+// fresh plan, on a kept one whose grads move to copy-on-write ones (many
+// parameters: the walks run on several threads), after unscale_ (which
+// writes the grads), with an inf in a grad, and without a scaler.
+TEST_P(StepPlanTest, StepsAndGradScalerTakeCopyOnWriteGrads) {
+  constexpr int kParams = 1500;  // over two threads' ranges of a walk (kEntriesGrain)
+  std::vector<torch::Tensor> a, b;
+  for (int i = 0; i < kParams; ++i) {
+    const torch::Tensor p = param({i % 3 == 0 ? 5 : 1}, torch::kFloat);
+    a.push_back(p.detach().clone().requires_grad_());
+    b.push_back(p.detach().clone().requires_grad_());
+  }
+  ampfuse::FusedAdam oa(a, torch::optim::AdamOptions(1e-2)), ob(b, torch::optim::AdamOptions(1e-2));
+  ampfuse::GradScaler sa(ampfuse::GradScalerOptions().init_scale(4.0)), sb(ampfuse::GradScalerOptions().init_scale(4.0));
+  sa.scale(torch::ones({}, a[0].options()));
+  sb.scale(torch::ones({}, b[0].options()));
+  std::vector<std::pair<torch::Tensor, torch::Tensor>> sources;  // cloned from, and a copy of its values
+  // New grads for parameters [from, to): a's a copy-on-write clone where cow(i), b's a plain copy.
+  const auto grads = [&](int from, int to, const std::function<bool(int)>& cow) {
+    for (int i = from; i < to; ++i) {
+      const torch::Tensor g = torch::randn_like(a[static_cast<std::size_t>(i)]);
+      b[static_cast<std::size_t>(i)].mutable_grad() = g.clone();
+      if (cow(i)) {
+        a[static_cast<std::size_t>(i)].mutable_grad() = at::_lazy_clone(g);
+        sources.emplace_back(g, g.clone());
+      } else {
+        a[static_cast<std::size_t>(i)].mutable_grad() = g.clone();
+      }
+    }
+  };
+  const auto same = [&](const std::string& when) {
+    for (int i = 0; i < kParams; ++i)
+      ASSERT_TRUE(bitwise_equal(a[static_cast<std::size_t>(i)].detach(), b[static_cast<std::size_t>(i)].detach()))
+          << when << ", parameter " << i;
+    for (const auto& [source, values] : sources) ASSERT_TRUE(bitwise_equal(source, values)) << when << ": a source was written";
+  };
+  const auto both = [&](bool unscale_first) {
+    if (unscale_first) {
+      sa.unscale_(oa);
+      sb.unscale_(ob);
+      for (int i = 0; i < kParams; ++i)
+        ASSERT_TRUE(bitwise_equal(a[static_cast<std::size_t>(i)].grad(), b[static_cast<std::size_t>(i)].grad())) << "grad " << i;
+    }
+    sa.step(oa);
+    sa.update();
+    sb.step(ob);
+    sb.update();
+    EXPECT_EQ(sa.last_step_skipped(oa), sb.last_step_skipped(ob));
+  };
+  grads(0, kParams, [](int i) { return i % 2 == 0; });
+  both(false);
+  same("a fresh plan");
+  for (int step = 1; step < 4; ++step) {
+    grads(kParams / 2, kParams, [step](int i) { return (i + step) % 3 == 0; });  // moved, a third to copy-on-write
+    both(false);
+    same("moved grads, step " + std::to_string(step));
+  }
+  grads(0, kParams, [](int i) { return i % 5 != 0; });
+  both(true);
+  same("after unscale_");
+  grads(kParams / 2, kParams, [](int i) { return i % 2 == 1; });
+  a[kParams - 2].mutable_grad()[0] = std::numeric_limits<float>::infinity();  // a plain grad, moved
+  b[kParams - 2].mutable_grad()[0] = std::numeric_limits<float>::infinity();
+  both(false);
+  EXPECT_TRUE(sa.last_step_skipped(oa)) << "the inf is in a grad moved beside copy-on-write ones";
+  same("an inf");
+  grads(0, kParams, [](int i) { return i % 4 == 1; });
+  oa.step();
+  ob.step();
+  same("without a scaler");
+}
+
+// The other optimizers read copy-on-write grads where they are too: over
+// many parameters (their pointer arrays are filled on ATen's threads), the
+// first step and one whose grads moved equal a twin's on plain copies.
+TEST_P(StepPlanTest, EveryOptimizerTakesCopyOnWriteGrads) {
+  const auto check = [&](const char* name, auto make) {
+    SCOPED_TRACE(name);
+    std::vector<torch::Tensor> a, b;
+    for (int i = 0; i < 1500; ++i) {
+      // A few of 4096 elements: FusedAdam codes their moments in 8 bits.
+      const torch::Tensor p = param({i % 500 == 0 ? 4096 : i % 4 == 0 ? 3 : 1}, torch::kFloat);
+      a.push_back(p.detach().clone().requires_grad_());
+      b.push_back(p.detach().clone().requires_grad_());
+    }
+    auto oa = make(a);
+    auto ob = make(b);
+    for (int step = 0; step < 3; ++step) {
+      for (std::size_t i = 0; i < a.size(); ++i) {
+        const torch::Tensor g = torch::randn_like(a[i]);
+        a[i].mutable_grad() = (i + static_cast<std::size_t>(step)) % 2 == 0 ? at::_lazy_clone(g) : g.clone();
+        b[i].mutable_grad() = g.clone();
+      }
+      oa.step();
+      ob.step();
+      for (std::size_t i = 0; i < a.size(); ++i)
+        ASSERT_TRUE(bitwise_equal(a[i].detach(), b[i].detach())) << "step " << step << ", parameter " << i;
+    }
+  };
+  check("FusedSGD", [](const std::vector<torch::Tensor>& ps) {
+    return ampfuse::FusedSGD(ps, torch::optim::SGDOptions(0.1).momentum(0.9));
+  });
+  check("FusedAdagrad", [](const std::vector<torch::Tensor>& ps) {
+    return ampfuse::FusedAdagrad(ps, torch::optim::AdagradOptions(0.1));
+  });
+  check("FusedRMSprop", [](const std::vector<torch::Tensor>& ps) {
+    return ampfuse::FusedRMSprop(ps, torch::optim::RMSpropOptions(0.01).momentum(0.5));
+  });
+  check("FusedLAMB", [](const std::vector<torch::Tensor>& ps) {
+    return ampfuse::FusedLAMB(ps, ampfuse::FusedLAMBOptions(1e-2));
+  });
+  check("FusedAdam 8-bit", [](const std::vector<torch::Tensor>& ps) {
+    return ampfuse::FusedAdam(ps, torch::optim::AdamOptions(1e-2), ampfuse::FusedAdamOptions().moments_8bit(true));
+  });
+}
+
+// Parameters and grads whose storage is copy-on-write (lazy clones, or
+// tensors a lazy clone was taken of, as a snapshot might be): what a step or
+// unscale_ writes goes to a copy of their own, as an in-place op's would, and
+// the tensors sharing the storage keep their values. Steps equal a twin's on
+// plain copies, bit for bit, on a fresh plan and on a kept one.
+TEST_P(StepPlanTest, StepsWriteNoTensorThatSharesACopyOnWriteStorage) {
+  constexpr int kParams = 1500;  // over two threads' ranges of the walks (kEntriesGrain)
+  std::vector<torch::Tensor> a, b, sources;
+  for (int i = 0; i < kParams; ++i) {
+    const torch::Tensor p = param({i % 3 == 0 ? 4 : 1}, torch::kFloat);
+    // Every other parameter of `a` a lazy clone of a tensor kept in `sources`.
+    if (i % 2 == 0) sources.push_back(p.detach().clone());
+    a.push_back((i % 2 == 0 ? at::_lazy_clone(sources.back()) : p.detach().clone()).requires_grad_());
+    b.push_back(p.detach().clone().requires_grad_());
+  }
+  std::vector<torch::Tensor> source_values;
+  for (const auto& t : sources) source_values.push_back(t.clone());
+  ampfuse::FusedAdam oa(a, torch::optim::AdamOptions(1e-2)), ob(b, torch::optim::AdamOptions(1e-2));
+  ampfuse::GradScaler sa(ampfuse::GradScalerOptions().init_scale(4.0)), sb(ampfuse::GradScalerOptions().init_scale(4.0));
+  sa.scale(torch::ones({}, a[0].options()));
+  sb.scale(torch::ones({}, b[0].options()));
+  const auto grads = [&] {
+    for (int i = 0; i < kParams; ++i) {
+      const torch::Tensor g = torch::randn_like(b[static_cast<std::size_t>(i)]);
+      a[static_cast<std::size_t>(i)].mutable_grad() = g.clone();
+      b[static_cast<std::size_t>(i)].mutable_grad() = g.clone();
+    }
+  };
+  const auto same = [&](const std::string& when) {
+    for (int i = 0; i < kParams; ++i)
+      ASSERT_TRUE(bitwise_equal(a[static_cast<std::size_t>(i)].detach(), b[static_cast<std::size_t>(i)].detach()))
+          << when << ", parameter " << i;
+    for (std::size_t i = 0; i < sources.size(); ++i)
+      ASSERT_TRUE(bitwise_equal(sources[i], source_values[i])) << when << ": tensor " << i << " sharing a storage was written";
+  };
+  const auto both = [&] {
+    sa.step(oa);
+    sa.update();
+    sb.step(ob);
+    sb.update();
+  };
+  grads();
+  both();
+  same("a fresh plan");
+  grads();
+  both();
+  same("a kept plan");
+  // Snapshots taken between steps make the parameters' and grads' storages
+  // copy-on-write in place (grads written in place: the kept plan's views
+  // point there).
+  for (int i = 0; i < kParams; ++i) {
+    const torch::Tensor g = torch::randn_like(b[static_cast<std::size_t>(i)]);
+    a[static_cast<std::size_t>(i)].mutable_grad().copy_(g);
+    b[static_cast<std::size_t>(i)].mutable_grad().copy_(g);
+  }
+  for (int i = 0; i < kParams; i += 7) {
+    sources.push_back(at::_lazy_clone(a[static_cast<std::size_t>(i)].detach()));
+    sources.push_back(at::_lazy_clone(a[static_cast<std::size_t>(i)].grad()));
+    source_values.push_back(sources[sources.size() - 2].clone());
+    source_values.push_back(sources.back().clone());
+  }
+  sa.unscale_(oa);
+  sb.unscale_(ob);
+  both();
+  same("snapshots of the parameters and grads, unscale_ and a step");
+  grads();
+  both();
+  same("a step after");
+  grads();
+  oa.step();
+  ob.step();
+  same("a step without the scaler");
 }
 
 // ScalerAware::grads_id as FusedOptimizer keeps it: 0 without a plan, the

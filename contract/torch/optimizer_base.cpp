@@ -12,6 +12,7 @@
 #include <ATen/ops/full.h>
 #include <ATen/ops/full_like.h>
 #include <ATen/ops/zeros.h>
+#include <c10/core/impl/COW.h>
 #include <c10/util/Exception.h>
 #include <c10/util/strides.h>
 
@@ -453,7 +454,7 @@ std::vector<Entry> validate_params(torch::optim::Optimizer& opt, const char* nam
   // failing parameter in order, as a sequential pass would report it.
   std::mutex mutex;
   std::vector<std::pair<std::int64_t, std::vector<Entry>>> parts, sparse_parts;
-  std::atomic<bool> any_staged{false};
+  std::atomic<bool> any_staged{false}, any_copy_on_write{false};
   std::int64_t first_error = n;
   std::exception_ptr error;
   at::parallel_for(0, n, kEntriesGrain, [&](std::int64_t begin, std::int64_t end) {
@@ -469,6 +470,7 @@ std::vector<Entry> validate_params(torch::optim::Optimizer& opt, const char* nam
         if (kind == GradKind::kNone) continue;
         if (kind == GradKind::kStaged || (kind != GradKind::kSparse && !p.is_non_overlapping_and_dense()))
           any_staged.store(true, std::memory_order_relaxed);
+        if (copy_on_write(p.unsafeGetTensorImpl())) any_copy_on_write.store(true, std::memory_order_relaxed);
         torch::optim::OptimizerParamState* state = check_state(p, place.group, place.index);
         (kind == GradKind::kSparse ? local_sparse : local)
             .push_back({place.group, place.index, p, p.grad(), p.device(), p.scalar_type(), state});
@@ -494,6 +496,15 @@ std::vector<Entry> validate_params(torch::optim::Optimizer& opt, const char* nam
                 " of group ", first.group, "; a parameter may belong to one group only");
   }
   if (error) std::rethrow_exception(error);
+  // A parameter the step writes whose storage is copy-on-write gets its own
+  // copy here, on the calling thread, as an in-place op would make it: the
+  // tensor it shares its storage with keeps its values, and ATen forbids
+  // the copy on the threads that fill the kernels' pointer arrays.
+  if (any_copy_on_write.load())
+    for (const auto& part : parts)
+      for (const Entry& e : part.second)
+        if (copy_on_write(e.param.unsafeGetTensorImpl()))
+          c10::impl::cow::materialize_cow_storage(*e.param.unsafeGetTensorImpl()->unsafe_storage().unsafeGetStorageImpl());
   check_no_shared_memory(places, name);
   const auto by_begin = [](const auto& a, const auto& b) { return a.first < b.first; };
   if (sparse) {
@@ -905,7 +916,7 @@ PlanMatch match_plan(torch::optim::Optimizer& opt, const StateStamp& stamp, cons
         (kept.state != nullptr && kept.stamp == kNoStamp))
       return Same::kNo;
     if (impl->numel() != kept.numel || impl->dtype().toScalarType() != kept.dtype ||
-        !impl->is_non_overlapping_and_dense() || data_address(impl) != kept.param_data)
+        !impl->is_non_overlapping_and_dense() || data_address(impl) != kept.param_data || copy_on_write(impl))
       return Same::kNo;
     const auto it = states.find(const_cast<c10::TensorImpl*>(impl));
     if (kept.state == nullptr ? it != states.end()
@@ -972,7 +983,8 @@ PlanMatch match_plan(torch::optim::Optimizer& opt, const StateStamp& stamp, cons
             full.layout != kept.layout || full.dtype != kept.dtype || full.state != kept.state ||
             full.stamp != kept.stamp || (full.state != nullptr && full.stamp == kNoStamp) ||
             (full.grad == nullptr) != (kept.grad == nullptr) || kept.grad_sparse ||
-            (full.grad != nullptr && full.grad->is_sparse())) {
+            (full.grad != nullptr && full.grad->is_sparse()) || copy_on_write(p.unsafeGetTensorImpl())) {
+          // (A parameter made copy-on-write since, by a lazy clone of it, gets its own copy in validate_params.)
           changed = true;  // (a step with sparse grads validates from scratch: they are new tensors each step)
           break;
         }

@@ -454,7 +454,7 @@ sdk::Launch FusedAdamImpl<Base, Options, State, kDecoupled>::prepare_list(const 
         const State& s = *kept->states[i];
         if (kept->coded[i] != 0) {
           coded_ptrs(Coded8List::kParam)[i] = list[i]->param.data_ptr();
-          coded_ptrs(Coded8List::kGrad)[i] = list[i]->grad.data_ptr();
+          coded_ptrs(Coded8List::kGrad)[i] = list[i]->grad_data();
           if (master) coded_ptrs(Coded8List::kMaster)[i] = s.master().data_ptr();
           coded_ptrs(Coded8List::kExpAvg)[i] = s.exp_avg_8bit().data_ptr();
           coded_ptrs(Coded8List::kExpAvgAbsmax)[i] = s.exp_avg_absmax().data_ptr();
@@ -463,7 +463,7 @@ sdk::Launch FusedAdamImpl<Base, Options, State, kDecoupled>::prepare_list(const 
           return;
         }
         list_ptrs(AdamList::kParam)[i] = list[i]->param.data_ptr();
-        list_ptrs(AdamList::kGrad)[i] = list[i]->grad.data_ptr();
+        list_ptrs(AdamList::kGrad)[i] = list[i]->grad_data();
         list_ptrs(AdamList::kExpAvg)[i] = s.exp_avg().data_ptr();
         list_ptrs(AdamList::kExpAvgSq)[i] = s.exp_avg_sq().data_ptr();
         if (o.amsgrad()) list_ptrs(AdamList::kMaxExpAvgSq)[i] = s.max_exp_avg_sq().data_ptr();
@@ -473,7 +473,7 @@ sdk::Launch FusedAdamImpl<Base, Options, State, kDecoupled>::prepare_list(const 
       if (any_coded) kept->plan8 = std::make_shared<const Plan>(kept->numels8, sdk::cpu::kChunkSize);
     } else if (pl.grads_moved) {
       sdk::parallel_entries(n, [&](std::size_t i) {
-        (kept->coded[i] != 0 ? coded_ptrs(Coded8List::kGrad) : list_ptrs(AdamList::kGrad))[i] = list[i]->grad.data_ptr();
+        (kept->coded[i] != 0 ? coded_ptrs(Coded8List::kGrad) : list_ptrs(AdamList::kGrad))[i] = list[i]->grad_data();
       });
     }
     // Two pow() per run of equal steps (in each thread's range), not per tensor.
@@ -532,7 +532,7 @@ sdk::Launch FusedAdamImpl<Base, Options, State, kDecoupled>::prepare_list(const 
           kept->views8.lists[list_index(l)][i] = {data, numel, t};
         };
         set8(Adam8List::kParam, p.data_ptr(), st);
-        set8(Adam8List::kGrad, list[i]->grad.data_ptr(), st);
+        set8(Adam8List::kGrad, list[i]->grad_data(), st);
         set8(Adam8List::kMaster, master ? s.master().data_ptr() : nullptr, ScalarType::Float32);
         // Byte lists and absmax travel as pointers; their dtype tags are not read.
         set8(Adam8List::kExpAvg, s.exp_avg_8bit().data_ptr(), ScalarType::Float32);
@@ -544,7 +544,7 @@ sdk::Launch FusedAdamImpl<Base, Options, State, kDecoupled>::prepare_list(const 
       }
       if (numel == 0) kept->empty_steps.push_back(s.device_step());
       set(AdamList::kParam, i, p.data_ptr(), numel, st);
-      set(AdamList::kGrad, i, list[i]->grad.data_ptr(), numel, st);
+      set(AdamList::kGrad, i, list[i]->grad_data(), numel, st);
       set(AdamList::kExpAvg, i, s.exp_avg().data_ptr(), numel, state_st);
       set(AdamList::kExpAvgSq, i, s.exp_avg_sq().data_ptr(), numel, state_st);
       // The fp64 counter travels as a pointer; its dtype tag is not read.
@@ -554,8 +554,8 @@ sdk::Launch FusedAdamImpl<Base, Options, State, kDecoupled>::prepare_list(const 
     }
   } else if (pl.grads_moved) {
     for (std::size_t i = 0; i < n; ++i) {
-      if (kept->coded[i] != 0) kept->views8.lists[list_index(Adam8List::kGrad)][i].data = list[i]->grad.data_ptr();
-      else kept->views.lists[list_index(AdamList::kGrad)][i].data = list[i]->grad.data_ptr();
+      if (kept->coded[i] != 0) kept->views8.lists[list_index(Adam8List::kGrad)][i].data = list[i]->grad_data();
+      else kept->views.lists[list_index(AdamList::kGrad)][i].data = list[i]->grad_data();
     }
   }
   if (fresh || pl.grads_moved) {

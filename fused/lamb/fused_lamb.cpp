@@ -331,14 +331,14 @@ sdk::Launch FusedLAMB::prepare_list(const sdk::ParamList& pl) {
       for (auto* ptrs : {&kept->param, &kept->grad, &kept->m, &kept->v, &kept->masters}) ptrs->assign(n, nullptr);
       sdk::parallel_entries(n, [&](std::size_t i) {
         kept->param[i] = list[i]->param.data_ptr();
-        kept->grad[i] = list[i]->grad.data_ptr();
+        kept->grad[i] = list[i]->grad_data();
         kept->m[i] = states[i]->exp_avg().data_ptr();
         kept->v[i] = states[i]->exp_avg_sq().data_ptr();
         if (master) kept->masters[i] = states[i]->master().data_ptr();
       });
       kept->plan = std::make_shared<const Plan>(kept->numels, sdk::cpu::kChunkSize);
     } else if (pl.grads_moved) {
-      sdk::parallel_entries(n, [&](std::size_t i) { kept->grad[i] = list[i]->grad.data_ptr(); });
+      sdk::parallel_entries(n, [&](std::size_t i) { kept->grad[i] = list[i]->grad_data(); });
     }
     std::vector<double>& steps = kept->steps;
     steps.resize(n);
@@ -415,7 +415,7 @@ sdk::Launch FusedLAMB::prepare_list(const sdk::ParamList& pl) {
       const std::int64_t numel = p.numel();
       if (numel == 0) kept->empty_steps.push_back(s.step());
       set(fused::LambList::kParam, i, p.data_ptr(), numel, st);
-      set(fused::LambList::kGrad, i, list[i]->grad.data_ptr(), numel, st);
+      set(fused::LambList::kGrad, i, list[i]->grad_data(), numel, st);
       const ScalarType state_st = to_scalar_type(lamb_state_dtype(p));
       set(fused::LambList::kExpAvg, i, s.exp_avg().data_ptr(), numel, state_st);
       set(fused::LambList::kExpAvgSq, i, s.exp_avg_sq().data_ptr(), numel, state_st);

@@ -106,6 +106,11 @@ struct Entry {
   const at::Tensor* owner = nullptr;  ///< the optimizer's parameter when param is its dense copy
   /// The optimizer's parameter: owner when staged, else param.
   const at::Tensor& user_param() const { return owner != nullptr ? *owner : param; }
+  /// The grad's data, for the kernels' pointer arrays: kernels read grads,
+  /// never write them, so a copy-on-write storage (at::_lazy_clone) is read
+  /// where it is, not materialized (ATen forbids that inside at::parallel_for,
+  /// where these arrays are filled, and a read does not need it).
+  void* grad_data() const { return const_cast<void*>(grad.const_data_ptr()); }
 };
 
 /// The state stamp of an optimizer that does not stamp its states
@@ -750,7 +755,7 @@ struct KeptLists {
     parallel_entries(n, [&](std::size_t i) {
       numels[i] = entries[i]->param.numel();
       ptrs[static_cast<std::size_t>(param)][i] = entries[i]->param.data_ptr();
-      ptrs[static_cast<std::size_t>(grad)][i] = entries[i]->grad.data_ptr();
+      ptrs[static_cast<std::size_t>(grad)][i] = entries[i]->grad_data();
       state_tensors(i, [&](int l, const at::Tensor& t) {
         TORCH_INTERNAL_ASSERT(l >= 0 && l < lists && l != param && l != grad, "KeptLists: put into list ", l);
         ptrs[static_cast<std::size_t>(l)][i] = t.data_ptr();
@@ -769,7 +774,7 @@ struct KeptLists {
     if (!pl.grads_moved) return;
     TORCH_INTERNAL_ASSERT(grad_ >= 0, "KeptLists: refresh_grads before gather");
     std::vector<void*>& grads = ptrs[static_cast<std::size_t>(grad_)];
-    parallel_entries(pl.entries.size(), [&](std::size_t i) { grads[i] = pl.entries[i]->grad.data_ptr(); });
+    parallel_entries(pl.entries.size(), [&](std::size_t i) { grads[i] = pl.entries[i]->grad_data(); });
   }
 
  private:
@@ -802,7 +807,7 @@ struct KeptLaunch {
       numels[i] = pl.entries[i]->param.numel();
       for (std::vector<TensorView>& l : views.lists) l[i] = {nullptr, numels[i], st};
       views.lists[static_cast<std::size_t>(param)][i].data = pl.entries[i]->param.data_ptr();
-      views.lists[static_cast<std::size_t>(grad)][i].data = pl.entries[i]->grad.data_ptr();
+      views.lists[static_cast<std::size_t>(grad)][i].data = pl.entries[i]->grad_data();
     }
   }
   /// Tensor i's view in list l points into state tensor t, held while kept.
@@ -824,7 +829,7 @@ struct KeptLaunch {
   std::shared_ptr<const ListMeta> meta_for(const ParamList& pl, bool fresh, int grad) {
     if (!fresh && pl.grads_moved) {
       std::vector<TensorView>& grads = views.lists[static_cast<std::size_t>(grad)];
-      for (std::size_t i = 0; i < grads.size(); ++i) grads[i].data = pl.entries[i]->grad.data_ptr();
+      for (std::size_t i = 0; i < grads.size(); ++i) grads[i].data = pl.entries[i]->grad_data();
     }
     meta = fresh || pl.grads_moved ? make_launch_meta(views, Plan(numels, cuda::kChunkSize), pl.device)
                                    : reuse_launch_meta(meta, pl.device);
