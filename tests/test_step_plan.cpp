@@ -1104,6 +1104,90 @@ TEST_P(StepPlanTest, StepsWriteNoTensorThatSharesACopyOnWriteStorage) {
   same("a step without the scaler");
 }
 
+// State tensors made copy-on-write by a lazy clone (a snapshot): a step
+// that makes its plan again, or writes them at every step (LAMB's step
+// counters), gives them copies of their own on the calling thread instead
+// of throwing ATen's "materializing in parallel_for" assert, and the
+// snapshot keeps its values. The small parameters' state shares one storage
+// (SmallStatePool): a lazy clone of one makes the whole list's storage
+// copy-on-write. A frozen copy-on-write parameter keeps the plan.
+TEST_P(StepPlanTest, CopyOnWriteStateTensorsGetCopiesOfTheirOwn) {
+  const auto check = [&](const char* name, auto make, auto state_tensor) {
+    SCOPED_TRACE(name);
+    std::vector<torch::Tensor> a, b;
+    for (int i = 0; i < 1500; ++i) {  // over two threads' ranges of the pointer fills (kEntriesGrain)
+      const torch::Tensor p = param({i % 500 == 0 ? 4096 : i % 4 == 0 ? 3 : 1}, torch::kFloat);
+      a.push_back(p.detach().clone().requires_grad_());
+      b.push_back(p.detach().clone().requires_grad_());
+    }
+    auto oa = make(a);
+    auto ob = make(b);
+    const auto step = [&](const std::string& when) {
+      for (std::size_t i = 0; i < a.size(); ++i) {
+        const torch::Tensor g = torch::randn_like(a[i]);
+        a[i].mutable_grad() = g.clone();
+        b[i].mutable_grad() = g.clone();
+      }
+      oa.step();
+      ob.step();
+      for (std::size_t i = 0; i < a.size(); ++i)
+        ASSERT_TRUE(bitwise_equal(a[i].detach(), b[i].detach())) << when << ", parameter " << i;
+    };
+    step("the first step");
+    std::vector<std::pair<torch::Tensor, torch::Tensor>> snapshots;  // and their values
+    for (const std::size_t i : {std::size_t{1}, std::size_t{500}}) {
+      const torch::Tensor snap = at::_lazy_clone(state_tensor(oa, a[i]));
+      snapshots.emplace_back(snap, snap.clone());
+    }
+    // A parameter made copy-on-write too: the plan is made again.
+    const torch::Tensor param_snapshot = at::_lazy_clone(a[2].detach());
+    snapshots.emplace_back(param_snapshot, param_snapshot.clone());
+    step("after snapshots of state and a parameter");
+    step("a step after");
+    for (const auto& [snap, values] : snapshots) EXPECT_TRUE(bitwise_equal(snap, values)) << "a snapshot was written";
+  };
+  check(
+      "FusedAdam",
+      [](const std::vector<torch::Tensor>& ps) { return ampfuse::FusedAdam(ps, torch::optim::AdamOptions(1e-2)); },
+      [](ampfuse::FusedAdam& o, const torch::Tensor& p) {
+        return static_cast<ampfuse::FusedAdamParamState&>(*o.state().at(p.unsafeGetTensorImpl())).exp_avg();
+      });
+  check(
+      "FusedAdam 8-bit",
+      [](const std::vector<torch::Tensor>& ps) {
+        return ampfuse::FusedAdam(ps, torch::optim::AdamOptions(1e-2), ampfuse::FusedAdamOptions().moments_8bit(true));
+      },
+      [](ampfuse::FusedAdam& o, const torch::Tensor& p) {
+        const auto& s = static_cast<ampfuse::FusedAdamParamState&>(*o.state().at(p.unsafeGetTensorImpl()));
+        return p.numel() >= 4096 ? s.exp_avg_8bit() : s.exp_avg();
+      });
+  check(
+      "FusedSGD",
+      [](const std::vector<torch::Tensor>& ps) {
+        return ampfuse::FusedSGD(ps, torch::optim::SGDOptions(0.1).momentum(0.9));
+      },
+      [](ampfuse::FusedSGD& o, const torch::Tensor& p) {
+        return static_cast<ampfuse::FusedSGDParamState&>(*o.state().at(p.unsafeGetTensorImpl())).momentum_buffer();
+      });
+  check(
+      "FusedLAMB",
+      [](const std::vector<torch::Tensor>& ps) { return ampfuse::FusedLAMB(ps, ampfuse::FusedLAMBOptions(1e-2)); },
+      [](ampfuse::FusedLAMB& o, const torch::Tensor& p) {
+        return static_cast<ampfuse::FusedLAMBParamState&>(*o.state().at(p.unsafeGetTensorImpl())).step();
+      });
+
+  // A frozen parameter whose storage is copy-on-write is never written: the plan holds.
+  auto p = param({12}, torch::kFloat), frozen = param({3}, torch::kFloat);
+  Forgetful<ampfuse::FusedAdam> opt({p, frozen}, torch::optim::AdamOptions(1e-2));
+  const torch::Tensor frozen_snapshot = at::_lazy_clone(frozen.detach());
+  p.mutable_grad() = torch::randn_like(p);
+  opt.step();
+  const std::uint64_t id = opt.grads_id();
+  p.mutable_grad().copy_(torch::randn_like(p));
+  opt.step();
+  EXPECT_EQ(opt.grads_id(), id) << "the plan was made again for a frozen copy-on-write parameter";
+}
+
 // ScalerAware::grads_id as FusedOptimizer keeps it: 0 without a plan, the
 // same while the plan's grads are the same tensors, new (never seen before,
 // in any optimizer) when they change or the plan is made again, 0 after a

@@ -4,7 +4,6 @@
 #pragma once
 
 #include <c10/core/TensorImpl.h>
-#include <c10/core/impl/COWDeleter.h>
 
 #include <cstdint>
 
@@ -15,15 +14,6 @@ inline const void* data_address(const c10::TensorImpl* t) {
   const c10::StorageImpl* storage = t->unsafe_storage().unsafeGetStorageImpl();
   if (storage == nullptr) return nullptr;
   return static_cast<const char*>(storage->data()) + t->storage_offset() * static_cast<std::int64_t>(t->itemsize());
-}
-
-/// Whether t's storage is copy-on-write (at::_lazy_clone made it, or made a
-/// lazy clone of it): a write must materialize it first (a copy, which ATen
-/// forbids inside at::parallel_for), a read need not. Reads the storage's
-/// deleter, beside its data pointer.
-inline bool copy_on_write(const c10::TensorImpl* t) {
-  const c10::StorageImpl* storage = t->unsafe_storage().unsafeGetStorageImpl();
-  return storage != nullptr && storage->data_ptr().get_deleter() == &c10::impl::cow::cow_deleter;
 }
 
 /// How far ahead (in parameters) a pass over many parameters' objects

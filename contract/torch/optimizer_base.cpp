@@ -916,7 +916,8 @@ PlanMatch match_plan(torch::optim::Optimizer& opt, const StateStamp& stamp, cons
         (kept.state != nullptr && kept.stamp == kNoStamp))
       return Same::kNo;
     if (impl->numel() != kept.numel || impl->dtype().toScalarType() != kept.dtype ||
-        !impl->is_non_overlapping_and_dense() || data_address(impl) != kept.param_data || copy_on_write(impl))
+        !impl->is_non_overlapping_and_dense() || data_address(impl) != kept.param_data ||
+        (kept.grad != nullptr && copy_on_write(impl)))  // (a frozen one is not written)
       return Same::kNo;
     const auto it = states.find(const_cast<c10::TensorImpl*>(impl));
     if (kept.state == nullptr ? it != states.end()
@@ -983,7 +984,8 @@ PlanMatch match_plan(torch::optim::Optimizer& opt, const StateStamp& stamp, cons
             full.layout != kept.layout || full.dtype != kept.dtype || full.state != kept.state ||
             full.stamp != kept.stamp || (full.state != nullptr && full.stamp == kNoStamp) ||
             (full.grad == nullptr) != (kept.grad == nullptr) || kept.grad_sparse ||
-            (full.grad != nullptr && full.grad->is_sparse()) || copy_on_write(p.unsafeGetTensorImpl())) {
+            (full.grad != nullptr && full.grad->is_sparse()) ||
+            (full.grad != nullptr && copy_on_write(p.unsafeGetTensorImpl()))) {
           // (A parameter made copy-on-write since, by a lazy clone of it, gets its own copy in validate_params.)
           changed = true;  // (a step with sparse grads validates from scratch: they are new tensors each step)
           break;

@@ -450,24 +450,24 @@ sdk::Launch FusedAdamImpl<Base, Options, State, kDecoupled>::prepare_list(const 
     if (fresh) {
       const bool any_coded = !kept->numels8.empty();
       if (any_coded) kept->ptrs8.assign(kCoded8Lists, std::vector<void*>(n, nullptr));
-      sdk::parallel_entries(n, [&](std::size_t i) {
+      sdk::fill_entries(n, [&](std::size_t i) {
         const State& s = *kept->states[i];
         if (kept->coded[i] != 0) {
-          coded_ptrs(Coded8List::kParam)[i] = list[i]->param.data_ptr();
+          coded_ptrs(Coded8List::kParam)[i] = sdk::writable_data(list[i]->param);
           coded_ptrs(Coded8List::kGrad)[i] = list[i]->grad_data();
-          if (master) coded_ptrs(Coded8List::kMaster)[i] = s.master().data_ptr();
-          coded_ptrs(Coded8List::kExpAvg)[i] = s.exp_avg_8bit().data_ptr();
-          coded_ptrs(Coded8List::kExpAvgAbsmax)[i] = s.exp_avg_absmax().data_ptr();
-          coded_ptrs(Coded8List::kExpAvgSq)[i] = s.exp_avg_sq_8bit().data_ptr();
-          coded_ptrs(Coded8List::kExpAvgSqAbsmax)[i] = s.exp_avg_sq_absmax().data_ptr();
+          if (master) coded_ptrs(Coded8List::kMaster)[i] = sdk::writable_data(s.master());
+          coded_ptrs(Coded8List::kExpAvg)[i] = sdk::writable_data(s.exp_avg_8bit());
+          coded_ptrs(Coded8List::kExpAvgAbsmax)[i] = sdk::writable_data(s.exp_avg_absmax());
+          coded_ptrs(Coded8List::kExpAvgSq)[i] = sdk::writable_data(s.exp_avg_sq_8bit());
+          coded_ptrs(Coded8List::kExpAvgSqAbsmax)[i] = sdk::writable_data(s.exp_avg_sq_absmax());
           return;
         }
-        list_ptrs(AdamList::kParam)[i] = list[i]->param.data_ptr();
+        list_ptrs(AdamList::kParam)[i] = sdk::writable_data(list[i]->param);
         list_ptrs(AdamList::kGrad)[i] = list[i]->grad_data();
-        list_ptrs(AdamList::kExpAvg)[i] = s.exp_avg().data_ptr();
-        list_ptrs(AdamList::kExpAvgSq)[i] = s.exp_avg_sq().data_ptr();
-        if (o.amsgrad()) list_ptrs(AdamList::kMaxExpAvgSq)[i] = s.max_exp_avg_sq().data_ptr();
-        if (master) list_ptrs(AdamList::kMaster)[i] = s.master().data_ptr();
+        list_ptrs(AdamList::kExpAvg)[i] = sdk::writable_data(s.exp_avg());
+        list_ptrs(AdamList::kExpAvgSq)[i] = sdk::writable_data(s.exp_avg_sq());
+        if (o.amsgrad()) list_ptrs(AdamList::kMaxExpAvgSq)[i] = sdk::writable_data(s.max_exp_avg_sq());
+        if (master) list_ptrs(AdamList::kMaster)[i] = sdk::writable_data(s.master());
       });
       kept->plan = std::make_shared<const Plan>(kept->numels, sdk::cpu::kChunkSize);
       if (any_coded) kept->plan8 = std::make_shared<const Plan>(kept->numels8, sdk::cpu::kChunkSize);

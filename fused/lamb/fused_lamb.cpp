@@ -329,12 +329,12 @@ sdk::Launch FusedLAMB::prepare_list(const sdk::ParamList& pl) {
   if (device.is_cpu()) {
     if (fresh) {
       for (auto* ptrs : {&kept->param, &kept->grad, &kept->m, &kept->v, &kept->masters}) ptrs->assign(n, nullptr);
-      sdk::parallel_entries(n, [&](std::size_t i) {
-        kept->param[i] = list[i]->param.data_ptr();
+      sdk::fill_entries(n, [&](std::size_t i) {
+        kept->param[i] = sdk::writable_data(list[i]->param);
         kept->grad[i] = list[i]->grad_data();
-        kept->m[i] = states[i]->exp_avg().data_ptr();
-        kept->v[i] = states[i]->exp_avg_sq().data_ptr();
-        if (master) kept->masters[i] = states[i]->master().data_ptr();
+        kept->m[i] = sdk::writable_data(states[i]->exp_avg());
+        kept->v[i] = sdk::writable_data(states[i]->exp_avg_sq());
+        if (master) kept->masters[i] = sdk::writable_data(states[i]->master());
       });
       kept->plan = std::make_shared<const Plan>(kept->numels, sdk::cpu::kChunkSize);
     } else if (pl.grads_moved) {
@@ -342,7 +342,7 @@ sdk::Launch FusedLAMB::prepare_list(const sdk::ParamList& pl) {
     }
     std::vector<double>& steps = kept->steps;
     steps.resize(n);
-    sdk::parallel_entries(n, [&](std::size_t i) { steps[i] = *states[i]->step().data_ptr<double>() + 1.0; });
+    sdk::parallel_entries(n, [&](std::size_t i) { steps[i] = *states[i]->step().const_data_ptr<double>() + 1.0; });
     sdk::per_tensor(steps, kept->scalars, [&](double step) { return fused::lamb_step_scalars<double>(hyper, step); });
     const double grad_factor = sdk::cpu_grad_factor(pl.signal);
     const bool f64 = st == ScalarType::Float64;
@@ -388,7 +388,9 @@ sdk::Launch FusedLAMB::prepare_list(const sdk::ParamList& pl) {
         a.chunk_param_sq = a.chunk_update_sq = nullptr;  // pass 1's, gone when this runs later
         const fused::cpu::LambFn apply = fused::cpu::lamb_apply_kernel();
         sdk::parallel_chunks(*plan, [&](std::int64_t b, std::int64_t e) { apply(a, b, e); });
-        sdk::parallel_entries(states.size(), [&](std::size_t i) { *states[i]->step().data_ptr<double>() = kept->steps[i]; });
+        sdk::fill_entries(states.size(), [&](std::size_t i) {
+          *static_cast<double*>(sdk::writable_data(states[i]->step())) = kept->steps[i];
+        });
       };
       if (!workspace->reducer) {
         apply_from_sums();

@@ -53,7 +53,9 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/full.h>
+#include <c10/core/impl/COWDeleter.h>
 #include <c10/util/Exception.h>
+#include <c10/util/ParallelGuard.h>
 #include <torch/optim/optimizer.h>
 #include <torch/optim/serialize.h>
 #include <torch/serialize/archive.h>
@@ -524,6 +526,41 @@ void parallel_entries(std::size_t n, F&& fn) {
   });
 }
 
+/// Whether t's storage is copy-on-write (at::_lazy_clone made it, or made a
+/// lazy clone of it): a write must give it a copy of its own first, as ATen's
+/// in-place ops do, and ATen forbids that copy inside at::parallel_for; a
+/// read need not. Reads the storage's deleter, beside its data pointer.
+inline bool copy_on_write(const c10::TensorImpl* t) {
+  const c10::StorageImpl* storage = t->unsafe_storage().unsafeGetStorageImpl();
+  return storage != nullptr && storage->data_ptr().get_deleter() == &c10::impl::cow::cow_deleter;
+}
+
+/// What writable_data throws inside at::parallel_for for a copy-on-write
+/// tensor, for fill_entries to catch.
+struct CopyOnWriteInParallel {};
+
+/// t's data for a kernel that writes it (a parameter, a state tensor), as
+/// t.data_ptr() gives it: a copy-on-write storage gets its copy first. Inside
+/// at::parallel_for, where ATen forbids that copy, a copy-on-write t throws
+/// CopyOnWriteInParallel instead: fill pointer arrays with fill_entries.
+inline void* writable_data(const at::Tensor& t) {
+  if (copy_on_write(t.unsafeGetTensorImpl()) && c10::ParallelGuard::is_enabled()) throw CopyOnWriteInParallel{};
+  return t.data_ptr();
+}
+
+/// parallel_entries for an fn that fills pointer arrays through
+/// writable_data: when some tensor is copy-on-write (a lazy clone of a state
+/// tensor, say), fn runs again for every entry on the calling thread, where
+/// the copies are made. fn must give the same result when run twice.
+template <class F>
+void fill_entries(std::size_t n, F&& fn) {
+  try {
+    parallel_entries(n, fn);
+  } catch (const CopyOnWriteInParallel&) {
+    for (std::size_t i = 0; i < n; ++i) fn(i);
+  }
+}
+
 /// per_tensor over keys read on ATen's threads: keys[i] = key(i), out[i] =
 /// f(keys[i]) computed once per run of equal keys within each thread's
 /// contiguous range. For per-tensor scalars of a step over many parameters,
@@ -752,13 +789,13 @@ struct KeptLists {
     std::vector<std::int64_t> numels(n);
     for (int l = 0; l < lists; ++l)
       if (l != param && l != grad) held_[static_cast<std::size_t>(l)].resize(n);
-    parallel_entries(n, [&](std::size_t i) {
+    fill_entries(n, [&](std::size_t i) {
       numels[i] = entries[i]->param.numel();
-      ptrs[static_cast<std::size_t>(param)][i] = entries[i]->param.data_ptr();
+      ptrs[static_cast<std::size_t>(param)][i] = writable_data(entries[i]->param);
       ptrs[static_cast<std::size_t>(grad)][i] = entries[i]->grad_data();
       state_tensors(i, [&](int l, const at::Tensor& t) {
         TORCH_INTERNAL_ASSERT(l >= 0 && l < lists && l != param && l != grad, "KeptLists: put into list ", l);
-        ptrs[static_cast<std::size_t>(l)][i] = t.data_ptr();
+        ptrs[static_cast<std::size_t>(l)][i] = writable_data(t);
         held_[static_cast<std::size_t>(l)][i] = t;
       });
     });
