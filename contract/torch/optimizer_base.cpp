@@ -984,10 +984,10 @@ PlanMatch match_plan(torch::optim::Optimizer& opt, const StateStamp& stamp, cons
             full.layout != kept.layout || full.dtype != kept.dtype || full.state != kept.state ||
             full.stamp != kept.stamp || (full.state != nullptr && full.stamp == kNoStamp) ||
             (full.grad == nullptr) != (kept.grad == nullptr) || kept.grad_sparse ||
-            (full.grad != nullptr && full.grad->is_sparse()) ||
-            (full.grad != nullptr && copy_on_write(p.unsafeGetTensorImpl()))) {
-          // (A parameter made copy-on-write since, by a lazy clone of it, gets its own copy in validate_params.)
-          changed = true;  // (a step with sparse grads validates from scratch: they are new tensors each step)
+            (full.grad != nullptr && (full.grad->is_sparse() || copy_on_write(p.unsafeGetTensorImpl())))) {
+          // A step with sparse grads validates from scratch (they are new tensors each step); a parameter
+          // made copy-on-write since (a lazy clone of it was taken) gets its own copy in validate_params.
+          changed = true;
           break;
         }
         now = {full.grad, full.grad_data, full.grad_numel, full.grad_dtype, full.grad_storage};
