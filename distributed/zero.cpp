@@ -174,7 +174,8 @@ std::int64_t check_same_parameters(c10d::ProcessGroup& group, const std::vector<
     whole = fnv(whole, static_cast<std::int64_t>(groups[g].size()));
     for (std::size_t j = 0; j < groups[g].size(); ++j, ++k) {
       const at::Tensor& p = params[k];
-      std::uint64_t h = fnv(1469598103934665603ull, static_cast<std::int64_t>(p.scalar_type()));
+      std::uint64_t h = fnv(1469598103934665603ull, static_cast<std::int64_t>(g));  // its group, too
+      h = fnv(h, static_cast<std::int64_t>(p.scalar_type()));
       h = fnv(h, static_cast<std::int64_t>(p.device().type()));
       h = fnv(h, p.dim());
       for (const auto s : p.sizes()) h = fnv(h, s);
@@ -194,7 +195,8 @@ std::int64_t check_same_parameters(c10d::ProcessGroup& group, const std::vector<
       TORCH_CHECK(a[r * static_cast<std::int64_t>(hashes.size()) + static_cast<std::int64_t>(i)] == hashes[i], kWhere,
                   name_of(places[i]), " differs between rank ", group.getRank(), " (here: ", describe(params[i]),
                   ") and rank ", r,
-                  ": every rank must pass parameters of the same shapes, dtypes and devices in the same order");
+                  ": every rank must pass parameters in the same groups, of the same shapes, dtypes and devices in "
+                  "the same order");
   return static_cast<std::int64_t>(whole);
 }
 
@@ -447,6 +449,7 @@ std::int64_t ZeroOptimizer::bytes_sent_per_step() const {
 
 void ZeroOptimizer::zero_grad(bool set_to_none) {
   const at::NoGradGuard no_grad;
+  grads_reduced_ = false;  // the grads reduced before are gone: the next step reduces the new ones
   for (const Bucket& b : buckets_)
     for (std::size_t m = 0; m < b.members.size(); ++m) {
       at::Tensor& grad = params_[b.members[m]].mutable_grad();
@@ -462,19 +465,76 @@ void ZeroOptimizer::zero_grad(bool set_to_none) {
     }
 }
 
-// A parameter given new memory since (torch::nn::Module::load does
-// set_(loaded) on each parameter; set_data does the same) is moved back into
-// its bucket with its new values, as a write from outside.
-void ZeroOptimizer::adopt_moved_params() {
+void ZeroOptimizer::add_param_group(const torch::optim::OptimizerParamGroup&) {
+  TORCH_CHECK(false, kWhere,
+              "add_param_group is not supported: the shards are laid out for the groups given at construction; "
+              "make a new ZeroOptimizer with every group (load_consolidated takes a consolidated checkpoint of "
+              "this one's state)");
+}
+
+// Why this rank cannot step now, found without writing anything (empty: it
+// can): a group added since construction (through the base class's
+// add_param_group), or a parameter given memory of another shape, dtype or
+// device.
+std::string ZeroOptimizer::refusal() const {
+  if (param_groups().size() != inner_->param_groups().size())
+    return c10::str(kWhere, "it has ", param_groups().size(), " parameter groups but was made with ",
+                    inner_->param_groups().size(),
+                    ": add_param_group is not supported (make a new ZeroOptimizer with every group)");
   for (const Bucket& b : buckets_)
     for (std::size_t m = 0; m < b.members.size(); ++m) {
       const at::Tensor& p = params_[b.members[m]];
       if (p.numel() == 0 || p.data_ptr() == b.param_views[m].data_ptr()) continue;
-      TORCH_CHECK(p.sizes() == b.param_views[m].sizes() && p.scalar_type() == b.param_views[m].scalar_type() &&
-                      p.device() == b.param_views[m].device(),
-                  kWhere, "parameter ", b.members[m], " was ", describe(b.param_views[m]), " and is now ", describe(p),
-                  ": a parameter may get new values, not another shape, dtype or device");
+      if (p.sizes() != b.param_views[m].sizes() || p.scalar_type() != b.param_views[m].scalar_type() ||
+          p.device() != b.param_views[m].device())
+        return c10::str(kWhere, "parameter ", b.members[m], " was ", describe(b.param_views[m]), " and is now ",
+                        describe(p), ": a parameter may get new values, not another shape, dtype or device");
     }
+  return {};
+}
+
+// Every rank learns whether any rank refused, before any rank writes or
+// enters the collectives of the step: a refusal on one rank alone would
+// otherwise leave the others waiting in them until the timeout, or pair
+// their collectives with that rank's next step. `flags` (may be null) are
+// summed over the ranks in the same all-reduce. Throws on every rank when
+// one refused: its own refusal on that rank, naming the first that refused
+// on the others.
+void ZeroOptimizer::agree(const std::string& refusal, std::vector<std::int32_t>* flags) {
+  const int world = process_group_->getSize(), rank = process_group_->getRank();
+  const std::size_t n = flags ? flags->size() : 0;
+  std::vector<std::int32_t> all(n + static_cast<std::size_t>(world), 0);
+  if (flags) std::copy(flags->begin(), flags->end(), all.begin());
+  all[n + static_cast<std::size_t>(rank)] = refusal.empty() ? 0 : 1;
+  if (world > 1 && !buckets_.empty()) {  // (the same on every rank: they have the same parameters)
+    std::vector<at::Tensor> buffer{at::tensor(all, at::kInt).to(buckets_.front().flat_grad.device())};
+    collective(*process_group_, "agreeing that every rank can step", [&] { return process_group_->allreduce(buffer); });
+    const at::Tensor summed = buffer[0].cpu();
+    std::copy_n(summed.data_ptr<std::int32_t>(), all.size(), all.begin());
+  }
+  TORCH_CHECK(refusal.empty(), refusal);
+  for (int r = 0; r < world; ++r)
+    TORCH_CHECK(all[n + static_cast<std::size_t>(r)] == 0, kWhere, "rank ", r, " of ", world,
+                " refused the step (its error says why); nothing was written on any rank");
+  if (flags) std::copy_n(all.begin(), n, flags->begin());
+}
+
+// Whether a parameter's grad is another tensor than when the grads were
+// last reduced (set anew without zero_grad): those are reduced again.
+bool ZeroOptimizer::grads_replaced_since_reduced() const {
+  if (reduced_grads_.size() != params_.size()) return true;
+  for (std::size_t i = 0; i < params_.size(); ++i) {
+    const at::Tensor& g = params_[i].grad();
+    if ((g.defined() ? g.unsafeGetTensorImpl() : nullptr) != reduced_grads_[i]) return true;
+  }
+  return false;
+}
+
+// A parameter given new memory since (torch::nn::Module::load does
+// set_(loaded) on each parameter; set_data does the same) is moved back into
+// its bucket with its new values, as a write from outside. refusal() has
+// checked that each has its bucket's shape, dtype and device.
+void ZeroOptimizer::adopt_moved_params() {
   const at::NoGradGuard no_grad;
   for (const Bucket& b : buckets_)
     for (std::size_t m = 0; m < b.members.size(); ++m) {
@@ -488,38 +548,33 @@ void ZeroOptimizer::adopt_moved_params() {
 
 void ZeroOptimizer::reduce_grads() {
   const at::NoGradGuard no_grad;
-  adopt_moved_params();
-  // Validate every grad before the first write.
+  // Validate every grad, and agree with the other ranks, before the first write.
+  std::string refused = refusal();
   std::vector<std::int32_t> has_grad(params_.size(), 0);
   for (const Bucket& b : buckets_)
-    for (std::size_t m = 0; m < b.members.size(); ++m) {
+    for (std::size_t m = 0; m < b.members.size() && refused.empty(); ++m) {
       const std::size_t i = b.members[m];
       const at::Tensor& p = params_[i];
       const at::Tensor& g = p.grad();
       if (!g.defined()) continue;
-      TORCH_CHECK(g.layout() == at::kStrided, kWhere, "parameter ", i, ": its grad is ", g.layout(),
-                  "; a sharded optimizer reduces dense grads only");
-      TORCH_CHECK(g.sizes() == p.sizes() && g.scalar_type() == p.scalar_type() && g.device() == p.device(), kWhere,
-                  "parameter ", i, " is ", describe(p), " but its grad is ", describe(g));
+      if (g.layout() != at::kStrided)
+        refused = c10::str(kWhere, "parameter ", i, ": its grad is ", g.layout(),
+                           "; a sharded optimizer reduces dense grads only");
+      else if (g.sizes() != p.sizes() || g.scalar_type() != p.scalar_type() || g.device() != p.device())
+        refused = c10::str(kWhere, "parameter ", i, " is ", describe(p), " but its grad is ", describe(g));
       has_grad[i] = 1;
     }
+  // Which parameters have a grad on any rank: the others are skipped.
+  const bool skip = options_.skip_params_without_grads();
+  agree(refused, skip ? &has_grad : nullptr);
+  if (!skip) std::fill(has_grad.begin(), has_grad.end(), 1);
+  adopt_moved_params();
   for (const Bucket& b : buckets_)
     for (std::size_t m = 0; m < b.members.size(); ++m) {
       const at::Tensor& g = params_[b.members[m]].grad();
       if (!g.defined()) b.grad_views[m].zero_();
       else if (g.data_ptr() != b.grad_views[m].data_ptr() || !g.is_contiguous()) b.grad_views[m].copy_(g);
     }
-  // Which parameters have a grad on any rank: the others are skipped.
-  if (!options_.skip_params_without_grads()) {
-    std::fill(has_grad.begin(), has_grad.end(), 1);
-  } else if (!has_grad.empty()) {
-    const c10::Device device = buckets_.front().flat_grad.device();
-    at::Tensor flags = at::tensor(has_grad, at::kInt).to(device);
-    std::vector<at::Tensor> buffer{flags};
-    collective(*process_group_, "reduce_grads", [&] { return process_group_->allreduce(buffer); });
-    const at::Tensor any = buffer[0].cpu();
-    for (std::size_t i = 0; i < has_grad.size(); ++i) has_grad[i] = any[static_cast<std::int64_t>(i)].item<std::int32_t>();
-  }
   const bool average = options_.average_grads() && process_group_->getSize() > 1;
   for (Bucket& b : buckets_) {
     if (b.all_reduce) {
@@ -536,6 +591,9 @@ void ZeroOptimizer::reduce_grads() {
     if (average) b.shard_grad.div_(process_group_->getSize());
   }
   set_piece_grads(has_grad);
+  reduced_grads_.resize(params_.size());
+  for (std::size_t i = 0; i < params_.size(); ++i)
+    reduced_grads_[i] = params_[i].grad().defined() ? params_[i].grad().unsafeGetTensorImpl() : nullptr;
   grads_reduced_ = true;
 }
 
@@ -599,7 +657,15 @@ void ZeroOptimizer::gather_params() {
 
 at::Tensor ZeroOptimizer::step(LossClosure closure) {
   TORCH_CHECK(!closure, kWhere, "step() takes no closure");
-  if (!grads_reduced_) reduce_grads();  // which adopts moved parameters first
+  bool reduce = !grads_reduced_;
+  if (!reduce) {
+    // Reduced since the last step (clip_grad_norm_, say): a grad set anew
+    // since then on any rank has every rank reduce again.
+    std::vector<std::int32_t> replaced{grads_replaced_since_reduced() ? 1 : 0};
+    agree(refusal(), &replaced);
+    reduce = replaced[0] != 0;
+  }
+  if (reduce) reduce_grads();  // which adopts moved parameters first
   else adopt_moved_params();
   copy_options_to_inner();
   note_writes_from_outside();
@@ -612,6 +678,7 @@ void ZeroOptimizer::step_with_signals(const StepSignals& signals) {
   TORCH_CHECK(grads_reduced_, kWhere,
               "step_with_signals before reduce_grads(): GradScaler calls prepare_grads() first; "
               "anything else must call reduce_grads()");
+  agree(refusal(), nullptr);
   adopt_moved_params();
   copy_options_to_inner();
   note_writes_from_outside();

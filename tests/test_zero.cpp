@@ -687,6 +687,79 @@ TEST(ZeroOptimizer, RefusesBadInputOnEveryRank) {
   });
 }
 
+// What one rank alone refuses (a grad the reduction does not take, a group
+// added through the base class's add_param_group) every rank refuses, within
+// the step and before anything is written: not after the collectives'
+// timeout, and with no collective left to pair with the next step. Fixed,
+// the next step steps as one process would.
+TEST(ZeroOptimizer, ARefusalOnOneRankIsEveryRanksBeforeAnythingIsWritten) {
+  on_ranks(2, [&](int rank, const Group& pg) {
+    auto a = torch::zeros({40}).requires_grad_();
+    auto opt = ZeroOptimizer::make<ampfuse::FusedSGD>({a}, torch::optim::SGDOptions(1.0), pg);
+    if (rank == 0) a.mutable_grad() = torch::ones({40}).to_sparse();  // rank 1: no grad
+    const auto start = std::chrono::steady_clock::now();
+    EXPECT_THAT(error_of([&] { opt->step(); }),
+                ::testing::HasSubstr(rank == 0 ? "parameter 0: its grad is Sparse" : "rank 0 of 2 refused the step"));
+    EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(15));  // the timeout is 30 s
+    EXPECT_TRUE(bitwise_equal(a.detach(), torch::zeros({40})));
+    a.mutable_grad() = torch::full({40}, rank + 1.0);
+    opt->step();  // the mean grad, 1.5
+    EXPECT_TRUE(bitwise_equal(a.detach(), torch::full({40}, -1.5)));
+
+    EXPECT_THAT(error_of([&] { opt->add_param_group(torch::optim::OptimizerParamGroup({torch::zeros({2})})); }),
+                ::testing::HasSubstr("add_param_group is not supported"));
+    if (rank == 1)
+      static_cast<torch::optim::Optimizer&>(*opt).add_param_group(
+          torch::optim::OptimizerParamGroup({torch::zeros({2}).requires_grad_()}));
+    EXPECT_THAT(error_of([&] { opt->step(); }),
+                ::testing::HasSubstr(rank == 1 ? "it has 2 parameter groups but was made with 1"
+                                               : "rank 1 of 2 refused the step"));
+    EXPECT_TRUE(bitwise_equal(a.detach(), torch::full({40}, -1.5)));
+  }, std::chrono::milliseconds(30000));
+  // The same parameters in other groups on each rank are refused too (one
+  // parameter would be stepped with two groups' options).
+  on_ranks(2, [&](int rank, const Group& pg) {
+    std::vector<torch::Tensor> p;
+    for (int i = 0; i < 3; ++i) p.push_back(torch::zeros({4}).requires_grad_());
+    std::vector<torch::optim::OptimizerParamGroup> groups;
+    groups.emplace_back(rank == 0 ? std::vector<torch::Tensor>{p[0], p[1]} : std::vector<torch::Tensor>{p[0]});
+    groups.emplace_back(rank == 0 ? std::vector<torch::Tensor>{p[2]} : std::vector<torch::Tensor>{p[1], p[2]});
+    const std::string e =
+        error_of([&] { ZeroOptimizer::make<ampfuse::FusedSGD>(groups, torch::optim::SGDOptions(0.1), pg); });
+    EXPECT_THAT(e, ::testing::HasSubstr((rank == 0 ? "group 0, parameter 1" : "group 1, parameter 0") +
+                                        std::string(" differs between rank ") + std::to_string(rank)));
+    EXPECT_THAT(e, ::testing::HasSubstr("in the same groups"));
+  });
+}
+
+// Grads reduced and then replaced before a step (a loop that clipped, did not
+// step, and zeroed the grads; grads set anew after reduce_grads) are reduced
+// again: the step reads the new grads.
+TEST(ZeroOptimizer, GradsReplacedAfterTheyWereReducedAreReducedAgain) {
+  on_ranks(2, [&](int rank, const Group& pg) {
+    auto a = torch::zeros({40}).requires_grad_();
+    auto opt = ZeroOptimizer::make<ampfuse::FusedSGD>({a}, torch::optim::SGDOptions(1.0), pg);
+    ampfuse::GradScaler off(ampfuse::GradScalerOptions().enabled(false));
+    a.mutable_grad() = torch::ones({40});
+    off.clip_grad_norm_(*opt, 1e9);  // reduces; the loop does not step
+    opt->zero_grad();
+    a.mutable_grad() = torch::full({40}, 3.0 * (rank + 1));
+    off.step(*opt);  // mean 4.5
+    EXPECT_TRUE(bitwise_equal(a.detach(), torch::full({40}, -4.5)));
+    opt->zero_grad(false);  // the grads become views of the bucket, zeroed in place from now on
+    a.mutable_grad().add_(1.0);
+    opt->reduce_grads();
+    opt->zero_grad(false);
+    a.mutable_grad().add_(2.0 * (rank + 1));  // mean 3
+    opt->step();
+    EXPECT_TRUE(bitwise_equal(a.detach(), torch::full({40}, -7.5)));
+    opt->reduce_grads();
+    a.mutable_grad() = torch::full({40}, 1.0 + rank);  // a new tensor, without zero_grad: mean 1.5
+    opt->step();
+    EXPECT_TRUE(bitwise_equal(a.detach(), torch::full({40}, -9.0)));
+  });
+}
+
 // A rank that never constructs its optimizer: the others fail within the
 // group's timeout with an error saying what every rank must do.
 TEST(ZeroOptimizer, ARankThatNeverArrivesFailsTheOthersWithinTheTimeout) {

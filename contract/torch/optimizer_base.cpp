@@ -685,6 +685,35 @@ bool fits_storage(c10::IntArrayRef sizes, c10::IntArrayRef strides, std::int64_t
   return low >= 0 && high < limit && (high + 1) * itemsize <= static_cast<__int128>(nbytes);
 }
 
+void lay_out_saved_state(torch::serialize::InputArchive& archive, const at::Tensor& p) {
+  std::vector<std::pair<std::string, c10::IValue>> fields;
+  bool changed = false;
+  for (const std::string& key : archive.keys()) {
+    c10::IValue v;
+    // A nested archive (no LibTorch state has one) is left as it is, and the state with it.
+    if (!archive.try_read(key, v) || v.isObject() || v.isModule()) return;
+    if (v.isTensor()) {
+      const at::Tensor& t = v.toTensor();
+      if (t.defined() && t.layout() == at::kStrided && at::isFloatingType(t.scalar_type()) &&
+          t.sizes() == p.sizes() && t.device() == p.device() && !in_kernel_layout(t, p)) {
+        v = at::empty_strided(p.sizes(), kernel_strides(p), t.options()).copy_(t);
+        changed = true;
+      }
+    }
+    fields.emplace_back(key, std::move(v));
+  }
+  if (!changed) return;
+  // An InputArchive is read-only: the state's fields go through a new one.
+  torch::serialize::OutputArchive out;
+  for (const auto& [key, v] : fields) out.write(key, v);
+  std::ostringstream bytes;
+  out.save_to(bytes);
+  std::istringstream in(bytes.str());
+  torch::serialize::InputArchive relaid;
+  relaid.load_from(in);
+  archive = std::move(relaid);
+}
+
 CheckpointLayout read_checkpoint_layout(torch::serialize::InputArchive& archive, const char* name,
                                         const std::vector<std::size_t>& group_sizes) {
   c10::IValue version;

@@ -152,6 +152,13 @@ class ZeroOptimizer : public torch::optim::Optimizer, public ScalerAware {
   /// with no copy at the next reduce_grads.
   void zero_grad(bool set_to_none = true);
 
+  /// Refused: the layout (which rank holds which elements) is made for the
+  /// groups given at construction. Make a new ZeroOptimizer with every group
+  /// (load_consolidated moves a checkpoint of the old one's state into it).
+  /// A group added through torch::optim::Optimizer's own add_param_group
+  /// (not virtual) is refused by the next step on every rank.
+  void add_param_group(const torch::optim::OptimizerParamGroup& param_group);
+
   /// A sharded checkpoint: this rank's part (the wrapped optimizer's state
   /// of its pieces) and the layout it belongs to. load() takes it into a
   /// ZeroOptimizer with the same world size, rank and parameters; anything
@@ -214,6 +221,9 @@ class ZeroOptimizer : public torch::optim::Optimizer, public ScalerAware {
   void set_piece_grads(const std::vector<std::int32_t>& has_grad);
   void note_writes_from_outside();
   void adopt_moved_params();
+  std::string refusal() const;
+  void agree(const std::string& refusal, std::vector<std::int32_t>* flags);
+  bool grads_replaced_since_reduced() const;
   void record_versions();
   void connect_tensor_sums();
   std::vector<std::vector<Span>> spans_of_rank(int rank, int world) const;
@@ -234,6 +244,7 @@ class ZeroOptimizer : public torch::optim::Optimizer, public ScalerAware {
   std::vector<std::size_t> param_bucket_;   // params_ index -> bucket
   std::vector<std::int64_t> param_offset_;  // params_ index -> first element in its bucket
   bool grads_reduced_ = false;
+  std::vector<const c10::TensorImpl*> reduced_grads_;  // each parameter's grad when they were reduced
 };
 
 }  // namespace ampfuse::distributed

@@ -390,6 +390,15 @@ bool fits_storage(c10::IntArrayRef sizes, c10::IntArrayRef strides, std::int64_t
 CheckpointLayout read_checkpoint_layout(torch::serialize::InputArchive& archive, const char* name,
                                         const std::vector<std::size_t>& group_sizes);
 
+/// A floating-point state tensor saved in `archive` (one parameter's state)
+/// with p's shape and device but laid out otherwise than the kernels walk p
+/// (torch::optim::SGD's momentum buffer takes its grad's strides; a model
+/// saved with channels_last weights) is read as a copy in that layout, with
+/// the same values: LibTorch's load takes any strides. Byte tensors (8-bit
+/// codes, whose blocks follow the saved memory order) are left as saved,
+/// for check_state to refuse.
+void lay_out_saved_state(torch::serialize::InputArchive& archive, const at::Tensor& p);
+
 /// Runs read(), which reads part of a checkpoint (a State's or an Options'
 /// serialize()), and turns what it throws into a c10::Error that names
 /// `name`, the group, the parameter (none when index is kNoIndex), `what`
@@ -971,6 +980,7 @@ class FusedOptimizer : public Base, public ScalerAware {
     for (CheckpointLayout::SavedState& saved : layout.states) {
       const at::Tensor& p = groups[saved.group].params()[saved.index];
       auto st = std::make_unique<State>();
+      lay_out_saved_state(saved.archive, p);
       read_checkpoint_part(saved.archive, name(), saved.group, saved.index, "state",
                            [&] { st->serialize(saved.archive); });
       if (!known.empty()) check_saved_state_keys(saved.archive, known, name(), saved.group, saved.index);
