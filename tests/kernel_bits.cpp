@@ -370,6 +370,7 @@ void run_sgd(const KernelSet& k, Rng& rng) {
       fm::SgdHyper h;
       h.neg_lr = -0.01;
       h.momentum = variant == 0 ? 0.0 : 0.9;
+      h.use_momentum = variant != 0;
       h.one_minus_dampening = variant == 2 ? 0.75 : 1.0;
       h.weight_decay = variant >= 2 ? 1e-4 : 0.0;
       h.nesterov = variant == 3;

@@ -178,3 +178,28 @@ TEST(FusedSgdAten, MatchesAtenFusedSgdOnCpu) {
 }
 
 }  // namespace
+
+// A momentum that is not 0 in double but is in fp32 (1e-50): LibTorch keeps
+// a momentum buffer and fills it (the grad at the first step, then
+// 0 * buf + g), so the kernel must fill the buffer it made too; it was left
+// unwritten (uninitialized memory in the state and in checkpoints).
+TEST(FusedSgdEdge, MomentumThatRoundsToZeroInFp32StillFillsTheBuffer) {
+  const std::uint64_t seed = ampfuse_test::seed_for_test();
+  torch::manual_seed(seed);
+  const auto options = torch::optim::SGDOptions(0.1).momentum(1e-50).dampening(0.25);
+  torch::Tensor a = torch::randn({37}).requires_grad_(), b = a.detach().clone().requires_grad_();
+  torch::optim::SGD ref({a}, options);
+  ampfuse::FusedSGD ours({b}, options);
+  for (int step = 0; step < 3; ++step) {
+    const torch::Tensor g = torch::randn({37});
+    a.mutable_grad() = g;
+    b.mutable_grad() = g.clone();
+    ref.step();
+    ours.step();
+    const auto& want = static_cast<const torch::optim::SGDParamState&>(*ref.state().at(a.unsafeGetTensorImpl()));
+    const auto& got = static_cast<const torch::optim::SGDParamState&>(*ours.state().at(b.unsafeGetTensorImpl()));
+    EXPECT_TRUE(bitwise_equal(got.momentum_buffer(), want.momentum_buffer())) << "step " << step;
+    // (p + (-lr) * buf: an ulp from ATen's add with alpha, as in MatchesTorchOptimOverHundredSteps)
+    EXPECT_TRUE(torch::allclose(b.detach(), a.detach(), 1e-6, 1e-7)) << "step " << step;
+  }
+}

@@ -27,11 +27,14 @@ struct SgdHyperT {
   T weight_decay = T(0);
   bool nesterov = false;
   bool maximize = false;
+  /// momentum != 0 in double, as LibTorch decides it: a momentum that
+  /// narrows to 0 in T still keeps (and fills) the buffer.
+  bool use_momentum = false;
 
   template <class U>
   AMPFUSE_HOST_DEVICE SgdHyperT<U> as() const {
     return {static_cast<U>(neg_lr), static_cast<U>(momentum), static_cast<U>(one_minus_dampening),
-            static_cast<U>(weight_decay), nesterov, maximize};
+            static_cast<U>(weight_decay), nesterov, maximize, use_momentum};
   }
 };
 using SgdHyper = SgdHyperT<double>;
@@ -41,6 +44,7 @@ inline SgdHyper make_sgd_hyper(double lr, double momentum, double dampening, dou
   SgdHyper h;
   h.neg_lr = -1 * lr;
   h.momentum = momentum;
+  h.use_momentum = momentum != 0;
   h.one_minus_dampening = 1 - dampening;
   h.weight_decay = weight_decay;
   h.nesterov = nesterov;
@@ -52,7 +56,7 @@ template <class V, class Ops, class T>
 AMPFUSE_HOST_DEVICE void sgd_update(V& p, V g, V* buf, bool first, const SgdHyperT<T>& h) {
   if (h.maximize) g = -g;
   if (h.weight_decay != T(0)) g = g + Ops::splat(h.weight_decay) * p;
-  if (h.momentum != T(0)) {
+  if (h.use_momentum) {
     *buf = first ? g : *buf * Ops::splat(h.momentum) + Ops::splat(h.one_minus_dampening) * g;
     g = h.nesterov ? g + Ops::splat(h.momentum) * *buf : *buf;
   }
