@@ -564,7 +564,15 @@ void GradScaler::step(torch::optim::Optimizer& optimizer) {
     if (!one_pass) {
       const bool checked_here = !state.checked;
       if (checked_here) check_grads(optimizer, state, /*unscale_in_place=*/false);
-      TORCH_CHECK(!state.devices.empty(), "No inf checks were recorded for this optimizer.");
+      if (state.devices.empty()) {
+        // No grads at all (every parameter frozen for now): as PyTorch's
+        // path for optimizers that take the scale (fused=True), found_inf
+        // is 0 and the step has nothing to update.
+        aware->step_with_signals(StepSignals{});
+        last_found_inf_.erase(&optimizer);
+        state.stage = Stage::kStepped;
+        return;
+      }
       // The grads will be written after the step: check them for that before it.
       if (options_.unscaled_grads_after_step())
         grads_plan(optimizer, "GradScaler::step", /*in_place=*/true, /*for_norm=*/false);
@@ -579,11 +587,16 @@ void GradScaler::step(torch::optim::Optimizer& optimizer) {
   } else {
     if (!state.checked) check_grads(optimizer, state, /*unscale_in_place=*/true);
     TORCH_CHECK(!state.devices.empty(), "No inf checks were recorded for this optimizer.");
+    // The grads are unscaled now, as PyTorch's step() marks them (through
+    // unscale_): should the optimizer throw, unscale_ is refused until update().
+    state.stage = Stage::kUnscaled;
     // PyTorch's path: one host read of found_inf, then step or skip.
     double found = 0.0;
     for (const DeviceState& ds : state.devices) found += ds.found_inf.item<float>();
     if (found == 0.0) {
       apply_deferred_factors(optimizer, state, /*unless_found=*/false);
+      // Applied: a step retried after the optimizer threw takes the grads as they are.
+      for (DeviceState& ds : state.devices) ds.inv_scale = ds.clip_coef = at::Tensor();
       optimizer.step();
     }
   }
@@ -789,8 +802,9 @@ void GradScaler::load(torch::serialize::InputArchive& archive) {
                 "the key '", key, "', which a GradScaler does not save (a damaged or foreign checkpoint?)");
   // Validate before the first write: a rejected archive changes nothing.
   const double new_scale = values[0].toDouble();
-  TORCH_CHECK(std::isfinite(new_scale) && new_scale > 0, "GradScaler::load: 'scale' is ", new_scale,
-              "; a scale is finite and > 0");
+  // 0 and inf are what update() can make (a scale backed off below fp32's
+  // range, update(inf)); PyTorch saves and loads them.
+  TORCH_CHECK(new_scale >= 0, "GradScaler::load: 'scale' is ", new_scale, "; a scale is >= 0 (0 and inf included)");
   GradScalerOptions options = options_;
   options.growth_factor(values[1].toDouble()).backoff_factor(values[2].toDouble()).growth_interval(values[3].toInt());
   TORCH_CHECK(std::isfinite(options.growth_factor()) && options.backoff_factor() > 0, "GradScaler::load: growth_factor ",

@@ -818,6 +818,23 @@ TEST_F(CheckpointTest, RefusedLoadKeepsTheStepPlanAcceptedLoadReplacesTheWholeSt
   EXPECT_EQ(victim.last_plan_match(), ampfuse::sdk::PlanMatch::kChanged);
 }
 
+// A scale that backed off to 0 (below fp32's range) or was set to inf by
+// update(new_scale) is what update() makes: saved and loaded, as PyTorch's
+// state_dict does. It was refused at load.
+TEST_F(CheckpointTest, GradScalerLoadsTheScalesUpdateCanMake) {
+  for (const double value : {0.0, std::numeric_limits<double>::infinity()}) {
+    SCOPED_TRACE(value);
+    ampfuse::GradScaler source;
+    source.scale(torch::ones({}));
+    source.update(value);
+    std::stringstream file;
+    torch::save(source, file);
+    ampfuse::GradScaler loaded;
+    torch::load(loaded, file);
+    EXPECT_EQ(loaded.get_scale(), value);
+  }
+}
+
 TEST_F(CheckpointTest, GradScalerRefusesWhatDoesNotFitAndChangesNothing) {
   ampfuse::GradScaler source(ampfuse::GradScalerOptions().init_scale(1024.0).growth_interval(4));
   source.scale(torch::ones({}));

@@ -309,6 +309,72 @@ TEST(GradScalerMisuse, ErrorsByMessage) {
   }
 }
 
+// A torch::optim optimizer whose step throws once.
+struct SgdThatThrowsOnce : torch::optim::SGD {
+  using torch::optim::SGD::SGD;
+  bool armed = true;
+  at::Tensor step(LossClosure closure = nullptr) override {
+    if (armed) {
+      armed = false;
+      TORCH_CHECK(false, "injected failure");
+    }
+    return torch::optim::SGD::step(closure);
+  }
+};
+
+// PyTorch's step() unscales the grads through unscale_ before the
+// optimizer's step: when that throws, the grads stay unscaled once, unscale_
+// is refused until update(), and a retried step takes the grads as they
+// are. The inverse scale (and a clip coefficient) were applied again.
+TEST(GradScalerMisuse, AClassicStepThatThrowsLeavesTheGradsUnscaledOnce) {
+  for (const bool clip : {false, true}) {
+    SCOPED_TRACE(clip ? "clip_grad_norm_ first" : "step");
+    Model m = make_params({{1}}, torch::kFloat, 5);
+    SgdThatThrowsOnce opt(m.params, torch::optim::SGDOptions(1.0));
+    m.params[0].mutable_grad() = torch::full({1}, 64.f);
+    ampfuse::GradScaler scaler(ampfuse::GradScalerOptions().init_scale(8.0));
+    scaler.scale(torch::ones({}));
+    if (clip) scaler.clip_grad_norm_(opt, 1000.0);  // norm 8: coefficient 1
+    const torch::Tensor before = m.params[0].detach().clone();
+    expect_error([&] { scaler.step(opt); }, "injected failure");
+    EXPECT_TRUE(bitwise_equal(m.params[0].grad(), torch::full({1}, 8.f)));
+    if (!clip)
+      expect_error([&] { scaler.unscale_(opt); },
+                   "unscale_() has already been called on this optimizer since the last update().");
+    EXPECT_TRUE(bitwise_equal(m.params[0].grad(), torch::full({1}, 8.f)));
+    scaler.step(opt);
+    EXPECT_TRUE(bitwise_equal(m.params[0].detach(), before - 8.f));
+    scaler.update();
+  }
+}
+
+// An optimizer that takes the scale (as PyTorch's fused=True ones) and has
+// no grads this iteration (frozen) steps nothing, with found_inf 0, beside
+// one that has grads; it threw "No inf checks were recorded", which PyTorch
+// raises on the path of optimizers that do not take the scale only.
+TEST(GradScaler, AFusedOptimizerWithoutGradsStepsNothing) {
+  Model frozen = make_params({{3}}, torch::kFloat, 6), m = make_params({{3}}, torch::kFloat, 7);
+  set_grads(m.params, 1.f);
+  ampfuse::FusedAdam fused(frozen.params, torch::optim::AdamOptions(0.1));
+  torch::optim::SGD sgd(m.params, 0.1);
+  const torch::Tensor before = frozen.params[0].detach().clone();
+  ampfuse::GradScaler scaler;
+  scaler.scale(torch::ones({}));
+  scaler.step(fused);
+  scaler.step(sgd);
+  scaler.update();
+  EXPECT_TRUE(bitwise_equal(frozen.params[0].detach(), before));
+  EXPECT_TRUE(fused.state().empty());
+  EXPECT_FALSE(scaler.last_step_skipped(fused));
+  EXPECT_EQ(scaler.get_scale(), 65536.0);
+  // The next iteration, with grads: stepped as usual.
+  set_grads(frozen.params, 1.f);
+  scaler.scale(torch::ones({}));
+  scaler.step(fused);
+  scaler.update();
+  EXPECT_FALSE(bitwise_equal(frozen.params[0].detach(), before));
+}
+
 TEST(GradScalerMisuse, BadGradsAreRefusedAndNothingIsWritten) {
   Model m = make_params({{4}, {6}}, torch::kFloat, 4);
   torch::optim::SGD opt(m.params, 0.1);
