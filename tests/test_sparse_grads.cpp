@@ -396,6 +396,33 @@ TEST_P(SparseGradTest, SgdRefusesSparseGradsWithWeightDecayAndDenseGradsOnASpars
   EXPECT_TRUE(bitwise_equal(table.detach(), table_before));
 }
 
+// With nesterov, a sparse grad on a dense momentum buffer (kept by earlier
+// dense grads): torch::optim::SGD fails adding the dense buffer to the
+// sparse grad; FusedSGD refuses the step before anything is written (it
+// failed in the launch, after the other parameters had been updated).
+TEST_P(SparseGradTest, SgdNesterovRefusesASparseGradOnADenseBufferAndChangesNothing) {
+  const auto opts = torch::TensorOptions().device(device_);
+  torch::Tensor dense = torch::randn({9}, opts).requires_grad_(), table = torch::randn({10, 2}, opts).requires_grad_();
+  dense.mutable_grad() = torch::randn_like(dense);
+  table.mutable_grad() = torch::randn_like(table);
+  ampfuse::FusedSGD opt({dense, table}, torch::optim::SGDOptions(0.1).momentum(0.9).nesterov(true));
+  opt.step();
+  table.mutable_grad() = sparse_grad(table, 4, torch::kFloat);
+  const auto before = dense.detach().clone(), table_before = table.detach().clone();
+  const auto buffer = [&](const torch::Tensor& p) {
+    return static_cast<const torch::optim::SGDParamState&>(*opt.state().at(p.unsafeGetTensorImpl()))
+        .momentum_buffer()
+        .clone();
+  };
+  const auto dense_buf = buffer(dense), table_buf = buffer(table);
+  ampfuse_test::expect_step_refused(opt, "FusedSGD: param group 0, param 1: the grad is sparse, nesterov is on and "
+                                         "the momentum buffer is dense");
+  EXPECT_TRUE(bitwise_equal(dense.detach(), before));
+  EXPECT_TRUE(bitwise_equal(table.detach(), table_before));
+  EXPECT_TRUE(bitwise_equal(buffer(dense), dense_buf));
+  EXPECT_TRUE(bitwise_equal(buffer(table), table_buf));
+}
+
 INSTANTIATE_TEST_SUITE_P(All, SparseGradTest, ::testing::Values(SparseCase{"cpu", ""}, SparseCase{"cuda", ""}),
                          [](const ::testing::TestParamInfo<SparseCase>& info) { return info.param.device; });
 

@@ -197,6 +197,10 @@ sdk::Launch FusedSGD::prepare_sparse(const sdk::Entry& e) {
     const at::Tensor& flag = state->momentum_initialized();
     // A dense buffer that no step has filled yet (CUDA) counts as none: this step makes it.
     first = !state->momentum_buffer().defined() || (flag.defined() && flag.item<float>() == 0.f);
+    TORCH_CHECK(first || !o.nesterov() || state->momentum_buffer().is_sparse(), name(), ": param group ", e.group,
+                ", param ", e.index,
+                ": the grad is sparse, nesterov is on and the momentum buffer is dense (kept by earlier dense "
+                "grads); torch::optim::SGD cannot add a dense buffer to a sparse grad either (sparse + dense)");
   }
   const sdk::Entry* entry = &e;  // the step's entries outlive its launches
   return [entry, state, first, lr = o.lr(), momentum = o.momentum(), dampening = o.dampening(),
