@@ -669,22 +669,52 @@ at::Tensor ZeroOptimizer::step(LossClosure closure) {
   else adopt_moved_params();
   copy_options_to_inner();
   note_writes_from_outside();
-  inner_->step();
+  step_inner(nullptr);
   gather_params();
   return {};
+}
+
+// The wrapped optimizer's step, agreed with the other ranks between its
+// validation and its first write: what it refuses on this rank's pieces
+// alone (a parameter that only this shard holds) every rank refuses,
+// before any rank writes or waits in the gather. A wrapped optimizer that
+// does not offer ScalerAware::step_checked steps after an agreement that
+// only covers what refusal() checks.
+void ZeroOptimizer::step_inner(const StepSignals* signals) {
+  auto* aware = dynamic_cast<ScalerAware*>(inner_.get());
+  bool agreed = false;
+  try {
+    if (aware && aware->step_checked(signals, [&] {
+          agreed = true;
+          agree({}, nullptr);
+        }))
+      return;
+  } catch (const c10::Error& e) {
+    if (agreed) throw;  // every rank refuses (or this one failed after the agreement)
+    agree(e.what_without_backtrace(), nullptr);
+  } catch (const std::exception& e) {
+    if (agreed) throw;
+    agree(e.what(), nullptr);
+  }
+  agree({}, nullptr);
+  if (signals) aware->step_with_signals(*signals);
+  else inner_->step();
 }
 
 void ZeroOptimizer::step_with_signals(const StepSignals& signals) {
   TORCH_CHECK(grads_reduced_, kWhere,
               "step_with_signals before reduce_grads(): GradScaler calls prepare_grads() first; "
               "anything else must call reduce_grads()");
-  agree(refusal(), nullptr);
+  // Agreed once on every rank: here where this rank refuses, else in step_inner.
+  const std::string refused = refusal();
+  if (!refused.empty()) agree(refused, nullptr);
   adopt_moved_params();
   copy_options_to_inner();
   note_writes_from_outside();
-  if (auto* aware = dynamic_cast<ScalerAware*>(inner_.get())) {
-    aware->step_with_signals(signals);
+  if (dynamic_cast<ScalerAware*>(inner_.get()) != nullptr) {
+    step_inner(&signals);
   } else {
+    agree({}, nullptr);
     // PyTorch's classic path on the shard: one host read, unscale in place, step.
     double found = 0.0;
     for (const auto& [device, signal] : signals.all()) found += signal.found_inf.item<float>();

@@ -732,6 +732,37 @@ TEST(ZeroOptimizer, ARefusalOnOneRankIsEveryRanksBeforeAnythingIsWritten) {
   });
 }
 
+// The wrapped optimizer refusing what only some ranks' shards hold (master
+// weights asked for on an fp32 parameter, whose piece is on one rank only):
+// every rank refuses before any rank writes or waits in the gather, with
+// and without GradScaler.
+TEST(ZeroOptimizer, AWrappedOptimizerRefusingOneRanksPiecesRefusesOnEveryRank) {
+  for (const bool scaled : {false, true}) {
+    SCOPED_TRACE(scaled ? "GradScaler::step" : "step");
+    on_ranks(2, [&](int, const Group& pg) {
+      auto a = torch::zeros({8}).requires_grad_();
+      auto b = torch::zeros({256}, torch::kBFloat16).requires_grad_();
+      auto opt = ZeroOptimizer::make<ampfuse::FusedAdam>({a, b}, torch::optim::AdamOptions(0.1), pg, {},
+                                                         ampfuse::FusedAdamOptions().master_weights(true));
+      a.mutable_grad() = torch::ones({8});
+      b.mutable_grad() = torch::ones({256}, torch::kBFloat16);
+      ampfuse::GradScaler scaler(ampfuse::GradScalerOptions().init_scale(1.0));
+      const auto start = std::chrono::steady_clock::now();
+      const std::string e = error_of([&] {
+        if (!scaled) return void(opt->step());
+        scaler.scale(torch::ones({}));
+        scaler.step(*opt);
+      });
+      EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(15));  // the timeout is 30 s
+      EXPECT_TRUE(e.find("master_weights") != std::string::npos || e.find("of 2 refused the step") != std::string::npos)
+          << e;
+      EXPECT_TRUE(bitwise_equal(b.detach(), torch::zeros({256}, torch::kBFloat16)));
+      EXPECT_TRUE(bitwise_equal(a.detach(), torch::zeros({8})));
+      EXPECT_EQ(opt->inner().state().size(), 0u);
+    }, std::chrono::milliseconds(30000));
+  }
+}
+
 // Grads reduced and then replaced before a step (a loop that clipped, did not
 // step, and zeroed the grads; grads set anew after reduce_grads) are reduced
 // again: the step reads the new grads.

@@ -97,6 +97,14 @@ class ScalerAware {
   virtual bool step_with_grads_check(const StepSignals& /*signals*/, const std::function<void()>& /*check_grads*/) {
     return false;
   }
+  /// Optional: step() (signals null) or step_with_signals(*signals), calling
+  /// `check` once after validating the parameters, grads and state and
+  /// before anything is written, as step_with_grads_check does; should it
+  /// throw, the step writes nothing and rethrows. A sharded optimizer agrees
+  /// there with the other ranks that every rank can step
+  /// (distributed::ZeroOptimizer). Returns false, having done nothing, where
+  /// the optimizer does not offer this (the default).
+  virtual bool step_checked(const StepSignals* /*signals*/, const std::function<void()>& /*check*/) { return false; }
   /// Names the grads that the optimizer's last step read, or the one in
   /// progress once it has validated them: while it stays the same (and not
   /// 0), the optimizer has the same parameters in the same order, each with

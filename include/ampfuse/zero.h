@@ -224,6 +224,7 @@ class ZeroOptimizer : public torch::optim::Optimizer, public ScalerAware {
   std::string refusal() const;
   void agree(const std::string& refusal, std::vector<std::int32_t>* flags);
   bool grads_replaced_since_reduced() const;
+  void step_inner(const StepSignals* signals);
   void record_versions();
   void connect_tensor_sums();
   std::vector<std::vector<Span>> spans_of_rank(int rank, int world) const;

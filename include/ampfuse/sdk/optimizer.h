@@ -399,6 +399,13 @@ CheckpointLayout read_checkpoint_layout(torch::serialize::InputArchive& archive,
 /// for check_state to refuse.
 void lay_out_saved_state(torch::serialize::InputArchive& archive, const at::Tensor& p);
 
+/// A master copy (fp32) loaded for `param`, with every element that `param`
+/// does not round to taken from `param`: the parameter was written after
+/// the step that saved the master (weights loaded, a layer re-initialized),
+/// or holds weights of another point of the run than the optimizer's
+/// checkpoint. `master` itself where the parameter rounds from all of it.
+at::Tensor master_following(const at::Tensor& master, const at::Tensor& param);
+
 /// Runs read(), which reads part of a checkpoint (a State's or an Options'
 /// serialize()), and turns what it throws into a c10::Error that names
 /// `name`, the group, the parameter (none when index is kNoIndex), `what`
@@ -918,6 +925,12 @@ class FusedOptimizer : public Base, public ScalerAware {
   /// update (ScalerAware::step_with_grads_check).
   bool step_with_grads_check(const StepSignals& signals, const std::function<void()>& check_grads) override {
     run_step(&signals, &check_grads);
+    return true;
+  }
+  /// step() or step_with_signals() with a check between validation and
+  /// update (ScalerAware::step_checked).
+  bool step_checked(const StepSignals* signals, const std::function<void()>& check) override {
+    run_step(signals, &check);
     return true;
   }
   /// The grads of the step plan (ScalerAware::grads_id): a new id whenever
