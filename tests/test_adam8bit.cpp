@@ -1117,6 +1117,17 @@ TEST(Adam8Refusals, NameTheGroupTheParameterAndTheProblemAndChangeNothing) {
     ampfuse_test::expect_step_refused(dbl, "param group 0, param 1: moments_8bit asked for on a Double parameter");
     EXPECT_TRUE(dbl.state().empty());
   }
+  {
+    // amsgrad set after a step, which keeps the step plan: refused too, with nothing written.
+    ampfuse::FusedAdam opt({p}, torch::optim::AdamOptions(1e-2), opts8);
+    opt.step();
+    static_cast<torch::optim::AdamOptions&>(opt.param_groups()[0].options()).amsgrad(true);
+    const auto before = p.detach().clone();
+    const std::string state_before = saved(opt);
+    ampfuse_test::expect_step_refused(opt, "param group 0: amsgrad with moments_8bit");
+    EXPECT_TRUE(bitwise_equal(p.detach(), before));
+    EXPECT_EQ(saved(opt), state_before);
+  }
   // Damaged checkpoints: refused, naming the key; the state stays as it was.
   ampfuse::FusedAdam opt({p}, torch::optim::AdamOptions(1e-2), opts8);
   opt.step();

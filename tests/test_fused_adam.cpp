@@ -663,6 +663,41 @@ TEST(FusedAdamMaster, CheckpointKeepsTheMasterAndRefusesFp32) {
   EXPECT_TRUE(bad.state().empty());
 }
 
+// A torch::optim::AdamW checkpoint of bf16 parameters keeps bf16 moments;
+// loaded with master_weights (fp32 moments) they are converted, as
+// torch::optim steps moments of any dtype, and a checkpoint of those fp32
+// moments loads back into torch::optim::AdamW. Both were refused.
+TEST(FusedAdamMaster, LibTorchCheckpointsOfBf16ParametersLoadBothWays) {
+  const auto seed = ampfuse_test::seed_for_test();
+  torch::manual_seed(seed);
+  torch::Tensor a = torch::randn({100}).to(torch::kBFloat16).requires_grad_();
+  torch::optim::AdamW ref({a}, torch::optim::AdamWOptions(1e-3));
+  for (int s = 0; s < 3; ++s) {
+    a.mutable_grad() = torch::randn({100}).to(torch::kBFloat16);
+    ref.step();
+  }
+  std::stringstream file;
+  torch::save(ref, file);
+  torch::Tensor b = a.detach().clone().requires_grad_();
+  ampfuse::FusedAdamW fused({b}, torch::optim::AdamWOptions(1e-3), ampfuse::FusedAdamOptions().master_weights(true));
+  torch::load(fused, file);
+  const auto& want = static_cast<const torch::optim::AdamParamState&>(*ref.state().at(a.unsafeGetTensorImpl()));
+  const auto& got = static_cast<const torch::optim::AdamParamState&>(*fused.state().at(b.unsafeGetTensorImpl()));
+  EXPECT_EQ(got.exp_avg().scalar_type(), torch::kFloat);
+  EXPECT_TRUE(bitwise_equal(got.exp_avg(), want.exp_avg().to(torch::kFloat)));
+  EXPECT_TRUE(bitwise_equal(got.exp_avg_sq(), want.exp_avg_sq().to(torch::kFloat)));
+  b.mutable_grad() = torch::randn({100}).to(torch::kBFloat16);
+  fused.step();
+  std::stringstream back;
+  torch::save(fused, back);
+  torch::Tensor c = b.detach().clone().requires_grad_();
+  torch::optim::AdamW again({c}, torch::optim::AdamWOptions(1e-3));
+  torch::load(again, back);
+  c.mutable_grad() = torch::randn({100}).to(torch::kBFloat16);
+  again.step();
+  EXPECT_TRUE(torch::isfinite(c.detach().to(torch::kFloat)).all().item<bool>());
+}
+
 TEST_P(FusedAdamMasterTest, Bf16MomentsStayCloseToFp32) {
   const auto seed = ampfuse_test::seed_for_test();
   torch::manual_seed(seed);

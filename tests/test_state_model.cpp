@@ -312,6 +312,43 @@ TEST_P(StateModelTest, FusedAdamLoadedMasterStandsForTheParameterAsItIsAtLoad) {
   EXPECT_TRUE(bitwise_equal(q.detach(), written)) << "a loaded master undid weights written after the load";
 }
 
+// A master that its parameter does not round to (weights written after the
+// step that saved it, or weights of another point of the run than the
+// optimizer's checkpoint) gives way to the parameter at load, element by
+// element: with lr 0 the next step leaves the weights as they are. It was
+// kept, and the step wrote the old weights back.
+template <class Opt, class State, class... Args>
+void expect_loaded_master_follows_the_weights(torch::Tensor p, const Args&... args) {
+  Opt opt({p}, args...);
+  fill_grads(opt);
+  opt.step();
+  const torch::Tensor written = torch::randn_like(p) * 3;
+  {
+    torch::NoGradGuard no_grad;
+    p.copy_(written);
+  }
+  std::stringstream archive;
+  torch::save(opt, archive);  // its master is from before the write
+  Opt resumed({p}, args...);
+  torch::load(resumed, archive);
+  const auto& st = static_cast<const State&>(*resumed.state().begin()->second);
+  EXPECT_TRUE(bitwise_equal(st.master().to(p.scalar_type()), written));
+  resumed.param_groups()[0].options().set_lr(0.0);
+  fill_grads(resumed);
+  resumed.step();
+  EXPECT_TRUE(bitwise_equal(p.detach(), written)) << "a loaded master undid weights written before the save";
+}
+
+TEST_P(StateModelTest, ALoadedMasterGivesWayToWeightsItDoesNotRoundTo) {
+  for (auto dtype : {torch::kHalf, torch::kBFloat16}) {
+    SCOPED_TRACE(ampfuse_test::dtype_name(dtype));
+    expect_loaded_master_follows_the_weights<ampfuse::FusedAdam, ampfuse::FusedAdamParamState>(
+        param({300}, dtype), torch::optim::AdamOptions(1e-2), ampfuse::FusedAdamOptions().master_weights(true));
+    expect_loaded_master_follows_the_weights<ampfuse::FusedLAMB, ampfuse::FusedLAMBParamState>(
+        param({300}, dtype), ampfuse::FusedLAMBOptions(1e-2).master_weights(true));
+  }
+}
+
 // A checkpoint of an earlier ampfuse kept the master copies under top-level
 // keys, one per parameter: they are still read.
 TEST_P(StateModelTest, FusedAdamReadsMasterCopiesOfEarlierCheckpoints) {
@@ -330,6 +367,10 @@ TEST_P(StateModelTest, FusedAdamReadsMasterCopiesOfEarlierCheckpoints) {
   out.save_to(archive);
 
   auto q = param({129}, torch::kBFloat16);
+  {
+    torch::NoGradGuard no_grad;
+    q.copy_(p);  // the weights the master stands for (otherwise the weights win, element by element)
+  }
   ampfuse::FusedAdam resumed({q}, torch::optim::AdamOptions(1e-2), fused);
   torch::serialize::InputArchive in;
   in.load_from(archive);

@@ -685,6 +685,15 @@ bool fits_storage(c10::IntArrayRef sizes, c10::IntArrayRef strides, std::int64_t
   return low >= 0 && high < limit && (high + 1) * itemsize <= static_cast<__int128>(nbytes);
 }
 
+at::Tensor master_following(const at::Tensor& master, const at::Tensor& param) {
+  if (!master.defined() || master.sizes() != param.sizes() || master.device() != param.device()) return master;
+  const at::Tensor rounded = master.to(param.scalar_type());
+  if (at::equal(rounded, param)) return master;
+  at::Tensor fresh = at::empty_like(master);  // its layout (check_state took it)
+  fresh.copy_(at::where(rounded == param, master, param.to(at::kFloat)));
+  return fresh;
+}
+
 void lay_out_saved_state(torch::serialize::InputArchive& archive, const at::Tensor& p) {
   std::vector<std::pair<std::string, c10::IValue>> fields;
   bool changed = false;

@@ -284,6 +284,22 @@ template <class Base, class Options, class State, bool kDecoupled>
 void FusedAdamImpl<Base, Options, State, kDecoupled>::load_extra(torch::serialize::InputArchive& archive,
                                                                  const at::Tensor& p, std::size_t g, std::size_t i,
                                                                  State& state) {
+  // Moments in fp32 where these options keep fp16 or bf16 ones, or the
+  // reverse (a torch::optim::Adam checkpoint of bf16 parameters, whose
+  // moments are bf16, loaded with master_weights, which keeps fp32 moments):
+  // converted, as torch::optim steps moments of any dtype. (Double moments
+  // for a parameter that is not Double stay refused, by check_state.)
+  const c10::ScalarType want = state_dtype(p, fused_);
+  const auto converted = [&](const at::Tensor& t) {
+    const bool convert = t.defined() && t.layout() == at::kStrided && at::isReducedFloatingType(want) !=
+                             at::isReducedFloatingType(t.scalar_type()) &&
+                         (t.scalar_type() == at::kFloat || want == at::kFloat) && t.sizes() == p.sizes() &&
+                         t.device() == p.device();
+    return convert ? t.to(want) : t;
+  };
+  state.exp_avg(converted(state.exp_avg()));
+  state.exp_avg_sq(converted(state.exp_avg_sq()));
+  state.max_exp_avg_sq(converted(state.max_exp_avg_sq()));
   // Checkpoints written before the master copy moved into the state keep it
   // under a top-level key per parameter (check_state validates it).
   at::Tensor saved;
@@ -301,8 +317,10 @@ std::vector<std::string> FusedAdamImpl<Base, Options, State, kDecoupled>::saved_
 
 template <class Base, class Options, class State, bool kDecoupled>
 void FusedAdamImpl<Base, Options, State, kDecoupled>::after_load(const at::Tensor& param, State& state) {
-  // The loaded master stands for the parameter as it is now: a write into
+  // The loaded master stands for the parameter as it is now (where the
+  // parameter does not round to it, the parameter's values): a write into
   // the parameter after this load (weights loaded next) refreshes it.
+  if (state.master().defined()) state.master(sdk::master_following(state.master(), param));
   state.master_version(param._version());
   // The moments as these options keep them: coded or decoded once, here.
   const bool want = coded_8bit(param) && param.scalar_type() != at::kDouble;
@@ -375,6 +393,10 @@ sdk::Launch FusedAdamImpl<Base, Options, State, kDecoupled>::prepare_list(const 
 
   std::shared_ptr<AdamKept<State>> kept = pl.slot.get<AdamKept<State>>();
   const bool fresh = kept == nullptr || kept->amsgrad != o.amsgrad();
+  // (check_entries refuses it when the plan is made; an option set since
+  // keeps the plan, so it is refused here too, before anything is made)
+  TORCH_CHECK(!(o.amsgrad() && fused_.moments_8bit()), name(), ": param group ", pl.group,
+              ": amsgrad with moments_8bit; 8-bit moments have no max_exp_avg_sq (turn one of them off)");
   if (fresh) {
     AdamKept<State> k;
     k.amsgrad = o.amsgrad();

@@ -251,6 +251,7 @@ void FusedLAMB::end_step(const StepSignals* signals) {
 
 void FusedLAMB::after_load(const at::Tensor& param, FusedLAMBParamState& state) {
   // The loaded master stands for the parameter as it is now (as FusedAdam's).
+  if (state.master().defined()) state.master(sdk::master_following(state.master(), param));
   state.master_version(param._version());
 }
 
