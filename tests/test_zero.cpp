@@ -761,6 +761,28 @@ TEST(ZeroOptimizer, AWrappedOptimizerRefusingOneRanksPiecesRefusesOnEveryRank) {
       EXPECT_EQ(opt->inner().state().size(), 0u);
     }, std::chrono::milliseconds(30000));
   }
+  // Refused while preparing the lists (an option set after a step keeps the
+  // plan, so the optimizer finds it there), on the rank that holds that
+  // group's pieces only: agreed too.
+  on_ranks(2, [&](int, const Group& pg) {
+    auto a = torch::zeros({4}).requires_grad_(), b = torch::zeros({1000}).requires_grad_();
+    std::vector<torch::optim::OptimizerParamGroup> groups;
+    groups.emplace_back(std::vector<torch::Tensor>{a});
+    groups.emplace_back(std::vector<torch::Tensor>{b});
+    auto opt = ZeroOptimizer::make<ampfuse::FusedAdam>(groups, torch::optim::AdamOptions(0.1), pg, {},
+                                                       ampfuse::FusedAdamOptions().moments_8bit(true));
+    a.mutable_grad() = torch::ones({4});
+    b.mutable_grad() = torch::ones({1000});
+    opt->step();
+    static_cast<torch::optim::AdamOptions&>(opt->param_groups()[0].options()).amsgrad(true);
+    const torch::Tensor a_before = a.detach().clone(), b_before = b.detach().clone();
+    const std::string e = error_of([&] { opt->step(); });
+    EXPECT_TRUE(e.find("amsgrad with moments_8bit") != std::string::npos ||
+                e.find("of 2 refused the step") != std::string::npos)
+        << e;
+    EXPECT_TRUE(bitwise_equal(a.detach(), a_before));
+    EXPECT_TRUE(bitwise_equal(b.detach(), b_before));
+  }, std::chrono::milliseconds(30000));
 }
 
 // Grads reduced and then replaced before a step (a loop that clipped, did not

@@ -98,9 +98,9 @@ class ScalerAware {
     return false;
   }
   /// Optional: step() (signals null) or step_with_signals(*signals), calling
-  /// `check` once after validating the parameters, grads and state and
-  /// before anything is written, as step_with_grads_check does; should it
-  /// throw, the step writes nothing and rethrows. A sharded optimizer agrees
+  /// `check` once after everything that can refuse the step (validating the
+  /// parameters, grads, state and options, making state) and before anything
+  /// is written; should it throw, the step writes nothing and rethrows. A sharded optimizer agrees
   /// there with the other ranks that every rank can step
   /// (distributed::ZeroOptimizer). Returns false, having done nothing, where
   /// the optimizer does not offer this (the default).

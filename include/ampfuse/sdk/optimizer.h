@@ -930,7 +930,7 @@ class FusedOptimizer : public Base, public ScalerAware {
   /// step() or step_with_signals() with a check between validation and
   /// update (ScalerAware::step_checked).
   bool step_checked(const StepSignals* signals, const std::function<void()>& check) override {
-    run_step(signals, &check);
+    run_step(signals, nullptr, &check);
     return true;
   }
   /// The grads of the step plan (ScalerAware::grads_id): a new id whenever
@@ -1254,7 +1254,11 @@ class FusedOptimizer : public Base, public ScalerAware {
     return ref;
   }
 
-  void run_step(const StepSignals* signals, const std::function<void()>* check_grads = nullptr) {
+  // check_grads: GradScaler's check, after validation and before found_inf
+  // is read; before_writes: after everything that can refuse the step
+  // (preparing every list included), before the first write.
+  void run_step(const StepSignals* signals, const std::function<void()>* check_grads = nullptr,
+                const std::function<void()>* before_writes = nullptr) {
     at::NoGradGuard no_grad;
     const StateStamp stamp{[](const void* self, const torch::optim::OptimizerParamState& st) {
                              return typeid(st) == typeid(State)
@@ -1333,6 +1337,7 @@ class FusedOptimizer : public Base, public ScalerAware {
                                                   match == PlanMatch::kGradsMoved}));
       }
       for (const Entry& e : plan_sparse_) launches.push_back(prepare_sparse(e));
+      if (before_writes) (*before_writes)();
     } catch (...) {
       for (auto it = undo_.rbegin(); it != undo_.rend(); ++it) (*it)();
       undo_.clear();
