@@ -484,21 +484,25 @@ at::Tensor clip_sharded_grads(const std::vector<at::Tensor>& params, double max_
 }  // namespace
 
 at::Tensor GradScaler::clip_grad_norm_(torch::optim::Optimizer& optimizer, double max_norm, double norm_type) {
-  TORCH_CHECK(norm_type == 2.0, "GradScaler::clip_grad_norm_: only norm_type 2 is fused, got ", norm_type,
-              "; for other norms call unscale_(optimizer) and then torch::nn::utils::clip_grad_norm_");
+  const auto only_norm_2 = [&] {
+    TORCH_CHECK(norm_type == 2.0, "GradScaler::clip_grad_norm_: only norm_type 2 is fused, got ", norm_type,
+                "; for other norms call unscale_(optimizer) and then torch::nn::utils::clip_grad_norm_");
+  };
   if (!options_.enabled()) {
-    // torch::nn::utils::clip_grad_norm_ over the grads the step reads: a
-    // sharded optimizer's reduced shard (prepare_grads), with the squares
-    // summed across its ranks.
+    // torch::nn::utils::clip_grad_norm_ over the grads the step reads (any
+    // norm_type): a sharded optimizer's reduced shard (prepare_grads), with
+    // the squares summed across its ranks (norm 2 only).
     auto* aware = dynamic_cast<ScalerAware*>(&optimizer);
+    c10d::ProcessGroup* sharded = aware ? aware->grads_sharded_over() : nullptr;
+    if (sharded) only_norm_2();
     if (aware) aware->prepare_grads();
     std::vector<at::Tensor> params;
     for (auto& group : optimizer.param_groups())
       for (auto& p : group.params()) params.push_back(p);
-    c10d::ProcessGroup* sharded = aware ? aware->grads_sharded_over() : nullptr;
     if (!sharded) return at::full({}, torch::nn::utils::clip_grad_norm_(params, max_norm, norm_type), at::kFloat);
     return clip_sharded_grads(params, max_norm, *sharded);
   }
+  only_norm_2();
   require_scale("clip_grad_norm_");
   OptimizerState& state = state_of(optimizer);
   TORCH_CHECK(state.stage != Stage::kStepped, "clip_grad_norm_() is being called after step().");

@@ -548,6 +548,25 @@ TEST(GradScaler, DisabledIsAPassThrough) {
   archive << scaler;  // writes nothing
 }
 
+// A disabled scaler's clip_grad_norm_ is torch::nn::utils::clip_grad_norm_,
+// for any norm_type (only the enabled scaler's fused pass is norm 2); it
+// refused every norm but 2.
+TEST(GradScaler, DisabledClipsByAnyNormAsLibTorch) {
+  for (const double norm_type : {1.0, 2.0, 3.5, std::numeric_limits<double>::infinity()}) {
+    SCOPED_TRACE(norm_type);
+    Model ours = make_params({{4, 3}, {5}}, torch::kFloat, 8), ref = make_params({{4, 3}, {5}}, torch::kFloat, 8);
+    set_grads(ours.params, 2.f);
+    for (std::size_t i = 0; i < ours.params.size(); ++i) ref.params[i].mutable_grad() = ours.params[i].grad().clone();
+    torch::optim::SGD opt(ours.params, 0.1);
+    ampfuse::GradScaler scaler(ampfuse::GradScalerOptions().enabled(false));
+    const double norm = scaler.clip_grad_norm_(opt, 1.5, norm_type).item<double>();
+    const double want = torch::nn::utils::clip_grad_norm_(ref.params, 1.5, norm_type);
+    EXPECT_EQ(norm, static_cast<double>(static_cast<float>(want)));
+    for (std::size_t i = 0; i < ours.params.size(); ++i)
+      EXPECT_TRUE(bitwise_equal(ours.params[i].grad(), ref.params[i].grad()));
+  }
+}
+
 // ---------------------------------------------------------------- several optimizers
 
 TEST(GradScaler, TwoOptimizersOnlyTheInfOneSkipsAndScaleBacksOffOnce) {
