@@ -681,8 +681,8 @@ TEST(FusedAdamMaster, LibTorchCheckpointsOfBf16ParametersLoadBothWays) {
   torch::Tensor b = a.detach().clone().requires_grad_();
   ampfuse::FusedAdamW fused({b}, torch::optim::AdamWOptions(1e-3), ampfuse::FusedAdamOptions().master_weights(true));
   torch::load(fused, file);
-  const auto& want = static_cast<const torch::optim::AdamParamState&>(*ref.state().at(a.unsafeGetTensorImpl()));
-  const auto& got = static_cast<const torch::optim::AdamParamState&>(*fused.state().at(b.unsafeGetTensorImpl()));
+  const auto& want = static_cast<const torch::optim::AdamWParamState&>(*ref.state().at(a.unsafeGetTensorImpl()));
+  const auto& got = static_cast<const torch::optim::AdamWParamState&>(*fused.state().at(b.unsafeGetTensorImpl()));
   EXPECT_EQ(got.exp_avg().scalar_type(), torch::kFloat);
   EXPECT_TRUE(bitwise_equal(got.exp_avg(), want.exp_avg().to(torch::kFloat)));
   EXPECT_TRUE(bitwise_equal(got.exp_avg_sq(), want.exp_avg_sq().to(torch::kFloat)));
