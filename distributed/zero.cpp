@@ -674,8 +674,8 @@ at::Tensor ZeroOptimizer::step(LossClosure closure) {
   return {};
 }
 
-// The wrapped optimizer's step, agreed with the other ranks between its
-// validation and its first write: what it refuses on this rank's pieces
+// The wrapped optimizer's step, agreed with the other ranks after it has
+// prepared everything and before its first write: what it refuses on this rank's pieces
 // alone (a parameter that only this shard holds) every rank refuses,
 // before any rank writes or waits in the gather. A wrapped optimizer that
 // does not offer ScalerAware::step_checked steps after an agreement that

@@ -927,8 +927,8 @@ class FusedOptimizer : public Base, public ScalerAware {
     run_step(&signals, &check_grads);
     return true;
   }
-  /// step() or step_with_signals() with a check between validation and
-  /// update (ScalerAware::step_checked).
+  /// step() or step_with_signals() with a check after every list is
+  /// prepared and before the first write (ScalerAware::step_checked).
   bool step_checked(const StepSignals* signals, const std::function<void()>& check) override {
     run_step(signals, nullptr, &check);
     return true;
