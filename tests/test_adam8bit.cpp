@@ -568,6 +568,55 @@ TEST_P(Adam8, SkippedStepChangesNothingAndScaledGradsStepAsUnscaled) {
   }
 }
 
+// A finite grad above about 5.8e20 makes (1 - beta2) * g * g overflow: the
+// element's second moment is inf, as in fp32 Adam. Its block keeps the
+// largest finite fp32 value as absmax (the inf codes as 1.0 of it), so the
+// block stays finite: before, its absmax was NaN and all 256 elements of the
+// block (parameters included) were NaN from then on. Each step is the scalar
+// rule bit for bit (the lanes code an inf y as the rule does), the other
+// blocks are those of a step without the large grad, and a later step with
+// ordinary grads stays finite.
+TEST_P(Adam8, AnOverflowingSecondMomentSaturatesItsBlockInsteadOfMakingItNaN) {
+  using namespace ampfuse::fused;
+  const std::int64_t n = 3 * 256 + 4096, hot = 256 + 17;  // the large grad lands in block 1
+  auto p = torch::randn({n}).requires_grad_();
+  auto q = p.detach().clone().requires_grad_();  // the same steps without the large grad
+  ampfuse::FusedAdamW opt({p}, torch::optim::AdamWOptions(1e-2), ampfuse::FusedAdamOptions().moments_8bit(true));
+  ampfuse::FusedAdamW twin({q}, torch::optim::AdamWOptions(1e-2), ampfuse::FusedAdamOptions().moments_8bit(true));
+  const AdamHyperT<float> hyper = make_adam_hyper(1e-2, 0.9, 0.999, 1e-8, 1e-2, false, false, true).as<float>();
+  const float kMax = std::numeric_limits<float>::max();
+  std::size_t elements = 0;
+  for (std::int64_t step = 1; step <= 4; ++step) {
+    SCOPED_TRACE("step " + std::to_string(step));
+    const auto g = torch::randn({n}) * 1e-3;
+    const auto g_hot = g.clone();
+    if (step <= 2) g_hot[hot] = step == 1 ? 1e21f : -3e30f;  // both square past fp32's range
+    p.mutable_grad() = g_hot;
+    q.mutable_grad() = g.clone();
+    const torch::Tensor before = p.detach().clone();
+    const Coded8State coded = state_before_step(opt, p, step);
+    opt.step();
+    twin.step();
+    ASSERT_TRUE(torch::isfinite(p).all().item<bool>());
+    const Coded8State st = coded_state(opt, p, true);
+    ASSERT_TRUE(torch::isfinite(st.absmax_m).all().item<bool>());
+    ASSERT_TRUE(torch::isfinite(st.absmax_v).all().item<bool>());
+    const auto scalars = adam_step_scalars(1e-2, 0.9, 0.999, static_cast<double>(step));
+    ASSERT_NO_FATAL_FAILURE(expect_scalar_rule(before, g_hot, coded, p, st, hyper,
+                                               static_cast<float>(scalars.neg_step_size),
+                                               adam8_inv_bc2_sqrt(scalars.bias_correction2_sqrt), 1.0f, elements));
+    if (step <= 2) EXPECT_EQ(st.absmax_v[1].item<float>(), kMax);
+    // Every block but block 1 is the twin's, bit for bit.
+    const Coded8State tw = coded_state(twin, q, true);
+    for (std::int64_t b : {std::int64_t{0}, std::int64_t{2}, std::int64_t{3}, quant_blocks(n) - 1}) {
+      const auto range = [&](const torch::Tensor& t) { return t.narrow(0, b * 256, std::min<std::int64_t>(256, n - b * 256)); };
+      EXPECT_TRUE(bitwise_equal(range(p), range(q))) << "block " << b;
+      EXPECT_TRUE(bitwise_equal(range(st.codes_v), range(tw.codes_v))) << "block " << b;
+      EXPECT_TRUE(bitwise_equal(st.absmax_v[b], tw.absmax_v[b])) << "block " << b;
+    }
+  }
+}
+
 TEST_P(Adam8, SmallTensorsKeep32BitMomentsAndMasterWeightsStepAsFp32) {
   // Below 4096 elements: 32-bit moments, stepped exactly as FusedAdam without the option.
   auto small = torch::randn({4095}).requires_grad_(), big = torch::randn({4096}).requires_grad_();
@@ -1142,6 +1191,11 @@ TEST(Adam8Refusals, NameTheGroupTheParameterAndTheProblemAndChangeNothing) {
   };
   const std::vector<std::pair<std::function<void(ampfuse::FusedAdamParamState&)>, std::string>> cases = {
       {[](auto& s) { s.exp_avg_sq_absmax()[3] = -1.0f; }, "exp_avg_sq_absmax holds -1 at block 3; an absmax is never negative"},
+      // NaN decoded all 256 moments of its block, and then their parameters, to NaN; a step never keeps inf.
+      {[](auto& s) { s.exp_avg_sq_absmax()[3] = std::numeric_limits<float>::quiet_NaN(); },
+       "exp_avg_sq_absmax holds nan at block 3; an absmax is finite"},
+      {[](auto& s) { s.exp_avg_absmax()[7] = std::numeric_limits<float>::infinity(); },
+       "exp_avg_absmax holds inf at block 7; an absmax is finite"},
       {[](auto& s) { s.exp_avg_absmax(s.exp_avg_absmax().narrow(0, 0, 5).clone()); }, "exp_avg_absmax has shape [5]"},
       {[](auto& s) { s.exp_avg_sq_absmax(at::Tensor()); }, "exp_avg_sq_absmax is missing"},
       {[](auto& s) { s.exp_avg_8bit(s.exp_avg_8bit().to(torch::kFloat)); }, "exp_avg_8bit has shape [5000], dtype Float"},

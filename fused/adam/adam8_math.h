@@ -41,6 +41,9 @@
 // rounding to the nearest code, ties to the even code.
 // A block whose absmax is 0, or below 2^-126 (an fp32 subnormal; only when
 // subnormals are kept) codes every element as 0 and keeps absmax 0.
+// A block holding an inf (a second moment that overflowed fp32) keeps the
+// largest finite fp32 value as absmax: the inf codes as 1.0 of it
+// (stored_absmax). A block holding a NaN keeps absmax NaN.
 
 #include <cstdint>
 #include <cstring>
@@ -216,17 +219,27 @@ AMPFUSE_HOST_DEVICE float decode8(std::uint8_t byte, float absmax) {
   return Map::kSignedMap && (byte & 0x80u) != 0 ? -v : v;
 }
 
-/// The absmax a block keeps, from the largest |x| in it (NaN when any is NaN).
+/// The largest finite fp32 value: the absmax of a block whose largest |x| is
+/// inf (a second moment past fp32's range, from a finite grad above about
+/// 5.8e20: (1 - beta2) * g * g overflows). The inf codes as the largest code,
+/// value(kOne) = 1, and decodes to this: the block stays finite, and its other
+/// elements code against it as against any large absmax (NaN as absmax would
+/// turn all 256 elements NaN for good, where fp32 Adam keeps one inf moment).
+constexpr std::uint32_t kSaturatedAbsmaxBits = 0x7F7FFFFFu;
+
+/// The absmax a block keeps, from the largest |x| in it (NaN when any is
+/// NaN, the largest finite fp32 value when it is inf).
 AMPFUSE_HOST_DEVICE float stored_absmax(float max_abs) {
+  if (max_abs > 3.4028234663852886e38f) return quant_bits_float(kSaturatedAbsmaxBits);  // inf
   return codes_all_zero(max_abs) ? 0.0f : max_abs;
 }
 
 /// The same from the largest bits of |x| over the block (the kernels reduce
 /// bits: for non-negative floats the integer order is the float order, and
-/// inf / NaN, 0x7F800000 and above, come after every finite value): NaN when
-/// any value is not finite.
+/// inf (0x7F800000) and NaN (above it) come after every finite value).
 AMPFUSE_HOST_DEVICE float absmax_from_bits(std::uint32_t max_abs_bits) {
-  if (max_abs_bits >= 0x7F800000u) return quant_bits_float(0x7FC00000u);
+  if (max_abs_bits > 0x7F800000u) return quant_bits_float(0x7FC00000u);
+  if (max_abs_bits == 0x7F800000u) return quant_bits_float(kSaturatedAbsmaxBits);
   return stored_absmax(quant_bits_float(max_abs_bits));
 }
 
