@@ -546,6 +546,21 @@ void ZeroOptimizer::adopt_moved_params() {
     }
 }
 
+namespace {
+
+// Whether the group's CUDA collectives run on NCCL, which averages as it
+// reduces (ReduceOp::AVG); Gloo refuses AVG.
+bool reduces_with_nccl(c10d::ProcessGroup& group) {
+  try {
+    const auto backend = group.getBackend(c10::DeviceType::CUDA);
+    return backend && backend->getBackendName() == "nccl";
+  } catch (const c10::Error&) {
+    return false;  // no backend for CUDA tensors
+  }
+}
+
+}  // namespace
+
 void ZeroOptimizer::reduce_grads() {
   const at::NoGradGuard no_grad;
   // Validate every grad, and agree with the other ranks, before the first write.
@@ -569,26 +584,45 @@ void ZeroOptimizer::reduce_grads() {
   agree(refused, skip ? &has_grad : nullptr);
   if (!skip) std::fill(has_grad.begin(), has_grad.end(), 1);
   adopt_moved_params();
+  // The mean as DDP takes it, each rank's grad divided by the world size
+  // before the sum, so that a sum the grads' dtype cannot hold (fp16 grads
+  // above 32768 on two ranks) does not overflow where the mean would not.
+  // All-reduce buckets divide while copying a grad in, or in place where the
+  // grad already is the bucket's view (every grad then holds the ranks'
+  // mean, as after DDP); reduce-scatter buckets leave the grads as backward
+  // made them: NCCL averages as it reduces (ReduceOp::AVG, which
+  // pre-multiplies each rank's part), and Gloo, which has no AVG, sums and
+  // the shard is divided after.
+  const bool average = options_.average_grads() && process_group_->getSize() > 1;
+  const at::Scalar world = static_cast<std::int64_t>(process_group_->getSize());
   for (const Bucket& b : buckets_)
     for (std::size_t m = 0; m < b.members.size(); ++m) {
       const at::Tensor& g = params_[b.members[m]].grad();
-      if (!g.defined()) b.grad_views[m].zero_();
-      else if (g.data_ptr() != b.grad_views[m].data_ptr() || !g.is_contiguous()) b.grad_views[m].copy_(g);
+      at::Tensor view = b.grad_views[m];  // the same tensor (div_out takes a non-const reference)
+      const bool divide = average && b.all_reduce;
+      if (!g.defined()) {
+        view.zero_();
+      } else if (g.data_ptr() == view.data_ptr() && g.is_contiguous()) {
+        if (divide) view.div_(world);
+      } else if (divide) {
+        at::div_out(view, g, world);
+      } else {
+        view.copy_(g);
+      }
     }
-  const bool average = options_.average_grads() && process_group_->getSize() > 1;
   for (Bucket& b : buckets_) {
     if (b.all_reduce) {
       std::vector<at::Tensor> buffer{b.flat_grad};
       collective(*process_group_, "reduce_grads", [&] { return process_group_->allreduce(buffer); });
-      if (average) b.flat_grad.div_(process_group_->getSize());  // every grad the mean, as after DDP
       continue;
     }
+    const bool nccl_average = average && b.flat_grad.is_cuda() && reduces_with_nccl(*process_group_);
     collective(*process_group_, "reduce_grads", [&] {
       c10d::ReduceScatterOptions opts;
-      opts.reduceOp = c10d::ReduceOp::SUM;
+      opts.reduceOp = nccl_average ? c10d::ReduceOp::AVG : c10d::ReduceOp::SUM;
       return process_group_->_reduce_scatter_base(b.shard_grad, b.flat_grad, opts);
     });
-    if (average) b.shard_grad.div_(process_group_->getSize());
+    if (average && !nccl_average) b.shard_grad.div_(world);
   }
   set_piece_grads(has_grad);
   reduced_grads_.resize(params_.size());

@@ -133,10 +133,11 @@ inline std::vector<std::string> check_zero_rank(const Model& model, int rank, in
     const float scale = static_cast<float>(scaler.get_scale());
     for (std::size_t k = 0; k < params.size(); ++k) {
       torch::Tensor g = model.grads[s][k] * scale;
-      if (mean_here) {  // what the ranks' all-reduce makes of `world` copies
-        torch::Tensor sum = g.clone();
-        for (int r = 1; r < world; ++r) sum += g;
-        g = world > 1 ? sum / world : sum;
+      if (mean_here && world > 1) {  // what the ranks' mean makes of `world` copies: each divided, then summed
+        const torch::Tensor part = g / world;
+        torch::Tensor sum = part.clone();
+        for (int r = 1; r < world; ++r) sum += part;
+        g = sum;
       }
       params[k].mutable_grad() = g;
     }

@@ -95,7 +95,12 @@ std::vector<Kind> kinds() {
 
 // The parameters' shapes and dtypes. Grads are whole multiples of 1/64
 // below grad_bound / 64 in magnitude, times the scale, so that the ranks'
-// sum is exact in any order (in bf16 too with grad_bound 32).
+// sum is exact in any order (in bf16 too with grad_bound 32). Where the
+// world size is not a power of two, they are also multiples of its odd
+// part, so that each rank's grad divided by the world size (as ZeroOptimizer
+// and DDP take the mean) is exact too, and the mean is the same whether the
+// grads are divided before the sum or the sum after (a reduce-scatter on
+// Gloo sums first).
 struct Model {
   std::vector<std::vector<std::int64_t>> shapes;
   std::vector<torch::Dtype> dtypes;
@@ -134,15 +139,17 @@ Scenario make_scenario(std::uint64_t seed, int world, int inf_step = 3, int step
   s.steps = steps;
   torch::manual_seed(seed);
   const auto& shapes = model.shapes;
+  int odd_part = world;
+  while (odd_part % 2 == 0) odd_part /= 2;
+  const int bound = std::max(1, model.grad_bound / odd_part);  // multiples of odd_part below grad_bound
   for (std::size_t i = 0; i < shapes.size(); ++i) s.init.push_back(torch::randn(shapes[i], model.dtypes[i]));
   for (int step = 0; step < s.steps; ++step) {
     std::vector<std::vector<torch::Tensor>> per_rank;
     for (int r = 0; r < world; ++r) {
       std::vector<torch::Tensor> g;
       for (std::size_t i = 0; i < shapes.size(); ++i) {
-        torch::Tensor t = torch::randint(1 - model.grad_bound, model.grad_bound, shapes[i],
-                                         torch::TensorOptions().dtype(model.dtypes[i])) *
-                          (kScale / 64.0);
+        torch::Tensor t = torch::randint(1 - bound, bound, shapes[i], torch::TensorOptions().dtype(model.dtypes[i])) *
+                          (kScale / 64.0 * odd_part);
         if (i == 2 && step == s.none_step) t = torch::Tensor();
         if (i == 5 && step == s.rank0_step && r != 0) t = torch::Tensor();
         if (i == 1 && step == s.inf_step && r == world - 1) t[3] = std::numeric_limits<float>::infinity();
@@ -170,6 +177,20 @@ std::vector<torch::Tensor> fresh_params(const Scenario& s) {
 
 bool contains(const std::vector<int>& v, int x) { return std::find(v.begin(), v.end(), x) != v.end(); }
 
+// The ranks' mean of parameter i's grads at a step, as ZeroOptimizer takes
+// it (each divided by the world size, then summed; exact for the scenarios'
+// grads): undefined where no rank has one.
+torch::Tensor mean_of(const Scenario& s, int step, std::size_t i) {
+  torch::Tensor sum;
+  for (int r = 0; r < s.world; ++r) {
+    const auto& g = s.grads[step][r][i];
+    if (!g.defined()) continue;
+    const torch::Tensor part = s.world > 1 ? g / s.world : g.clone();
+    sum = sum.defined() ? sum + part : part;
+  }
+  return sum;
+}
+
 // One process, the whole model, the averaged grads: the parameters after each step.
 std::vector<std::vector<torch::Tensor>> reference(const Scenario& s, const Kind& k) {
   auto params = fresh_params(s);
@@ -178,13 +199,7 @@ std::vector<std::vector<torch::Tensor>> reference(const Scenario& s, const Kind&
   std::vector<std::vector<torch::Tensor>> trace;
   for (int step = 0; step < s.steps; ++step) {
     for (std::size_t i = 0; i < params.size(); ++i) {
-      torch::Tensor sum;
-      for (int r = 0; r < s.world; ++r) {
-        const auto& g = s.grads[step][r][i];
-        if (g.defined()) sum = sum.defined() ? sum + g : g.clone();
-      }
-      if (sum.defined() && s.world > 1) sum.div_(s.world);
-      params[i].mutable_grad() = sum;
+      params[i].mutable_grad() = mean_of(s, step, i);
     }
     scaler.scale(torch::ones({}));
     if (contains(s.clip_steps, step)) scaler.clip_grad_norm_(*opt, 0.5);
@@ -234,7 +249,11 @@ void expect_zero_matches_one_process(const Kind& k, int world, std::uint64_t see
                                      step < *std::min_element(s.clip_steps.begin(), s.clip_steps.end()));
       for (std::size_t i = 0; i < params.size(); ++i) {
         EXPECT_TRUE(close_or_equal(params[i].detach(), expected[step][i], exact))
-            << k.name << ", world " << world << ", rank " << rank << ", step " << step << ", parameter " << i;
+            << k.name << ", world " << world << ", rank " << rank << ", step " << step << ", parameter " << i
+            << (options.collectives() == ampfuse::distributed::ZeroCollectives::kReduceScatter ? ", reduce-scatter"
+                : options.collectives() == ampfuse::distributed::ZeroCollectives::kAllReduceBroadcast
+                    ? ", all-reduce + broadcast"
+                    : "");
         if (step == s.inf_step) EXPECT_TRUE(bitwise_equal(params[i].detach(), before[i])) << "skipped step wrote";
       }
     }
@@ -300,12 +319,7 @@ TEST(ZeroOptimizer, DisabledScalerClipsByTheGlobalNorm) {
       auto params = fresh_params(s);
       auto opt = k.whole(groups_of(params, k));
       for (int step = 0; step < s.steps; ++step) {
-        for (std::size_t i = 0; i < params.size(); ++i) {
-          torch::Tensor sum;
-          for (int r = 0; r < world; ++r)
-            if (s.grads[step][r][i].defined()) sum = sum.defined() ? sum + s.grads[step][r][i] : s.grads[step][r][i].clone();
-          params[i].mutable_grad() = sum.defined() ? sum.div_(world) : sum;
-        }
+        for (std::size_t i = 0; i < params.size(); ++i) params[i].mutable_grad() = mean_of(s, step, i);
         norms.push_back(off.clip_grad_norm_(*opt, 0.5).item<double>());
         off.step(*opt);
         std::vector<torch::Tensor> now;
@@ -532,6 +546,42 @@ TEST(ZeroOptimizer, StepsWithoutAScalerAndWithEmptyShards) {
         opt->step();
       }
       EXPECT_TRUE(bitwise_equal(p.detach(), whole.detach())) << "world " << world << ", rank " << rank;
+    });
+  }
+}
+
+// The mean is taken as DDP takes it: each rank's grad divided by the world
+// size before the sum. fp16 grads of 40000 on two ranks (a scaled grad; fp16
+// holds up to 65504) average to 40000, where a sum first would be inf and the
+// scaler would skip the step and back off. Both ways a grad that is a view of
+// the bucket (after zero_grad(false)) and a grad that is copied into it.
+TEST(ZeroOptimizer, GradsAreDividedBeforeTheyAreSummedAsDdpDoes) {
+  for (const bool views : {false, true}) {
+    on_ranks(2, [&](int, const Group& pg) {
+      auto p = torch::zeros({40}, torch::kHalf).requires_grad_();
+      auto opt = ZeroOptimizer::make<ampfuse::FusedSGD>({p}, torch::optim::SGDOptions(1e-4), pg);
+      ampfuse::GradScaler scaler(ampfuse::GradScalerOptions().init_scale(4096.0));
+      for (int step = 0; step < 2; ++step) {
+        opt->zero_grad(/*set_to_none=*/!views);
+        if (!p.grad().defined()) p.mutable_grad() = torch::zeros_like(p);
+        p.mutable_grad().add_(40000.0);  // 9.765625 unscaled
+        scaler.scale(torch::ones({}));
+        opt->reduce_grads();
+        EXPECT_TRUE(bitwise_equal(p.grad(), torch::full({40}, 40000.0, torch::kHalf))) << "views " << views;
+        scaler.step(*opt);
+        EXPECT_FALSE(scaler.last_step_skipped(*opt)) << "views " << views << ", step " << step;
+        scaler.update();
+      }
+      EXPECT_EQ(scaler.get_scale(), 4096.0);
+      // Two steps of SGD at lr 1e-4 on a grad of 40000 / 4096, in fp16.
+      auto q = torch::zeros({40}, torch::kHalf).requires_grad_();
+      torch::optim::SGD ref({q}, torch::optim::SGDOptions(1e-4));
+      for (int step = 0; step < 2; ++step) {
+        q.mutable_grad() = torch::full({40}, 40000.0 / 4096, torch::kHalf);
+        ref.step();
+      }
+      EXPECT_TRUE(torch::allclose(p.detach().to(torch::kFloat), q.detach().to(torch::kFloat), 1e-3, 1e-6))
+          << "views " << views;
     });
   }
 }

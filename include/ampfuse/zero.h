@@ -67,8 +67,9 @@ enum class ZeroCollectives {
 struct ZeroOptions {
   ZeroOptions() = default;
   TORCH_ARG(ZeroCollectives, collectives) = ZeroCollectives::kAuto;
-  /// Divide the grads summed across ranks by the world size (the mean, as
-  /// data parallelism averages); false keeps the sum.
+  /// Average the grads across ranks: each rank's grad is divided by the
+  /// world size before the sum, as DDP takes the mean (fp16 grads whose sum
+  /// would overflow average without inf); false keeps the sum.
   TORCH_ARG(bool, average_grads) = true;
   /// A parameter that has no grad on any rank is left out of the update, as
   /// torch::optim leaves it out. Deciding it takes one all-reduce of a flag
