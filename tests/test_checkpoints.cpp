@@ -835,6 +835,70 @@ TEST_F(CheckpointTest, GradScalerLoadsTheScalesUpdateCanMake) {
   }
 }
 
+// Values the LibTorch optimizers' constructors refuse are refused at load
+// too, naming the group and the option (LAMB's own checks likewise), and
+// change nothing: loaded, a NaN lr made every parameter NaN at the next step.
+TEST_F(CheckpointTest, OptionValuesTheConstructorsRefuseAreRefusedAtLoad) {
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  struct Case {
+    Kind kind;
+    std::string key;
+    c10::IValue value;
+    std::string expected;
+  };
+  const std::vector<Case> cases = {
+      {Kind::kAdam, "lr", c10::IValue(nan), "FusedAdam: param group 1 of the checkpoint: invalid lr nan"},
+      {Kind::kAdam, "betas", c10::IValue(std::make_tuple(2.0, -1.0)), "invalid betas[0] 2"},
+      {Kind::kAdam, "eps", c10::IValue(-1.0), "invalid eps -1"},
+      {Kind::kAdamWMaster, "weight_decay", c10::IValue(nan), "FusedAdamW: param group 1 of the checkpoint: invalid weight_decay nan"},
+      {Kind::kSGD, "lr", c10::IValue(-1.0), "FusedSGD: param group 1 of the checkpoint: invalid lr -1"},
+      {Kind::kSGD, "nesterov", c10::IValue(true), "nesterov with momentum 0.9 and dampening 0"},
+      {Kind::kAdagrad, "lr_decay", c10::IValue(nan), "FusedAdagrad: param group 1 of the checkpoint: invalid lr_decay nan"},
+      {Kind::kAdagrad, "initial_accumulator_value", c10::IValue(-0.5), "invalid initial_accumulator_value -0.5"},
+      {Kind::kRMSprop, "alpha", c10::IValue(nan), "FusedRMSprop: param group 1 of the checkpoint: invalid alpha nan"},
+      {Kind::kRMSprop, "momentum", c10::IValue(-0.5), "invalid momentum -0.5"},
+      {Kind::kLAMB, "lr", c10::IValue(nan), "FusedLAMB: param group 1: invalid lr nan"},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(kind_name(c.kind) + " " + c.key);
+    const std::string bytes = stepped(c.kind, seed_, 2).save();
+    Tree tree = read_tree(bytes);
+    Tree& group = *tree.find("param_groups")->sub->find("param_groups/1")->sub;
+    Tree::Item* item = group.find("options")->sub->find(c.key);
+    ASSERT_NE(item, nullptr);
+    item->value = c.value;
+    Rig victim = stepped(c.kind, seed_ + 3, 2);
+    const Snapshot before = snapshot(victim);
+    if (c.key == "nesterov") {
+      // SGD's nesterov with dampening: the saved momentum is 0.9, so make the dampening refuse it.
+      group.find("options")->sub->find("dampening")->value = c10::IValue(0.5);
+      expect_refused(*victim.opt, write_tree(tree), {"nesterov with momentum 0.9 and dampening 0.5"});
+    } else {
+      expect_refused(*victim.opt, write_tree(tree), {c.expected});
+    }
+    EXPECT_TRUE(same(before, snapshot(victim)));
+  }
+}
+
+// A LAMB step count that is not a whole number from 0 (NaN, negative,
+// fractional, infinite) is refused at load, naming the parameter: NaN and
+// negative counts made every parameter NaN at the next step.
+TEST_F(CheckpointTest, LambStepCountsThatAreNotWholeNumbersAreRefused) {
+  const std::string bytes = stepped(Kind::kLAMB, seed_, 2).save();
+  for (double step : {std::numeric_limits<double>::quiet_NaN(), -3.0, 2.5, std::numeric_limits<double>::infinity()}) {
+    SCOPED_TRACE(step);
+    Tree tree = read_tree(bytes);
+    Tree::Item* item = state_tree(tree, 1, 0).find("step");
+    ASSERT_NE(item, nullptr);
+    item->tensor = torch::full({1}, step, torch::kDouble);
+    Rig victim = stepped(Kind::kLAMB, seed_ + 3, 2);
+    const Snapshot before = snapshot(victim);
+    expect_refused(*victim.opt, write_tree(tree),
+                   {"FusedLAMB: param group 1, param 0: state step is", "it counts steps: a whole number from 0"});
+    EXPECT_TRUE(same(before, snapshot(victim)));
+  }
+}
+
 TEST_F(CheckpointTest, GradScalerRefusesWhatDoesNotFitAndChangesNothing) {
   ampfuse::GradScaler source(ampfuse::GradScalerOptions().init_scale(1024.0).growth_interval(4));
   source.scale(torch::ones({}));

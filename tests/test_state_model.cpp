@@ -241,6 +241,20 @@ void expect_master_follows_external_writes(Opt& opt, torch::Tensor p) {
   opt.step();
   EXPECT_TRUE(bitwise_equal(p.detach(), written)) << "the master copy undid a write made from outside";
 
+  // p.set_data(t) gives the parameter other memory and leaves its version
+  // counter alone (as a model's weights swapped for loaded ones): the master
+  // follows it too, on this step and on the next one after a second swap.
+  for (int swap = 0; swap < 2; ++swap) {
+    const torch::Tensor swapped = torch::randn_like(p) * 2;
+    {
+      torch::NoGradGuard no_grad;
+      p.set_data(swapped.clone());
+    }
+    fill_grads(opt);
+    opt.step();
+    EXPECT_TRUE(bitwise_equal(p.detach(), swapped)) << "the master copy undid p.set_data(), swap " << swap;
+  }
+
   // state().clear() starts over: a fresh master from the parameter, even for
   // a write the version counter cannot show (through .data()).
   const torch::Tensor unseen = torch::randn_like(p);

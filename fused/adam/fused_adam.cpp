@@ -56,7 +56,7 @@ void recode_version1(at::Tensor& codes, at::Tensor& absmax, Moment8 which) {
     return;
   const bool is_signed = which == Moment8::kExpAvg;
   const at::Tensor c = codes.cpu(), a = absmax.cpu().contiguous();
-  if ((a < 0).any().item<bool>()) return;  // damaged: check_codes refuses it
+  if (!(a >= 0).all().item<bool>() || !a.isfinite().all().item<bool>()) return;  // damaged: check_codes refuses it
   at::Tensor values = at::empty_like(c, c.options().dtype(at::kFloat), at::MemoryFormat::Preserve);
   const std::uint8_t* cp = c.data_ptr<std::uint8_t>();
   const float* ap = a.data_ptr<float>();
@@ -167,7 +167,7 @@ void decode_moments(State& s, c10::ScalarType dtype) {
 }
 
 void check_codes(const at::Tensor& codes, const at::Tensor& absmax, const at::Tensor& p, const char* name,
-                 const char* codes_key, const char* absmax_key, std::size_t g, std::size_t i) {
+                 const char* codes_key, const char* absmax_key, std::size_t g, std::size_t i, bool loading) {
   sdk::check_required_state_tensor(codes, p, at::kByte, name, codes_key, g, i);
   TORCH_CHECK(absmax.defined(), name, ": param group ", g, ", param ", i, ": state ", absmax_key, " is missing (", codes_key,
               " is there; a damaged checkpoint?)");
@@ -177,12 +177,21 @@ void check_codes(const at::Tensor& codes, const at::Tensor& absmax, const at::Te
               name, ": param group ", g, ", param ", i, ": state ", absmax_key, " has shape ", absmax.sizes(), ", dtype ",
               absmax.scalar_type(), " on ", absmax.device(), " but ", name, " keeps it contiguous with shape [", blocks,
               "], dtype Float on ", p.device(), " (one per 256 elements)");
-  // A negative absmax would decode a negative second moment (and its sqrt to NaN).
-  if (absmax.is_cpu()) {
-    const float* a = absmax.data_ptr<float>();
-    for (std::int64_t b = 0; b < blocks; ++b)
+  // A negative absmax would decode a negative second moment (and its sqrt to
+  // NaN). A loaded one must also be finite: a step keeps the largest finite
+  // fp32 value for an inf (fused/adam/adam8_math.h), and a NaN one decodes
+  // its 256 moments, and then their parameters, to NaN (read at load only,
+  // where waiting for a CUDA tensor costs nothing).
+  if (absmax.is_cpu() || loading) {
+    const at::Tensor host = absmax.cpu();
+    const float* a = host.data_ptr<float>();
+    for (std::int64_t b = 0; b < blocks; ++b) {
       TORCH_CHECK(!(a[b] < 0.0f), name, ": param group ", g, ", param ", i, ": state ", absmax_key, " holds ", a[b],
                   " at block ", b, "; an absmax is never negative (a damaged checkpoint?)");
+      TORCH_CHECK(!loading || std::isfinite(a[b]), name, ": param group ", g, ", param ", i, ": state ", absmax_key,
+                  " holds ", a[b], " at block ", b,
+                  "; an absmax is finite (a damaged checkpoint, or moments made NaN by NaN grads?)");
+    }
   }
 }
 
@@ -241,14 +250,28 @@ const char* FusedAdamImpl<Base, Options, State, kDecoupled>::name() const {
 template <class Base, class Options, class State, bool kDecoupled>
 void FusedAdamImpl<Base, Options, State, kDecoupled>::check_state(const at::Tensor& p, const State& st,
                                                                   std::size_t g, std::size_t i) const {
+  check_adam_state(p, st, g, i, /*loading=*/false);
+}
+
+template <class Base, class Options, class State, bool kDecoupled>
+void FusedAdamImpl<Base, Options, State, kDecoupled>::check_loaded_state(const at::Tensor& p, const State& st,
+                                                                         std::size_t g, std::size_t i) const {
+  check_adam_state(p, st, g, i, /*loading=*/true);
+}
+
+template <class Base, class Options, class State, bool kDecoupled>
+void FusedAdamImpl<Base, Options, State, kDecoupled>::check_adam_state(const at::Tensor& p, const State& st,
+                                                                       std::size_t g, std::size_t i,
+                                                                       bool loading) const {
   const c10::ScalarType dtype = state_dtype(p, fused_);
   sdk::check_state_step(st.step(), name(), g, i);
   if (holds_coded(st)) {
     // 8-bit moments (of this optimizer, or of a checkpoint: the step codes or decodes them as its options ask).
     TORCH_CHECK(!st.exp_avg().defined() && !st.exp_avg_sq().defined(), name(), ": param group ", g, ", param ", i,
                 ": state holds both exp_avg and exp_avg_8bit; it keeps one or the other (a damaged checkpoint?)");
-    check_codes(st.exp_avg_8bit(), st.exp_avg_absmax(), p, name(), "exp_avg_8bit", "exp_avg_absmax", g, i);
-    check_codes(st.exp_avg_sq_8bit(), st.exp_avg_sq_absmax(), p, name(), "exp_avg_sq_8bit", "exp_avg_sq_absmax", g, i);
+    check_codes(st.exp_avg_8bit(), st.exp_avg_absmax(), p, name(), "exp_avg_8bit", "exp_avg_absmax", g, i, loading);
+    check_codes(st.exp_avg_sq_8bit(), st.exp_avg_sq_absmax(), p, name(), "exp_avg_sq_8bit", "exp_avg_sq_absmax", g, i,
+                loading);
   } else {
     sdk::check_required_state_tensor(st.exp_avg(), p, dtype, name(), "exp_avg", g, i);
     sdk::check_required_state_tensor(st.exp_avg_sq(), p, dtype, name(), "exp_avg_sq", g, i);
@@ -322,6 +345,7 @@ void FusedAdamImpl<Base, Options, State, kDecoupled>::after_load(const at::Tenso
   // the parameter after this load (weights loaded next) refreshes it.
   if (state.master().defined()) state.master(sdk::master_following(state.master(), param));
   state.master_version(param._version());
+  sdk::set_master_source(state, reinterpret_cast<std::uintptr_t>(param.const_data_ptr()));
   // The moments as these options keep them: coded or decoded once, here.
   const bool want = coded_8bit(param) && param.scalar_type() != at::kDouble;
   if (want && !holds_coded(state)) code_moments(state);

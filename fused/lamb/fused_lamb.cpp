@@ -167,6 +167,17 @@ void FusedLAMB::check_state(const at::Tensor& p, const FusedLAMBParamState& st, 
               ": state step must be a Double tensor of one element on the parameter's device");
 }
 
+void FusedLAMB::check_loaded_state(const at::Tensor& p, const FusedLAMBParamState& st, std::size_t g,
+                                   std::size_t i) const {
+  check_state(p, st, g, i);
+  // A count of steps: a whole number from 0 (NaN, a negative or an infinite
+  // count made every parameter NaN at the next step). Read at load only: on
+  // CUDA the read waits for the device.
+  const double step = st.step().item<double>();
+  TORCH_CHECK(step >= 0 && step <= 9007199254740992.0 && step == std::floor(step), name(), ": param group ", g,
+              ", param ", i, ": state step is ", step, "; it counts steps: a whole number from 0 to 2^53");
+}
+
 void FusedLAMB::check_entries(const std::vector<sdk::Entry>& entries) const {
   for (std::size_t g = 0; g < param_groups().size(); ++g) check_options(options_of(g), g);
   for (const sdk::Entry& e : entries)
@@ -253,6 +264,7 @@ void FusedLAMB::after_load(const at::Tensor& param, FusedLAMBParamState& state) 
   // The loaded master stands for the parameter as it is now (as FusedAdam's).
   if (state.master().defined()) state.master(sdk::master_following(state.master(), param));
   state.master_version(param._version());
+  sdk::set_master_source(state, reinterpret_cast<std::uintptr_t>(param.const_data_ptr()));
 }
 
 namespace {

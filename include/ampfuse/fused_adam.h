@@ -88,6 +88,11 @@ struct FusedAdamParamStateT : BaseState, sdk::PooledState {
   /// parameter was written from outside since, the next step refreshes the
   /// master from it.
   TORCH_ARG(std::int64_t, master_version) = 0;
+  /// The address of the parameter's data when master last matched it (0:
+  /// not known yet, as after load()): a parameter given other memory since
+  /// (`p.set_data(t)`, which leaves its version counter alone) refreshes the
+  /// master too. Not saved.
+  TORCH_ARG(std::uintptr_t, master_source) = 0;
   /// moments_8bit: the codes of exp_avg and exp_avg_sq (uint8, the
   /// parameter's shape and strides) and each one's absmax per block of 256
   /// elements in storage order (fp32, 1-D). Defined together, in place of
@@ -161,6 +166,9 @@ class FusedAdamImpl : public sdk::FusedOptimizer<Base, Options, State>, public s
   const char* name() const override;
   bool takes_float64() const override { return true; }
   void check_state(const at::Tensor& param, const State& state, std::size_t group, std::size_t index) const override;
+  /// check_state, and 8-bit absmax values that are finite.
+  void check_loaded_state(const at::Tensor& param, const State& state, std::size_t group,
+                          std::size_t index) const override;
   void check_entries(const std::vector<sdk::Entry>& entries) const override;
   sdk::Launch prepare_list(const sdk::ParamList& list) override;
   void after_load(const at::Tensor& param, State& state) override;
@@ -174,6 +182,9 @@ class FusedAdamImpl : public sdk::FusedOptimizer<Base, Options, State>, public s
   /// Whether a parameter's moments are 8-bit under these options (decided
   /// on its whole tensor's numel).
   bool coded_8bit(const at::Tensor& param) const;
+  /// check_state's and check_loaded_state's checks.
+  void check_adam_state(const at::Tensor& param, const State& state, std::size_t group, std::size_t index,
+                        bool loading) const;
 
   FusedAdamOptions fused_;
   std::unique_ptr<FusedAdamWorkspace> workspace_;

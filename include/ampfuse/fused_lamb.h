@@ -80,6 +80,9 @@ struct FusedLAMBParamState : public torch::optim::OptimizerCloneableParamState<F
   /// The parameter's version counter when master last matched it (see
   /// FusedOptimizer::prepare_master). Not saved.
   TORCH_ARG(std::int64_t, master_version) = 0;
+  /// The address of the parameter's data when master last matched it (0:
+  /// not known yet); see FusedAdamParamStateT::master_source. Not saved.
+  TORCH_ARG(std::uintptr_t, master_source) = 0;
 
  public:
   void serialize(torch::serialize::InputArchive& archive) override;
@@ -108,6 +111,9 @@ class FusedLAMB : public sdk::FusedOptimizer<torch::optim::Optimizer, FusedLAMBO
   bool takes_float64() const override { return true; }
   void check_state(const at::Tensor& param, const FusedLAMBParamState& state, std::size_t group,
                    std::size_t index) const override;
+  /// check_state, and a step count that is a whole number from 0.
+  void check_loaded_state(const at::Tensor& param, const FusedLAMBParamState& state, std::size_t group,
+                          std::size_t index) const override;
   void check_entries(const std::vector<sdk::Entry>& entries) const override;
   void begin_step(const std::vector<const sdk::Entry*>& entries, const StepSignals* signals) override;
   sdk::Launch prepare_list(const sdk::ParamList& list) override;

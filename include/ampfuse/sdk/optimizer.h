@@ -56,8 +56,13 @@
 #include <c10/core/impl/COWDeleter.h>
 #include <c10/util/Exception.h>
 #include <c10/util/ParallelGuard.h>
+#include <torch/optim/adagrad.h>
+#include <torch/optim/adam.h>
+#include <torch/optim/adamw.h>
 #include <torch/optim/optimizer.h>
+#include <torch/optim/rmsprop.h>
 #include <torch/optim/serialize.h>
+#include <torch/optim/sgd.h>
 #include <torch/serialize/archive.h>
 
 #include <cstddef>
@@ -73,6 +78,7 @@
 #include <string>
 #include <tuple>
 #include <typeinfo>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -413,6 +419,21 @@ at::Tensor master_following(const at::Tensor& master, const at::Tensor& param);
 constexpr std::size_t kNoIndex = ~std::size_t{0};
 void read_checkpoint_part(torch::serialize::InputArchive& archive, const char* name, std::size_t group,
                           std::size_t index, const char* what, const std::function<void()>& read);
+
+/// Throws, naming `name` and the group, when options read from a checkpoint
+/// hold a value that the LibTorch optimizer's constructor refuses (a
+/// negative or NaN lr, betas outside [0, 1), a negative eps, weight decay,
+/// momentum, alpha, lr_decay or initial accumulator value; nesterov without
+/// momentum or with dampening): load() refuses what construction refuses.
+/// Options of other types (an SDK user's) are not checked here: their
+/// optimizer checks them in check_entries, which load() calls.
+void check_loaded_options(const torch::optim::AdamOptions& o, const char* name, std::size_t group);
+void check_loaded_options(const torch::optim::AdamWOptions& o, const char* name, std::size_t group);
+void check_loaded_options(const torch::optim::SGDOptions& o, const char* name, std::size_t group);
+void check_loaded_options(const torch::optim::AdagradOptions& o, const char* name, std::size_t group);
+void check_loaded_options(const torch::optim::RMSpropOptions& o, const char* name, std::size_t group);
+template <class Options>
+void check_loaded_options(const Options& /*options*/, const char* /*name*/, std::size_t /*group*/) {}
 
 /// Throws, naming `name`, the group and the key, when a checkpoint's
 /// options archive holds a key that `read` (the options read from it) does
@@ -891,6 +912,28 @@ struct KeptLaunch {
 };
 #endif
 
+/// Whether State keeps `master_source` (FusedOptimizer::prepare_master).
+template <class S, class = void>
+struct HasMasterSource : std::false_type {};
+template <class S>
+struct HasMasterSource<S, std::void_t<decltype(std::declval<S&>().master_source())>> : std::true_type {};
+/// Records the address of the parameter's data the master now matches.
+template <class S>
+void set_master_source(S& state, std::uintptr_t source) {
+  if constexpr (HasMasterSource<S>::value) state.master_source(source);
+}
+/// Whether the parameter's data is at another address than when the master
+/// last matched it (false where that is not known).
+template <class S>
+bool master_source_moved(const S& state, std::uintptr_t source) {
+  if constexpr (HasMasterSource<S>::value) {
+    const std::uintptr_t kept = state.master_source();
+    return kept != 0 && kept != source;
+  } else {
+    return false;
+  }
+}
+
 /// An fp32 master copy kept in State takes the parameter's values (the
 /// launch phase does it for FusedOptimizer::prepare_master).
 template <class S>
@@ -986,6 +1029,7 @@ class FusedOptimizer : public Base, public ScalerAware {
       read_checkpoint_part(layout.options[g], name(), g, kNoIndex, "options",
                            [&] { options[g].serialize(layout.options[g]); });
       check_saved_option_keys(layout.options[g], options[g], name(), g);
+      check_loaded_options(options[g], name(), g);
     }
     const std::vector<std::string> known = saved_state_keys();
     std::remove_reference_t<decltype(this->state())> states;
@@ -1013,7 +1057,7 @@ class FusedOptimizer : public Base, public ScalerAware {
     swap_in();
     try {
       for (const auto& [saved, st] : loaded)
-        check_state(groups[saved->group].params()[saved->index], *st, saved->group, saved->index);
+        check_loaded_state(groups[saved->group].params()[saved->index], *st, saved->group, saved->index);
       check_entries({});
     } catch (...) {
       swap_in();
@@ -1050,6 +1094,13 @@ class FusedOptimizer : public Base, public ScalerAware {
   /// parameters: read only.
   virtual void check_state(const at::Tensor& /*param*/, const State& /*state*/, std::size_t /*group*/,
                            std::size_t /*index*/) const {}
+  /// What load() calls for every state a checkpoint holds: check_state,
+  /// unless overridden to check more, such as values a step reads on the
+  /// device, which check_state must not wait for (a loaded step count).
+  virtual void check_loaded_state(const at::Tensor& param, const State& state, std::size_t group,
+                                  std::size_t index) const {
+    check_state(param, state, group, index);
+  }
   /// No hook below may replace a parameter's grad: the step plan and
   /// grads_id() name the grads validated, and GradScaler checks through them.
   ///
@@ -1217,25 +1268,35 @@ class FusedOptimizer : public Base, public ScalerAware {
   /// step refreshes the master from it once every list is prepared, before the
   /// first launch; the master would otherwise undo that write. Refuses both
   /// under CUDA graph capture.
+  /// Where State also has `master_source` (the address of the parameter's
+  /// data when the two last agreed, 0 when not known), a parameter given
+  /// other memory since (`p.set_data(t)`, which leaves the version counter
+  /// alone) refreshes the master too.
   template <class S>
   void prepare_master(const Entry& e, S& state) {
     const at::Tensor& followed = e.user_param();  // whose version counter the master follows
+    const auto source = reinterpret_cast<std::uintptr_t>(followed.const_data_ptr());
     if (!state.master().defined()) {
       refuse_under_capture(e, name(), "its fp32 master copy");
       undo_on_failure([&state] { state.master(at::Tensor()); });
       state.master(e.param.detach().to(at::kFloat, /*non_blocking=*/false, /*copy=*/true, at::MemoryFormat::Preserve));
       state.master_version(followed._version());
+      set_master_source(state, source);
       return;
     }
-    if (state.master_version() == followed._version()) return;
+    if (state.master_version() == followed._version() && !master_source_moved(state, source)) {
+      set_master_source(state, source);  // where it was not known (after load()): the master matches it
+      return;
+    }
     refuse_under_capture(e, name(), "the refresh of its fp32 master copy (the parameter was written from outside "
                                     "since the last step)");
     // The step's entries outlive its launch phase; a staged parameter's
     // buffer holds its values by now.
     const at::Tensor& param = e.param;
-    stale_masters_.emplace_back([&param, &followed, &state] {
+    stale_masters_.emplace_back([&param, &followed, &state, source] {
       refresh_master(param, state);
       state.master_version(followed._version());
+      set_master_source(state, source);
     });
   }
 
