@@ -4,6 +4,7 @@
 // keep_subnormals(true); and the caller's floating-point mode is restored.
 
 #include <ampfuse/fused_adam.h>
+#include <ampfuse/fused_sgd.h>
 #include <ampfuse/tensor_ops.h>
 
 #include <cfloat>
@@ -110,6 +111,41 @@ TEST_P(Subnormals, AdamOnSubnormalMomentsDiffersOnlyBelowFltMin) {
   const auto& rs = static_cast<const torch::optim::AdamParamState&>(*ref.state().begin()->second);
   EXPECT_LT((s.exp_avg() - rs.exp_avg()).abs().max().item<float>(), FLT_MIN);
   EXPECT_LT((s.exp_avg_sq() - rs.exp_avg_sq()).abs().max().item<float>(), FLT_MIN);
+}
+
+// fp16 NaNs with payloads in the grads (quiet and signaling, either sign):
+// every target writes the same bits into parameters and moments. The
+// baseline's fp16 store wrote 0x7E00 for any NaN where F16C's (avx2, avx512)
+// keeps the payload's top bits.
+TEST(SpecialValues, Fp16NaNPayloadsAreWrittenTheSameByEveryTarget) {
+  ampfuse_test::seed_for_test();
+  const std::vector<std::int16_t> nans = {0x7E01, static_cast<std::int16_t>(0xFE55), 0x7D01, 0x7C01, 0x7FFF};
+  auto run = [&](const std::string& isa) {
+    ampfuse::sdk::cpu::force_isa(isa.c_str());
+    torch::manual_seed(7);
+    auto p = torch::randn({37}).to(torch::kHalf).requires_grad_();
+    auto grad = torch::randn({37}).to(torch::kHalf);
+    auto bits = grad.view(torch::kShort);
+    for (std::size_t k = 0; k < nans.size(); ++k) bits[static_cast<std::int64_t>(5 * k + 1)] = nans[k];
+    auto q = p.detach().clone().requires_grad_();
+    p.mutable_grad() = grad;
+    q.mutable_grad() = grad.clone();
+    ampfuse::FusedAdam adam({p}, torch::optim::AdamOptions(1e-2));
+    ampfuse::FusedSGD sgd({q}, torch::optim::SGDOptions(1e-2).momentum(0.9));
+    adam.step();
+    sgd.step();
+    const auto& st = static_cast<const torch::optim::AdamParamState&>(*adam.state().begin()->second);
+    const auto& buf = static_cast<const ampfuse::FusedSGDParamState&>(*sgd.state().begin()->second).momentum_buffer();
+    ampfuse::sdk::cpu::force_isa("");
+    return std::vector<torch::Tensor>{p.detach().clone(), st.exp_avg().clone(), st.exp_avg_sq().clone(),
+                                      q.detach().clone(), buf.clone()};
+  };
+  const auto want = run("baseline");
+  EXPECT_TRUE(torch::isnan(want[0]).any().item<bool>());
+  for (const std::string& isa : ampfuse::cpu::available_isas())
+    for (std::size_t t = 0; t < want.size(); ++t)
+      EXPECT_TRUE(torch::equal(run(isa)[t].view(torch::kShort), want[t].view(torch::kShort)))  // NaN bits too
+          << isa << ", tensor " << t;
 }
 
 INSTANTIATE_TEST_SUITE_P(All, Subnormals, ::testing::ValuesIn(ampfuse::cpu::available_isas()),

@@ -1,6 +1,7 @@
 // Run-time choice of the CPU kernels' instruction set.
 
 #include <atomic>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <stdexcept>
@@ -47,14 +48,32 @@ constexpr Target kTargets[] = {
 
 // The best supported target, or the one named by AMPFUSE_CPU_ISA (as
 // ATEN_CPU_CAPABILITY does for ATen) when it is compiled in and supported.
+// A name that is not, as ATen does for its variable, is ignored with a
+// warning on stderr naming what is used instead (a silent fallback let a
+// test run of "scalar" run avx512 unnoticed).
 Isa best() {
-  const char* wanted = std::getenv("AMPFUSE_CPU_ISA");
-  if (wanted != nullptr && *wanted != '\0')
-    for (const Target& t : kTargets)
-      if (t.supported() && std::strcmp(wanted, to_string(t.isa)) == 0) return t.isa;
+  Isa found = Isa::kBaseline;
   for (const Target& t : kTargets)
-    if (t.supported()) return t.isa;
-  return Isa::kBaseline;
+    if (t.supported()) {
+      found = t.isa;
+      break;
+    }
+  const char* wanted = std::getenv("AMPFUSE_CPU_ISA");
+  if (wanted == nullptr || *wanted == '\0') return found;
+  std::string names;
+  for (const Target& t : kTargets) {
+    if (std::strcmp(wanted, to_string(t.isa)) == 0) {
+      if (t.supported()) return t.isa;
+      std::fprintf(stderr, "ampfuse: AMPFUSE_CPU_ISA=%s is not supported by this CPU; using %s\n", wanted,
+                   to_string(found));
+      return found;
+    }
+    names += names.empty() ? "" : ", ";
+    names += to_string(t.isa);
+  }
+  std::fprintf(stderr, "ampfuse: AMPFUSE_CPU_ISA=%s names no instruction set compiled in (%s); using %s\n", wanted,
+               names.c_str(), to_string(found));
+  return found;
 }
 
 std::vector<std::string> supported_isa_names() {

@@ -72,7 +72,7 @@ inline float bits_float(u32 u) {
 
 // Scalar conversions with c10's rounding (round to nearest even; bf16 NaN is
 // 0x7FC0). fp16 follows the branch-free algorithm of the FP16 library
-// (M. Dukhan), which c10::Half uses too.
+// (M. Dukhan), which c10::Half uses too, but for NaN payloads (kept, as F16C keeps them).
 [[maybe_unused]] inline float half_to_float(u16 h) {
   const u32 w = static_cast<u32>(h) << 16;
   const u32 sign = w & 0x80000000u;
@@ -91,7 +91,10 @@ inline float bits_float(u32 u) {
   base = bits_float((bias >> 1) + 0x07800000u) + base;
   const u32 bits = float_bits(base);
   const u32 nonsign = ((bits >> 13) & 0x00007C00u) + (bits & 0x00000FFFu);
-  return static_cast<u16>((sign >> 16) | (shl1_w > 0xFF000000u ? 0x7E00u : nonsign));
+  // NaN: quiet, with the top 10 bits of its payload, as F16C's conversion
+  // (the avx2 and avx512 stores) keeps them, so that every target writes the
+  // same bits (c10::Half writes 0x7E00 for any NaN).
+  return static_cast<u16>((sign >> 16) | (shl1_w > 0xFF000000u ? 0x7E00u | ((w >> 13) & 0x03FFu) : nonsign));
 }
 [[maybe_unused]] inline float bf16_to_float(u16 h) { return bits_float(static_cast<u32>(h) << 16); }
 [[maybe_unused]] inline u16 float_to_bf16(float f) {
