@@ -5,6 +5,7 @@
 // see it), master copies that follow writes made from outside, exact device
 // step counters, and the per-(group, device) device scalars.
 
+#include <ATen/ops/_lazy_clone.h>
 #include <ampfuse/fused_adagrad.h>
 #include <ampfuse/fused_adam.h>
 #include <ampfuse/fused_lamb.h>
@@ -253,6 +254,34 @@ void expect_master_follows_external_writes(Opt& opt, torch::Tensor p) {
     fill_grads(opt);
     opt.step();
     EXPECT_TRUE(bitwise_equal(p.detach(), swapped)) << "the master copy undid p.set_data(), swap " << swap;
+  }
+
+  // A copy-on-write snapshot taken between steps (at::_lazy_clone) writes
+  // nothing: the step that materializes the parameter's storage (new data,
+  // the same storage object) keeps the master's extra bits. It refreshed the
+  // master from the rounded parameter when the master followed data addresses.
+  {
+    const torch::Tensor master_before = [&] {
+      for (const auto& [key, st] : opt.state()) {
+        (void)key;
+        if (const auto* a = dynamic_cast<const ampfuse::FusedAdamParamState*>(st.get())) return a->master().clone();
+        if (const auto* l = dynamic_cast<const ampfuse::FusedLAMBParamState*>(st.get())) return l->master().clone();
+      }
+      return torch::Tensor();
+    }();
+    ASSERT_TRUE(master_before.defined());
+    const torch::Tensor snapshot = at::_lazy_clone(p.detach());
+    opt.param_groups()[0].options().set_lr(0.0);
+    fill_grads(opt);
+    opt.step();
+    for (const auto& [key, st] : opt.state()) {
+      (void)key;
+      const auto* a = dynamic_cast<const ampfuse::FusedAdamParamState*>(st.get());
+      const auto* l = dynamic_cast<const ampfuse::FusedLAMBParamState*>(st.get());
+      EXPECT_TRUE(bitwise_equal(a ? a->master() : l->master(), master_before))
+          << "a copy-on-write snapshot refreshed the master";
+    }
+    EXPECT_TRUE(bitwise_equal(snapshot, p.detach()));
   }
 
   // state().clear() starts over: a fresh master from the parameter, even for

@@ -814,21 +814,21 @@ void read_checkpoint_part(torch::serialize::InputArchive& archive, const char* n
 
 namespace {
 
-// The checks of a LibTorch optimizer's constructor, for options read from a
-// checkpoint (`!(x >= 0)` so that NaN is refused too).
-void check_option(bool ok, const char* name, std::size_t group, const char* what, double value,
-                  const char* rule) {
-  TORCH_CHECK(ok, name, ": param group ", group, " of the checkpoint: invalid ", what, " ", value, " (", rule,
-              "; the LibTorch optimizer's constructor refuses it too)");
+// A NaN option read from a checkpoint (`x == x` is false only for NaN).
+// LibTorch's constructors refuse NaN in their defaults; its groups are not
+// checked, so other values a constructor would refuse (a negative lr, nesterov
+// with dampening) can be stepped and saved, and load as LibTorch loads them.
+void check_not_nan(double value, const char* name, std::size_t group, const char* what) {
+  TORCH_CHECK(value == value, name, ": param group ", group, " of the checkpoint: ", what,
+              " is nan (a damaged checkpoint? a step with it would make every parameter NaN)");
 }
 template <class O>
 void check_adam_options(const O& o, const char* name, std::size_t group) {
-  check_option(o.lr() >= 0, name, group, "lr", o.lr(), "it must be >= 0");
-  check_option(o.eps() >= 0, name, group, "eps", o.eps(), "it must be >= 0");
-  const double b1 = std::get<0>(o.betas()), b2 = std::get<1>(o.betas());
-  check_option(b1 >= 0 && b1 < 1, name, group, "betas[0]", b1, "it must be in [0, 1)");
-  check_option(b2 >= 0 && b2 < 1, name, group, "betas[1]", b2, "it must be in [0, 1)");
-  check_option(o.weight_decay() >= 0, name, group, "weight_decay", o.weight_decay(), "it must be >= 0");
+  check_not_nan(o.lr(), name, group, "lr");
+  check_not_nan(o.eps(), name, group, "eps");
+  check_not_nan(std::get<0>(o.betas()), name, group, "betas[0]");
+  check_not_nan(std::get<1>(o.betas()), name, group, "betas[1]");
+  check_not_nan(o.weight_decay(), name, group, "weight_decay");
 }
 
 }  // namespace
@@ -840,27 +840,24 @@ void check_loaded_options(const torch::optim::AdamWOptions& o, const char* name,
   check_adam_options(o, name, group);
 }
 void check_loaded_options(const torch::optim::SGDOptions& o, const char* name, std::size_t group) {
-  check_option(o.lr() >= 0, name, group, "lr", o.lr(), "it must be >= 0");
-  check_option(o.momentum() >= 0, name, group, "momentum", o.momentum(), "it must be >= 0");
-  check_option(o.weight_decay() >= 0, name, group, "weight_decay", o.weight_decay(), "it must be >= 0");
-  TORCH_CHECK(!o.nesterov() || (o.momentum() > 0 && o.dampening() == 0), name, ": param group ", group,
-              " of the checkpoint: nesterov with momentum ", o.momentum(), " and dampening ", o.dampening(),
-              " (nesterov needs a momentum and zero dampening; the LibTorch optimizer's constructor refuses it too)");
+  check_not_nan(o.lr(), name, group, "lr");
+  check_not_nan(o.momentum(), name, group, "momentum");
+  check_not_nan(o.dampening(), name, group, "dampening");
+  check_not_nan(o.weight_decay(), name, group, "weight_decay");
 }
 void check_loaded_options(const torch::optim::AdagradOptions& o, const char* name, std::size_t group) {
-  check_option(o.lr() >= 0, name, group, "lr", o.lr(), "it must be >= 0");
-  check_option(o.lr_decay() >= 0, name, group, "lr_decay", o.lr_decay(), "it must be >= 0");
-  check_option(o.weight_decay() >= 0, name, group, "weight_decay", o.weight_decay(), "it must be >= 0");
-  check_option(o.initial_accumulator_value() >= 0, name, group, "initial_accumulator_value",
-               o.initial_accumulator_value(), "it must be >= 0");
-  check_option(o.eps() >= 0, name, group, "eps", o.eps(), "it must be >= 0");
+  check_not_nan(o.lr(), name, group, "lr");
+  check_not_nan(o.lr_decay(), name, group, "lr_decay");
+  check_not_nan(o.weight_decay(), name, group, "weight_decay");
+  check_not_nan(o.initial_accumulator_value(), name, group, "initial_accumulator_value");
+  check_not_nan(o.eps(), name, group, "eps");
 }
 void check_loaded_options(const torch::optim::RMSpropOptions& o, const char* name, std::size_t group) {
-  check_option(o.lr() >= 0, name, group, "lr", o.lr(), "it must be >= 0");
-  check_option(o.eps() >= 0, name, group, "eps", o.eps(), "it must be >= 0");
-  check_option(o.momentum() >= 0, name, group, "momentum", o.momentum(), "it must be >= 0");
-  check_option(o.weight_decay() >= 0, name, group, "weight_decay", o.weight_decay(), "it must be >= 0");
-  check_option(o.alpha() >= 0, name, group, "alpha", o.alpha(), "it must be >= 0");
+  check_not_nan(o.lr(), name, group, "lr");
+  check_not_nan(o.alpha(), name, group, "alpha");
+  check_not_nan(o.eps(), name, group, "eps");
+  check_not_nan(o.weight_decay(), name, group, "weight_decay");
+  check_not_nan(o.momentum(), name, group, "momentum");
 }
 
 void check_saved_option_keys(torch::serialize::InputArchive& archive, const torch::optim::OptimizerOptions& read,

@@ -420,13 +420,13 @@ constexpr std::size_t kNoIndex = ~std::size_t{0};
 void read_checkpoint_part(torch::serialize::InputArchive& archive, const char* name, std::size_t group,
                           std::size_t index, const char* what, const std::function<void()>& read);
 
-/// Throws, naming `name` and the group, when options read from a checkpoint
-/// hold a value that the LibTorch optimizer's constructor refuses (a
-/// negative or NaN lr, betas outside [0, 1), a negative eps, weight decay,
-/// momentum, alpha, lr_decay or initial accumulator value; nesterov without
-/// momentum or with dampening): load() refuses what construction refuses.
-/// Options of other types (an SDK user's) are not checked here: their
-/// optimizer checks them in check_entries, which load() calls.
+/// Throws, naming `name`, the group and the option, when options read from
+/// a checkpoint hold a NaN (no step can use it: the parameters would all
+/// turn NaN). Other values LibTorch's constructors refuse in their defaults
+/// (a negative lr, nesterov with dampening) are accepted, as LibTorch
+/// accepts them in a group and loads them. Options of other types (an SDK
+/// user's) are not checked here: their optimizer checks them in
+/// check_entries, which load() calls.
 void check_loaded_options(const torch::optim::AdamOptions& o, const char* name, std::size_t group);
 void check_loaded_options(const torch::optim::AdamWOptions& o, const char* name, std::size_t group);
 void check_loaded_options(const torch::optim::SGDOptions& o, const char* name, std::size_t group);
@@ -917,13 +917,20 @@ template <class S, class = void>
 struct HasMasterSource : std::false_type {};
 template <class S>
 struct HasMasterSource<S, std::void_t<decltype(std::declval<S&>().master_source())>> : std::true_type {};
-/// Records the address of the parameter's data the master now matches.
+/// What master_source records of a parameter: its storage (`set_data`
+/// gives it another one; a copy-on-write storage materialized by a step
+/// keeps its StorageImpl and changes only the address of its data).
+inline std::uintptr_t master_source_of(const at::Tensor& param) {
+  const c10::TensorImpl* impl = param.unsafeGetTensorImpl();
+  return impl->has_storage() ? reinterpret_cast<std::uintptr_t>(impl->storage().unsafeGetStorageImpl()) : 0;
+}
+/// Records master_source_of the parameter the master now matches.
 template <class S>
 void set_master_source(S& state, std::uintptr_t source) {
   if constexpr (HasMasterSource<S>::value) state.master_source(source);
 }
-/// Whether the parameter's data is at another address than when the master
-/// last matched it (false where that is not known).
+/// Whether the parameter's storage is another than when the master last
+/// matched it (false where that is not known).
 template <class S>
 bool master_source_moved(const S& state, std::uintptr_t source) {
   if constexpr (HasMasterSource<S>::value) {
@@ -1268,14 +1275,14 @@ class FusedOptimizer : public Base, public ScalerAware {
   /// step refreshes the master from it once every list is prepared, before the
   /// first launch; the master would otherwise undo that write. Refuses both
   /// under CUDA graph capture.
-  /// Where State also has `master_source` (the address of the parameter's
-  /// data when the two last agreed, 0 when not known), a parameter given
-  /// other memory since (`p.set_data(t)`, which leaves the version counter
-  /// alone) refreshes the master too.
+  /// Where State also has `master_source` (master_source_of the parameter
+  /// when the two last agreed, 0 when not known), a parameter given other
+  /// memory since (`p.set_data(t)`, which leaves the version counter alone)
+  /// refreshes the master too.
   template <class S>
   void prepare_master(const Entry& e, S& state) {
     const at::Tensor& followed = e.user_param();  // whose version counter the master follows
-    const auto source = reinterpret_cast<std::uintptr_t>(followed.const_data_ptr());
+    const std::uintptr_t source = master_source_of(followed);
     if (!state.master().defined()) {
       refuse_under_capture(e, name(), "its fp32 master copy");
       undo_on_failure([&state] { state.master(at::Tensor()); });
