@@ -15,8 +15,8 @@
 namespace ampfuse::fused::cpu {
 using sdk::cpu::pick_isa;
 
-AdagradFn adagrad_kernel() { return pick_isa(avx512::kAdagrad, avx2::kAdagrad, baseline::kAdagrad); }
-AdamFn adam_kernel() { return pick_isa(avx512::kAdam, avx2::kAdam, baseline::kAdam); }
+AdagradFn adagrad_kernel(sdk::cpu::Isa isa) { return pick_isa(isa, avx512::kAdagrad, avx2::kAdagrad, baseline::kAdagrad); }
+AdamFn adam_kernel(sdk::cpu::Isa isa) { return pick_isa(isa, avx512::kAdam, avx2::kAdam, baseline::kAdam); }
 namespace {
 std::atomic<bool> g_allow_vbmi{true};
 }  // namespace
@@ -42,7 +42,7 @@ Adam8Fn adam8_kernel() {
 Quant8Fn quant8_kernel() { return pick_isa(avx512::kQuant8, avx2::kQuant8, baseline::kQuant8); }
 LambFn lamb_moments_kernel() { return pick_isa(avx512::kLambMoments, avx2::kLambMoments, baseline::kLambMoments); }
 LambFn lamb_apply_kernel() { return pick_isa(avx512::kLambApply, avx2::kLambApply, baseline::kLambApply); }
-RmspropFn rmsprop_kernel() { return pick_isa(avx512::kRmsprop, avx2::kRmsprop, baseline::kRmsprop); }
-SgdFn sgd_kernel() { return pick_isa(avx512::kSgd, avx2::kSgd, baseline::kSgd); }
+RmspropFn rmsprop_kernel(sdk::cpu::Isa isa) { return pick_isa(isa, avx512::kRmsprop, avx2::kRmsprop, baseline::kRmsprop); }
+SgdFn sgd_kernel(sdk::cpu::Isa isa) { return pick_isa(isa, avx512::kSgd, avx2::kSgd, baseline::kSgd); }
 
 }  // namespace ampfuse::fused::cpu

@@ -103,6 +103,28 @@ Isa current_isa() {
   return forced == kAutomatic ? automatic : static_cast<Isa>(forced);
 }
 
+bool isa_named() {
+  static const bool from_environment = [] {
+    const char* wanted = std::getenv("AMPFUSE_CPU_ISA");
+    if (wanted == nullptr || *wanted == '\0') return false;
+    for (const Target& t : kTargets)
+      if (t.supported() && std::strcmp(wanted, to_string(t.isa)) == 0) return true;
+    return false;
+  }();
+  return from_environment || g_forced.load(std::memory_order_acquire) != kAutomatic;
+}
+
+Isa isa_for(std::int64_t elements, std::int64_t tensors) {
+  const Isa isa = current_isa();
+#if defined(AMPFUSE_CPU_HAS_AVX2)
+  if (isa == Isa::kAvx512 && tensors > 0 && elements < 16 * tensors && !isa_named()) return Isa::kAvx2;
+#else
+  (void)elements;
+  (void)tensors;
+#endif
+  return isa;
+}
+
 void force_isa(const char* name) {
   if (name == nullptr || *name == '\0') {
     g_forced.store(kAutomatic, std::memory_order_release);

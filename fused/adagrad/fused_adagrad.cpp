@@ -117,7 +117,7 @@ sdk::Launch FusedAdagrad::prepare_list(const sdk::ParamList& list) {
     return [=] {
       const fused::cpu::AdagradArgs args{sdk::cpu::plan_ref(*kept->plan), kept->list(kParam), kept->list(kGrad),
                                          kept->list(kSum), kept->neg_clr.data(), st, hyper, grad_factor};
-      const fused::cpu::AdagradFn kernel = fused::cpu::adagrad_kernel();
+      const fused::cpu::AdagradFn kernel = fused::cpu::adagrad_kernel(sdk::cpu::isa_for(*kept->plan));
       sdk::parallel_chunks(*kept->plan, [&](std::int64_t b, std::int64_t e) { kernel(args, b, e); });
     };
   }

@@ -28,7 +28,8 @@ struct AdamArgs {
 using AdamFn = void (*)(const AdamArgs&, std::int64_t chunk_begin, std::int64_t chunk_end);
 
 /// The kernel for the instruction set that ampfuse::cpu::kernels() uses.
-AdamFn adam_kernel();
+/// The build for `isa` (sdk::cpu::isa_for picks it per launch).
+AdamFn adam_kernel(sdk::cpu::Isa isa = sdk::cpu::current_isa());
 
 namespace avx512 { extern const AdamFn kAdam; }
 namespace avx2 { extern const AdamFn kAdam; }

@@ -345,7 +345,7 @@ void FusedAdamImpl<Base, Options, State, kDecoupled>::after_load(const at::Tenso
   // the parameter after this load (weights loaded next) refreshes it.
   if (state.master().defined()) state.master(sdk::master_following(state.master(), param));
   state.master_version(param._version());
-  sdk::set_master_source(state, reinterpret_cast<std::uintptr_t>(param.const_data_ptr()));
+  sdk::set_master_source(state, sdk::master_source_of(param));
   // The moments as these options keep them: coded or decoded once, here.
   const bool want = coded_8bit(param) && param.scalar_type() != at::kDouble;
   if (want && !holds_coded(state)) code_moments(state);
@@ -535,7 +535,7 @@ sdk::Launch FusedAdamImpl<Base, Options, State, kDecoupled>::prepare_list(const 
                                       array(AdamList::kExpAvg), array(AdamList::kExpAvgSq), array(AdamList::kMaxExpAvgSq),
                                       master ? array(AdamList::kMaster) : nullptr, st, state_st, scalars.data(), hyper,
                                       grad_factor};
-      const fused::cpu::AdamFn kernel = fused::cpu::adam_kernel();
+      const fused::cpu::AdamFn kernel = fused::cpu::adam_kernel(sdk::cpu::isa_for(*kept->plan));
       if (kept->plan8 == nullptr) {
         sdk::parallel_chunks(*kept->plan, [&](std::int64_t b, std::int64_t e) { kernel(args, b, e); });
       } else {

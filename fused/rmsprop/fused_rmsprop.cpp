@@ -115,7 +115,7 @@ sdk::Launch FusedRMSprop::prepare_list(const sdk::ParamList& list) {
     return [=] {
       fused::cpu::RmspropArgs args{sdk::cpu::plan_ref(*kept->plan), {}, st, hyper, grad_factor};
       for (int l = 0; l < fused::kRmspropLists; ++l) args.lists[l] = kept->list(l);
-      const fused::cpu::RmspropFn kernel = fused::cpu::rmsprop_kernel();
+      const fused::cpu::RmspropFn kernel = fused::cpu::rmsprop_kernel(sdk::cpu::isa_for(*kept->plan));
       sdk::parallel_chunks(
           *kept->plan, [&](std::int64_t b, std::int64_t e) { kernel(args, b, e); },
           [&](std::size_t t) { kept->states[t]->step(kept->states[t]->step() + 1); }, kept->empty);

@@ -19,7 +19,8 @@ struct RmspropArgs {
 using RmspropFn = void (*)(const RmspropArgs&, std::int64_t chunk_begin, std::int64_t chunk_end);
 
 /// The kernel for the instruction set that ampfuse::cpu::kernels() uses.
-RmspropFn rmsprop_kernel();
+/// The build for `isa` (sdk::cpu::isa_for picks it per launch).
+RmspropFn rmsprop_kernel(sdk::cpu::Isa isa = sdk::cpu::current_isa());
 
 namespace avx512 { extern const RmspropFn kRmsprop; }
 namespace avx2 { extern const RmspropFn kRmsprop; }

@@ -150,7 +150,7 @@ sdk::Launch FusedSGD::prepare_list(const sdk::ParamList& pl) {
       const fused::cpu::SgdArgs args{sdk::cpu::plan_ref(*kept->plan), kept->list(kCpuParam), kept->list(kCpuGrad),
                                      momentum ? kept->list(kCpuBuffer) : nullptr, kept->first.data(), st, hyper,
                                      grad_factor};
-      const fused::cpu::SgdFn kernel = fused::cpu::sgd_kernel();
+      const fused::cpu::SgdFn kernel = fused::cpu::sgd_kernel(sdk::cpu::isa_for(*kept->plan));
       sdk::parallel_chunks(*kept->plan, [&](std::int64_t b, std::int64_t e) { kernel(args, b, e); });
     };
   }

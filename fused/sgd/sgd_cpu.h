@@ -22,7 +22,8 @@ struct SgdArgs {
 using SgdFn = void (*)(const SgdArgs&, std::int64_t chunk_begin, std::int64_t chunk_end);
 
 /// The kernel for the instruction set that ampfuse::cpu::kernels() uses.
-SgdFn sgd_kernel();
+/// The build for `isa` (sdk::cpu::isa_for picks it per launch).
+SgdFn sgd_kernel(sdk::cpu::Isa isa = sdk::cpu::current_isa());
 
 namespace avx512 { extern const SgdFn kSgd; }
 namespace avx2 { extern const SgdFn kSgd; }

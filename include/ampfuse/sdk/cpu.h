@@ -49,6 +49,24 @@ Isa current_isa();
 /// compiled in or this CPU lacks it.
 void force_isa(const char* name);
 
+/// Whether force_isa or AMPFUSE_CPU_ISA named the instruction set
+/// current_isa() returns (false: chosen automatically).
+bool isa_named();
+
+/// The instruction set for one launch over `tensors` tensors of `elements`
+/// elements in all: current_isa(), except that an automatic AVX-512 gives
+/// way to AVX2 where the tensors average fewer elements than one AVX-512 block
+/// of fp32 (16), such as many one-element parameters: their updates are
+/// single blocks whose 512-bit divisions and square roots cost more than
+/// 256-bit ones (measured here: 10,000 one-element FusedAdam parameters
+/// stepped in 53 ns each with AVX-512 kernels, 35 ns with AVX2). Every
+/// target writes the same bits, so only the time changes.
+Isa isa_for(std::int64_t elements, std::int64_t tensors);
+/// isa_for of the tensors a plan covers (zero-element ones left out).
+inline Isa isa_for(const Plan& plan) {
+  return isa_for(plan.total_elements(), static_cast<std::int64_t>(plan.tensors().size()));
+}
+
 /// Subnormal numbers (below 2^-126 in fp32) make x86 arithmetic take a
 /// microcode assist per operation: moments that decay into that range, or
 /// tiny grads multiplied by a small inverse scale, made a step 6 to 16 times
@@ -83,13 +101,17 @@ bool subnormals_kept();
 /// ampfuse_add_cpu_kernel compiles all three; elsewhere only the baseline,
 /// and the other two arguments are not used (pass the baseline thrice).
 template <class Fn>
-Fn pick_isa(Fn avx512, Fn avx2, Fn baseline) {
-  switch (current_isa()) {
+Fn pick_isa(Isa isa, Fn avx512, Fn avx2, Fn baseline) {
+  switch (isa) {
     case Isa::kAvx512: return avx512;
     case Isa::kAvx2: return avx2;
     case Isa::kBaseline: break;
   }
   return baseline;
+}
+template <class Fn>
+Fn pick_isa(Fn avx512, Fn avx2, Fn baseline) {
+  return pick_isa(current_isa(), avx512, avx2, baseline);
 }
 
 }  // namespace ampfuse::sdk::cpu
