@@ -1,6 +1,8 @@
 // The fused optimizers' CPU kernels follow the instruction set that
 // ampfuse::cpu::kernels() chose (or that AMPFUSE_CPU_ISA / force_isa named),
-// through the SDK's pick_isa, as a third-party optimizer's do.
+// through the SDK's pick_isa, as a third-party optimizer's do. Adam, SGD,
+// Adagrad and RMSprop take the set per launch (sdk::cpu::isa_for: AVX2 for
+// lists of tiny tensors on AVX-512).
 
 #include <atomic>
 

@@ -255,6 +255,24 @@ void expect_master_follows_external_writes(Opt& opt, torch::Tensor p) {
     opt.step();
     EXPECT_TRUE(bitwise_equal(p.detach(), swapped)) << "the master copy undid p.set_data(), swap " << swap;
   }
+  // The same storage at another offset: a parameter re-pointed from one
+  // half of a flat buffer to the other (new values there, written through
+  // the buffer, which leaves p's version counter alone).
+  {
+    const std::int64_t n = p.numel();
+    const torch::Tensor flat = torch::randn({2 * n}).to(p.scalar_type()) * 2;
+    torch::NoGradGuard no_grad;
+    p.set_data(flat.narrow(0, 0, n).view(p.sizes()));
+    fill_grads(opt);
+    opt.step();
+    EXPECT_TRUE(bitwise_equal(p.detach(), flat.narrow(0, 0, n).view(p.sizes())));
+    const torch::Tensor second = flat.narrow(0, n, n).view(p.sizes());
+    const torch::Tensor values = second.clone();
+    p.set_data(second);
+    fill_grads(opt);
+    opt.step();
+    EXPECT_TRUE(bitwise_equal(p.detach(), values)) << "the master copy undid a move within one storage";
+  }
 
   // A copy-on-write snapshot taken between steps (at::_lazy_clone) writes
   // nothing: the step that materializes the parameter's storage (new data,

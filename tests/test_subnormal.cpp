@@ -148,6 +148,27 @@ TEST(SpecialValues, Fp16NaNPayloadsAreWrittenTheSameByEveryTarget) {
           << isa << ", tensor " << t;
 }
 
+// On AVX-512, a launch whose tensors average fewer than 16 elements takes
+// the AVX2 build (the same bits, measured faster), unless a set is named.
+TEST(SpecialValues, TinyTensorLaunchesTakeAvx2OnAvx512UnlessASetIsNamed) {
+  using ampfuse::sdk::cpu::Isa;
+  namespace sc = ampfuse::sdk::cpu;
+  sc::force_isa("");
+  if (sc::current_isa() != Isa::kAvx512 || sc::isa_named())
+    GTEST_SKIP() << "the automatic choice here is " << sc::to_string(sc::current_isa())
+                 << (sc::isa_named() ? ", named by AMPFUSE_CPU_ISA" : "") << ", not avx512";
+  EXPECT_EQ(sc::isa_for(10000, 10000), Isa::kAvx2);
+  EXPECT_EQ(sc::isa_for(15 * 4 + 3, 4), Isa::kAvx2);
+  EXPECT_EQ(sc::isa_for(16 * 4, 4), Isa::kAvx512);
+  EXPECT_EQ(sc::isa_for(0, 0), Isa::kAvx512);
+  EXPECT_EQ(sc::isa_for(ampfuse::Plan(std::vector<std::int64_t>{1, 0, 2}, sc::kChunkSize)), Isa::kAvx2);
+  sc::force_isa("avx512");
+  EXPECT_TRUE(sc::isa_named());
+  EXPECT_EQ(sc::isa_for(1, 1), Isa::kAvx512);
+  sc::force_isa("");
+  EXPECT_FALSE(sc::isa_named());
+}
+
 INSTANTIATE_TEST_SUITE_P(All, Subnormals, ::testing::ValuesIn(ampfuse::cpu::available_isas()),
                          [](const auto& info) { return info.param; });
 

@@ -820,7 +820,8 @@ namespace {
 // with dampening) can be stepped and saved, and load as LibTorch loads them.
 void check_not_nan(double value, const char* name, std::size_t group, const char* what) {
   TORCH_CHECK(value == value, name, ": param group ", group, " of the checkpoint: ", what,
-              " is nan (a damaged checkpoint? a step with it would make every parameter NaN)");
+              " is nan (a damaged checkpoint? a step with a NaN lr, eps, beta, weight decay or momentum makes "
+              "parameters NaN)");
 }
 template <class O>
 void check_adam_options(const O& o, const char* name, std::size_t group) {

@@ -27,8 +27,8 @@ struct AdamArgs {
 
 using AdamFn = void (*)(const AdamArgs&, std::int64_t chunk_begin, std::int64_t chunk_end);
 
-/// The kernel for the instruction set that ampfuse::cpu::kernels() uses.
-/// The build for `isa` (sdk::cpu::isa_for picks it per launch).
+/// The kernel's build for `isa`: sdk::cpu::isa_for(plan) per launch, or
+/// current_isa() by default.
 AdamFn adam_kernel(sdk::cpu::Isa isa = sdk::cpu::current_isa());
 
 namespace avx512 { extern const AdamFn kAdam; }

@@ -21,8 +21,8 @@ struct SgdArgs {
 
 using SgdFn = void (*)(const SgdArgs&, std::int64_t chunk_begin, std::int64_t chunk_end);
 
-/// The kernel for the instruction set that ampfuse::cpu::kernels() uses.
-/// The build for `isa` (sdk::cpu::isa_for picks it per launch).
+/// The kernel's build for `isa`: sdk::cpu::isa_for(plan) per launch, or
+/// current_isa() by default.
 SgdFn sgd_kernel(sdk::cpu::Isa isa = sdk::cpu::current_isa());
 
 namespace avx512 { extern const SgdFn kSgd; }

@@ -917,20 +917,24 @@ template <class S, class = void>
 struct HasMasterSource : std::false_type {};
 template <class S>
 struct HasMasterSource<S, std::void_t<decltype(std::declval<S&>().master_source())>> : std::true_type {};
-/// What master_source records of a parameter: its storage (`set_data`
-/// gives it another one; a copy-on-write storage materialized by a step
-/// keeps its StorageImpl and changes only the address of its data).
+/// What master_source records of a parameter: its storage and its offset in
+/// it, mixed into one word. `set_data` gives it another storage, or another
+/// place in the same one (a parameter re-pointed into another part of a flat
+/// buffer); a copy-on-write storage materialized by a step keeps both and
+/// changes only the address of its data. 0 for a tensor without storage.
 inline std::uintptr_t master_source_of(const at::Tensor& param) {
   const c10::TensorImpl* impl = param.unsafeGetTensorImpl();
-  return impl->has_storage() ? reinterpret_cast<std::uintptr_t>(impl->storage().unsafeGetStorageImpl()) : 0;
+  if (!impl->has_storage()) return 0;
+  const auto storage = reinterpret_cast<std::uintptr_t>(impl->storage().unsafeGetStorageImpl());
+  return storage ^ (static_cast<std::uintptr_t>(impl->storage_offset()) * std::uintptr_t{0x9E3779B97F4A7C15u});
 }
 /// Records master_source_of the parameter the master now matches.
 template <class S>
 void set_master_source(S& state, std::uintptr_t source) {
   if constexpr (HasMasterSource<S>::value) state.master_source(source);
 }
-/// Whether the parameter's storage is another than when the master last
-/// matched it (false where that is not known).
+/// Whether the parameter's storage, or its place in it, is another than when
+/// the master last matched it (false where that is not known).
 template <class S>
 bool master_source_moved(const S& state, std::uintptr_t source) {
   if constexpr (HasMasterSource<S>::value) {
