@@ -51,7 +51,11 @@ constexpr Target kTargets[] = {
 // A name that is not, as ATen does for its variable, is ignored with a
 // warning on stderr naming what is used instead (a silent fallback let a
 // test run of "scalar" run avx512 unnoticed).
-Isa best() {
+struct Choice {
+  Isa isa;
+  bool named;  // by AMPFUSE_CPU_ISA (isa_named)
+};
+Choice best() {
   Isa found = Isa::kBaseline;
   for (const Target& t : kTargets)
     if (t.supported()) {
@@ -59,21 +63,27 @@ Isa best() {
       break;
     }
   const char* wanted = std::getenv("AMPFUSE_CPU_ISA");
-  if (wanted == nullptr || *wanted == '\0') return found;
+  if (wanted == nullptr || *wanted == '\0') return {found, false};
   std::string names;
   for (const Target& t : kTargets) {
     if (std::strcmp(wanted, to_string(t.isa)) == 0) {
-      if (t.supported()) return t.isa;
+      if (t.supported()) return {t.isa, true};
       std::fprintf(stderr, "ampfuse: AMPFUSE_CPU_ISA=%s is not supported by this CPU; using %s\n", wanted,
                    to_string(found));
-      return found;
+      return {found, false};
     }
     names += names.empty() ? "" : ", ";
     names += to_string(t.isa);
   }
   std::fprintf(stderr, "ampfuse: AMPFUSE_CPU_ISA=%s names no instruction set compiled in (%s); using %s\n", wanted,
                names.c_str(), to_string(found));
-  return found;
+  return {found, false};
+}
+
+// best(), read once.
+const Choice& automatic() {
+  static const Choice choice = best();
+  return choice;
 }
 
 std::vector<std::string> supported_isa_names() {
@@ -98,20 +108,12 @@ const char* to_string(Isa isa) {
 }
 
 Isa current_isa() {
-  static const Isa automatic = best();
   const int forced = g_forced.load(std::memory_order_acquire);
-  return forced == kAutomatic ? automatic : static_cast<Isa>(forced);
+  return forced == kAutomatic ? automatic().isa : static_cast<Isa>(forced);
 }
 
 bool isa_named() {
-  static const bool from_environment = [] {
-    const char* wanted = std::getenv("AMPFUSE_CPU_ISA");
-    if (wanted == nullptr || *wanted == '\0') return false;
-    for (const Target& t : kTargets)
-      if (t.supported() && std::strcmp(wanted, to_string(t.isa)) == 0) return true;
-    return false;
-  }();
-  return from_environment || g_forced.load(std::memory_order_acquire) != kAutomatic;
+  return automatic().named || g_forced.load(std::memory_order_acquire) != kAutomatic;
 }
 
 Isa isa_for(std::int64_t elements, std::int64_t tensors) {
