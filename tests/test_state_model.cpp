@@ -255,6 +255,22 @@ void expect_master_follows_external_writes(Opt& opt, torch::Tensor p) {
     opt.step();
     EXPECT_TRUE(bitwise_equal(p.detach(), swapped)) << "the master copy undid p.set_data(), swap " << swap;
   }
+  // Memory freed before the new weights are made (p.set_data(empty), then
+  // p.set_data(loaded)): the new storage object most often takes the freed
+  // one's address, which the master must not take for the storage it last
+  // matched (it keeps that storage object alive, weakly).
+  for (int swap = 0; swap < 3; ++swap) {
+    const torch::Tensor loaded = torch::randn_like(p) * 2;
+    {
+      torch::NoGradGuard no_grad;
+      p.set_data(torch::empty({0}, p.options()));
+      p.set_data(loaded.clone());
+    }
+    fill_grads(opt);
+    opt.step();
+    EXPECT_TRUE(bitwise_equal(p.detach(), loaded)) << "the master copy undid weights loaded into freed memory, swap "
+                                                   << swap;
+  }
   // The same storage at another offset: a parameter re-pointed from one
   // half of a flat buffer to the other (new values there, written through
   // the buffer, which leaves p's version counter alone).

@@ -281,13 +281,23 @@ void FusedAdamImpl<Base, Options, State, kDecoupled>::check_adam_state(const at:
   sdk::check_device_step(st.device_step(), p, name(), g, i);
 }
 
+namespace {
+
+// With moments_8bit, amsgrad is refused in every group: when the plan is
+// made (check_entries), and at every step for an option set since (prepare_list).
+void refuse_amsgrad_8bit(const char* who, std::size_t group, bool amsgrad) {
+  TORCH_CHECK(!amsgrad, who, ": param group ", group,
+              ": amsgrad with moments_8bit; 8-bit moments have no max_exp_avg_sq (turn one of them off)");
+}
+
+}  // namespace
+
 template <class Base, class Options, class State, bool kDecoupled>
 void FusedAdamImpl<Base, Options, State, kDecoupled>::check_entries(const std::vector<sdk::Entry>& entries) const {
   if (fused_.moments_8bit()) {
     TORCH_CHECK(!fused_.bf16_moments(), name(), ": moments_8bit and bf16_moments both asked for; choose one");
     for (std::size_t g = 0; g < this->param_groups().size(); ++g)
-      TORCH_CHECK(!this->options_of(g).amsgrad(), name(), ": param group ", g,
-                  ": amsgrad with moments_8bit; 8-bit moments have no max_exp_avg_sq (turn one of them off)");
+      refuse_amsgrad_8bit(name(), g, this->options_of(g).amsgrad());
     for (const sdk::Entry& e : entries) {
       TORCH_CHECK(e.dtype != at::kDouble, name(), ": param group ", e.group, ", param ", e.index,
                   ": moments_8bit asked for on a Double parameter; Double parameters keep Double moments");
@@ -345,7 +355,7 @@ void FusedAdamImpl<Base, Options, State, kDecoupled>::after_load(const at::Tenso
   // the parameter after this load (weights loaded next) refreshes it.
   if (state.master().defined()) state.master(sdk::master_following(state.master(), param));
   state.master_version(param._version());
-  sdk::set_master_source(state, sdk::master_source_of(param));
+  sdk::set_master_source(state, param);
   // The moments as these options keep them: coded or decoded once, here.
   const bool want = coded_8bit(param) && param.scalar_type() != at::kDouble;
   if (want && !holds_coded(state)) code_moments(state);
@@ -419,8 +429,7 @@ sdk::Launch FusedAdamImpl<Base, Options, State, kDecoupled>::prepare_list(const 
   const bool fresh = kept == nullptr || kept->amsgrad != o.amsgrad();
   // (check_entries refuses it when the plan is made; an option set since
   // keeps the plan, so it is refused here too, before anything is made)
-  TORCH_CHECK(!(o.amsgrad() && fused_.moments_8bit()), name(), ": param group ", pl.group,
-              ": amsgrad with moments_8bit; 8-bit moments have no max_exp_avg_sq (turn one of them off)");
+  if (fused_.moments_8bit()) refuse_amsgrad_8bit(name(), pl.group, o.amsgrad());
   if (fresh) {
     AdamKept<State> k;
     k.amsgrad = o.amsgrad();

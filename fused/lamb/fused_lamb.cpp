@@ -264,7 +264,7 @@ void FusedLAMB::after_load(const at::Tensor& param, FusedLAMBParamState& state) 
   // The loaded master stands for the parameter as it is now (as FusedAdam's).
   if (state.master().defined()) state.master(sdk::master_following(state.master(), param));
   state.master_version(param._version());
-  sdk::set_master_source(state, sdk::master_source_of(param));
+  sdk::set_master_source(state, param);
 }
 
 namespace {

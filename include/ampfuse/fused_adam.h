@@ -88,11 +88,11 @@ struct FusedAdamParamStateT : BaseState, sdk::PooledState {
   /// parameter was written from outside since, the next step refreshes the
   /// master from it.
   TORCH_ARG(std::int64_t, master_version) = 0;
-  /// The parameter's storage (its address, sdk::master_source_of) when
-  /// master last matched it (0: not known yet): a parameter given other
-  /// memory since (`p.set_data(t)`, which leaves its version counter alone)
-  /// refreshes the master too. Not saved.
-  TORCH_ARG(std::uintptr_t, master_source) = 0;
+  /// The parameter's storage and its offset in it (sdk::MasterSource, the
+  /// storage held weakly) when master last matched it: a parameter given
+  /// other memory since (`p.set_data(t)`, which leaves its version counter
+  /// alone) refreshes the master too. Not saved.
+  TORCH_ARG(sdk::MasterSource, master_source);
   /// moments_8bit: the codes of exp_avg and exp_avg_sq (uint8, the
   /// parameter's shape and strides) and each one's absmax per block of 256
   /// elements in storage order (fp32, 1-D). Defined together, in place of

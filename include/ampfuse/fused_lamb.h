@@ -80,9 +80,9 @@ struct FusedLAMBParamState : public torch::optim::OptimizerCloneableParamState<F
   /// The parameter's version counter when master last matched it (see
   /// FusedOptimizer::prepare_master). Not saved.
   TORCH_ARG(std::int64_t, master_version) = 0;
-  /// The parameter's storage when master last matched it (0: not known
-  /// yet); see FusedAdamParamStateT::master_source. Not saved.
-  TORCH_ARG(std::uintptr_t, master_source) = 0;
+  /// The parameter's storage and offset when master last matched it (not
+  /// known yet after load()); see FusedAdamParamStateT::master_source. Not saved.
+  TORCH_ARG(sdk::MasterSource, master_source);
 
  public:
   void serialize(torch::serialize::InputArchive& archive) override;

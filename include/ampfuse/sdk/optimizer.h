@@ -912,34 +912,62 @@ struct KeptLaunch {
 };
 #endif
 
-/// Whether State keeps `master_source` (FusedOptimizer::prepare_master).
+/// What master_source records of a parameter: its storage and its offset in
+/// it. `set_data` gives it another storage, or another place in the same one
+/// (a parameter re-pointed into another part of a flat buffer); a
+/// copy-on-write storage materialized by a step keeps both and changes only
+/// the address of its data. The storage is held weakly: its memory is freed
+/// as usual, but its StorageImpl object, whose address is compared, cannot be
+/// reused by another storage while recorded (a parameter given empty memory
+/// and then loaded weights, `p.set_data(empty)` then `p.set_data(loaded)`,
+/// most often gets the freed object's address). Not known until a step
+/// records it.
+class MasterSource {
+ public:
+  /// Whether param is where this was recorded (false where not known).
+  bool matches(const at::Tensor& param) const {
+    const c10::TensorImpl* impl = param.unsafeGetTensorImpl();
+    const c10::StorageImpl* storage = impl->has_storage() ? impl->storage().unsafeGetStorageImpl() : nullptr;
+    return known_ && storage_._unsafe_get_target() == storage &&
+           (storage == nullptr || offset_ == impl->storage_offset());
+  }
+  bool known() const { return known_; }
+  /// Records param's storage and offset (nothing to do where they match).
+  void record(const at::Tensor& param) {
+    if (matches(param)) return;
+    const c10::TensorImpl* impl = param.unsafeGetTensorImpl();
+    storage_ = impl->has_storage() ? impl->storage().getWeakStorageImpl()
+                                   : c10::weak_intrusive_ptr<c10::StorageImpl>(c10::intrusive_ptr<c10::StorageImpl>());
+    offset_ = impl->has_storage() ? impl->storage_offset() : 0;
+    known_ = true;
+  }
+
+ private:
+  c10::weak_intrusive_ptr<c10::StorageImpl> storage_{c10::intrusive_ptr<c10::StorageImpl>()};
+  std::int64_t offset_ = 0;
+  bool known_ = false;
+};
+
+/// Whether State keeps `master_source` (FusedOptimizer::prepare_master); it
+/// must be a MasterSource (an integer of an earlier ampfuse would be ignored).
 template <class S, class = void>
 struct HasMasterSource : std::false_type {};
 template <class S>
-struct HasMasterSource<S, std::void_t<decltype(std::declval<S&>().master_source())>> : std::true_type {};
-/// What master_source records of a parameter: its storage and its offset in
-/// it, mixed into one word. `set_data` gives it another storage, or another
-/// place in the same one (a parameter re-pointed into another part of a flat
-/// buffer); a copy-on-write storage materialized by a step keeps both and
-/// changes only the address of its data. 0 for a tensor without storage.
-inline std::uintptr_t master_source_of(const at::Tensor& param) {
-  const c10::TensorImpl* impl = param.unsafeGetTensorImpl();
-  if (!impl->has_storage()) return 0;
-  const auto storage = reinterpret_cast<std::uintptr_t>(impl->storage().unsafeGetStorageImpl());
-  return storage ^ (static_cast<std::uintptr_t>(impl->storage_offset()) * std::uintptr_t{0x9E3779B97F4A7C15u});
-}
-/// Records master_source_of the parameter the master now matches.
+struct HasMasterSource<S, std::void_t<decltype(std::declval<const S&>().master_source())>> : std::true_type {
+  static_assert(std::is_same_v<std::decay_t<decltype(std::declval<const S&>().master_source())>, MasterSource>,
+                "State::master_source must be an sdk::MasterSource: TORCH_ARG(sdk::MasterSource, master_source)");
+};
+/// Records the parameter the master now matches.
 template <class S>
-void set_master_source(S& state, std::uintptr_t source) {
-  if constexpr (HasMasterSource<S>::value) state.master_source(source);
+void set_master_source(S& state, const at::Tensor& param) {
+  if constexpr (HasMasterSource<S>::value) state.master_source().record(param);
 }
 /// Whether the parameter's storage, or its place in it, is another than when
 /// the master last matched it (false where that is not known).
 template <class S>
-bool master_source_moved(const S& state, std::uintptr_t source) {
+bool master_source_moved(const S& state, const at::Tensor& param) {
   if constexpr (HasMasterSource<S>::value) {
-    const std::uintptr_t kept = state.master_source();
-    return kept != 0 && kept != source;
+    return state.master_source().known() && !state.master_source().matches(param);
   } else {
     return false;
   }
@@ -1279,24 +1307,23 @@ class FusedOptimizer : public Base, public ScalerAware {
   /// step refreshes the master from it once every list is prepared, before the
   /// first launch; the master would otherwise undo that write. Refuses both
   /// under CUDA graph capture.
-  /// Where State also has `master_source` (master_source_of the parameter
-  /// when the two last agreed, 0 when not known), a parameter given other
+  /// Where State also has `master_source` (a MasterSource: the parameter's
+  /// storage and offset when the two last agreed), a parameter given other
   /// memory since (`p.set_data(t)`, which leaves the version counter alone)
   /// refreshes the master too.
   template <class S>
   void prepare_master(const Entry& e, S& state) {
     const at::Tensor& followed = e.user_param();  // whose version counter the master follows
-    const std::uintptr_t source = master_source_of(followed);
     if (!state.master().defined()) {
       refuse_under_capture(e, name(), "its fp32 master copy");
       undo_on_failure([&state] { state.master(at::Tensor()); });
       state.master(e.param.detach().to(at::kFloat, /*non_blocking=*/false, /*copy=*/true, at::MemoryFormat::Preserve));
       state.master_version(followed._version());
-      set_master_source(state, source);
+      set_master_source(state, followed);
       return;
     }
-    if (state.master_version() == followed._version() && !master_source_moved(state, source)) {
-      set_master_source(state, source);  // where it was not known (after load()): the master matches it
+    if (state.master_version() == followed._version() && !master_source_moved(state, followed)) {
+      set_master_source(state, followed);  // where it was not known (after load()): the master matches it
       return;
     }
     refuse_under_capture(e, name(), "the refresh of its fp32 master copy (the parameter was written from outside "
@@ -1304,10 +1331,10 @@ class FusedOptimizer : public Base, public ScalerAware {
     // The step's entries outlive its launch phase; a staged parameter's
     // buffer holds its values by now.
     const at::Tensor& param = e.param;
-    stale_masters_.emplace_back([&param, &followed, &state, source] {
+    stale_masters_.emplace_back([&param, &followed, &state] {
       refresh_master(param, state);
       state.master_version(followed._version());
-      set_master_source(state, source);
+      set_master_source(state, followed);
     });
   }
 
