@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <cstring>
 #include <map>
+#include <regex>
 #include <sstream>
 #include <string>
 #include <utility>
@@ -74,7 +75,7 @@ void collective(const c10d::ProcessGroup& group, const char* what, F&& start) {
   } catch (const std::exception& e) {
     TORCH_CHECK(false, kWhere, what, ": rank ", group.getRank(), " of ", group.getSize(),
                 ": the collective failed (every rank must construct the optimizer with the same parameters and "
-                "call step(), reduce_grads() and load() together): ",
+                "call step(), reduce_grads() and each load together): ",
                 e.what());
   }
 }
@@ -94,6 +95,7 @@ struct ZeroOptimizer::Bucket {
   std::vector<std::int64_t> offsets;     // each member's first element in the flat tensors
   std::vector<at::Tensor> param_views;   // flat_param's part of each member, in its shape
   std::vector<at::Tensor> grad_views;    // flat_grad's part of each member, in its shape
+  at::Tensor divided;  // a reduce-scatter without AVG (Gloo): flat_grad / world, the collective's input
 };
 
 // One of this rank's pieces: the wrapped optimizer's param_groups()[group]
@@ -142,6 +144,13 @@ bool has_blocks(const ZeroOptimizer::Bucket& b, const std::vector<at::Tensor>& p
 
 std::string name_of(const Place& place) {
   return "group " + std::to_string(place.group) + ", parameter " + std::to_string(place.index);
+}
+
+// "group g, parameter j" of the k-th parameter in group order.
+std::string param_name(const std::vector<std::size_t>& group_sizes, std::size_t k) {
+  std::size_t g = 0;
+  while (g + 1 < group_sizes.size() && k >= group_sizes[g]) k -= group_sizes[g++];
+  return name_of(Place{g, k});
 }
 
 // Every rank must have parameters of the same groups, shapes, dtypes and
@@ -304,6 +313,16 @@ std::shared_ptr<ZeroOptimizer::Layout> ZeroOptimizer::build(std::vector<torch::o
       b.grad_views.push_back(b.flat_grad.narrow(0, b.offsets[m], p.numel()).view(p.sizes()));
     }
   }
+  // Rank 0's values everywhere, as DDP's constructor broadcasts them (the
+  // parameters themselves take them when they move into the buckets, below).
+  if (options.init_sync() && world > 1)
+    for (Bucket& b : layout->buckets) {
+      std::vector<at::Tensor> buffer{b.flat_param};
+      c10d::BroadcastOptions opts;
+      opts.rootRank = 0;
+      collective(*process_group, "taking rank 0's parameters (ZeroOptions::init_sync)",
+                 [&] { return process_group->broadcast(buffer, opts); });
+    }
 
   for (const auto& g : groups) layout->group_sizes.push_back(g.size());
   layout->param_bucket = param_bucket;
@@ -393,6 +412,8 @@ ZeroOptimizer::ZeroOptimizer(std::shared_ptr<Layout> layout)
       group_sizes_(std::move(layout->group_sizes)),
       param_bucket_(std::move(layout->param_bucket)),
       param_offset_(std::move(layout->param_offset)) {
+  const auto types = process_group_->getDeviceTypes();
+  agree_on_cpu_ = std::any_of(types.begin(), types.end(), [](const c10::Device& d) { return d.is_cpu(); });
   record_versions();
   connect_tensor_sums();
 }
@@ -500,22 +521,26 @@ std::string ZeroOptimizer::refusal() const {
 // summed over the ranks in the same all-reduce. Throws on every rank when
 // one refused: its own refusal on that rank, naming the first that refused
 // on the others.
-void ZeroOptimizer::agree(const std::string& refusal, std::vector<std::int32_t>* flags) {
+void ZeroOptimizer::agree(const std::string& refusal, std::vector<std::int32_t>* flags, const char* what) {
   const int world = process_group_->getSize(), rank = process_group_->getRank();
   const std::size_t n = flags ? flags->size() : 0;
   std::vector<std::int32_t> all(n + static_cast<std::size_t>(world), 0);
   if (flags) std::copy(flags->begin(), flags->end(), all.begin());
   all[n + static_cast<std::size_t>(rank)] = refusal.empty() ? 0 : 1;
   if (world > 1 && !buckets_.empty()) {  // (the same on every rank: they have the same parameters)
-    std::vector<at::Tensor> buffer{at::tensor(all, at::kInt).to(buckets_.front().flat_grad.device())};
+    // On the CPU where the group has a CPU backend (Gloo beside NCCL, as
+    // init_process_group makes it): the flags are the host's, and reading
+    // back a CUDA all-reduce would be a host sync.
+    const c10::Device device = agree_on_cpu_ ? c10::Device(c10::kCPU) : buckets_.front().flat_grad.device();
+    std::vector<at::Tensor> buffer{at::tensor(all, at::kInt).to(device)};
     collective(*process_group_, "agreeing that every rank can step", [&] { return process_group_->allreduce(buffer); });
     const at::Tensor summed = buffer[0].cpu();
     std::copy_n(summed.data_ptr<std::int32_t>(), all.size(), all.begin());
   }
   TORCH_CHECK(refusal.empty(), refusal);
   for (int r = 0; r < world; ++r)
-    TORCH_CHECK(all[n + static_cast<std::size_t>(r)] == 0, kWhere, "rank ", r, " of ", world,
-                " refused the step (its error says why); nothing was written on any rank");
+    TORCH_CHECK(all[n + static_cast<std::size_t>(r)] == 0, kWhere, "rank ", r, " of ", world, " refused ",
+                what ? what : "the step (its error says why); nothing was written on any rank");
   if (flags) std::copy_n(all.begin(), n, flags->begin());
 }
 
@@ -582,17 +607,18 @@ void ZeroOptimizer::reduce_grads() {
   // Which parameters have a grad on any rank: the others are skipped.
   const bool skip = options_.skip_params_without_grads();
   agree(refused, skip ? &has_grad : nullptr);
-  if (!skip) std::fill(has_grad.begin(), has_grad.end(), 1);
+  if (!skip)  // (the same on every rank without an all-reduce: frozen parameters are left out)
+    for (std::size_t i = 0; i < params_.size(); ++i) has_grad[i] = params_[i].requires_grad() ? 1 : 0;
   adopt_moved_params();
   // The mean as DDP takes it, each rank's grad divided by the world size
   // before the sum, so that a sum the grads' dtype cannot hold (fp16 grads
   // above 32768 on two ranks) does not overflow where the mean would not.
   // All-reduce buckets divide while copying a grad in, or in place where the
-  // grad already is the bucket's view (every grad then holds the ranks'
-  // mean, as after DDP); reduce-scatter buckets leave the grads as backward
+  // grad already is the bucket's view (every grad then is the bucket's view,
+  // holding the ranks' mean, as after DDP); reduce-scatter buckets leave the grads as backward
   // made them: NCCL averages as it reduces (ReduceOp::AVG, which
-  // pre-multiplies each rank's part), and Gloo, which has no AVG, sums and
-  // the shard is divided after.
+  // pre-multiplies each rank's part), and Gloo, which has no AVG, reduces a
+  // divided copy of the bucket.
   const bool average = options_.average_grads() && process_group_->getSize() > 1;
   const at::Scalar world = static_cast<std::int64_t>(process_group_->getSize());
   for (const Bucket& b : buckets_)
@@ -614,15 +640,31 @@ void ZeroOptimizer::reduce_grads() {
     if (b.all_reduce) {
       std::vector<at::Tensor> buffer{b.flat_grad};
       collective(*process_group_, "reduce_grads", [&] { return process_group_->allreduce(buffer); });
+      // Every grad holds the ranks' mean, as after DDP: a grad that was
+      // copied in becomes the bucket's view (as DDP's gradient_as_bucket_view
+      // makes it), and so does a missing one where another rank had a grad.
+      for (std::size_t m = 0; m < b.members.size(); ++m) {
+        at::Tensor& p = params_[b.members[m]];
+        if (has_grad[b.members[m]] && !p.grad().is_same(b.grad_views[m])) p.mutable_grad() = b.grad_views[m];
+      }
       continue;
     }
     const bool nccl_average = average && b.flat_grad.is_cuda() && reduces_with_nccl(*process_group_);
+    // Without AVG, the ranks' parts are divided into a copy kept with the
+    // bucket (the grads that are the bucket's views stay as backward made
+    // them; kept, so that a backend that only orders streams at wait() does
+    // not see it freed).
+    at::Tensor* input = &b.flat_grad;
+    if (average && !nccl_average) {
+      if (!b.divided.defined()) b.divided = at::empty_like(b.flat_grad);
+      at::div_out(b.divided, b.flat_grad, world);
+      input = &b.divided;
+    }
     collective(*process_group_, "reduce_grads", [&] {
       c10d::ReduceScatterOptions opts;
       opts.reduceOp = nccl_average ? c10d::ReduceOp::AVG : c10d::ReduceOp::SUM;
-      return process_group_->_reduce_scatter_base(b.shard_grad, b.flat_grad, opts);
+      return process_group_->_reduce_scatter_base(b.shard_grad, *input, opts);
     });
-    if (average && !nccl_average) b.shard_grad.div_(world);
   }
   set_piece_grads(has_grad);
   reduced_grads_.resize(params_.size());
@@ -776,7 +818,76 @@ void ZeroOptimizer::save(torch::serialize::OutputArchive& archive) const {
   archive.write("ampfuse_zero/inner", inner);
 }
 
+// Runs `load` (into the wrapped optimizer) and agrees with the other ranks:
+// where any rank refused, every rank throws (its own error, or naming the
+// rank that refused), and every rank takes back the state it had before,
+// from a copy made here (a rank that loaded, and a wrapped optimizer that is
+// not built on the SDK, which may have loaded part before refusing). Every
+// rank reaches the agreement whatever this rank's load throws. The options
+// follow the wrapped optimizer's.
+void ZeroOptimizer::load_agreed(const std::function<void()>& load) {
+  std::stringstream before;
+  bool saved = false;
+  std::string refused;
+  const auto note = [&](const char* what) { refused = what && *what ? what : "the load failed"; };
+  try {
+    torch::serialize::OutputArchive archive;
+    inner_->save(archive);
+    archive.save_to(before);
+    saved = true;
+    load();
+  } catch (const c10::Error& e) {
+    note(e.what_without_backtrace());
+  } catch (const std::exception& e) {
+    note(e.what());
+  } catch (...) {
+    note(nullptr);
+  }
+  try {
+    agree(refused, nullptr, "the load (its error says why); every rank keeps the optimizer state it had");
+  } catch (const std::exception& e) {
+    if (!saved) throw;
+    try {
+      // LibTorch's own load adds to state() and never clears it.
+      inner_->state().clear();
+      torch::serialize::InputArchive archive;
+      archive.load_from(before);
+      inner_->load(archive);
+    } catch (const std::exception& again) {
+      TORCH_CHECK(false, kWhere, e.what(), "; and taking back the state this rank had before failed too: ",
+                  again.what(), " (this rank's optimizer state is not what it was; reload it)");
+    }
+    throw;
+  }
+  auto& own = param_groups();
+  for (std::size_t g = 0; g < own.size(); ++g) own[g].set_options(inner_->param_groups()[g].options().clone());
+}
+
+// The wrapped optimizer's load: its errors name its own group and parameter
+// ("param group G, param I": this rank's pieces, numbered within each
+// group), to which the model's parameter that piece belongs is added.
+void ZeroOptimizer::load_inner(torch::serialize::InputArchive& archive) {
+  try {
+    inner_->load(archive);
+  } catch (const c10::Error& e) {
+    const std::string message = e.what_without_backtrace();
+    static const std::regex where("param group ([0-9]+), param ([0-9]+)");
+    std::smatch m;
+    if (!std::regex_search(message, m, where)) throw;
+    const std::size_t g = std::stoul(m[1].str()), i = std::stoul(m[2].str());
+    for (const Piece& piece : pieces_)
+      if (piece.group == g && piece.index == i)
+        TORCH_CHECK(false, message, " (the wrapped optimizer's ", m[0].str(), " is rank ", process_group_->getRank(),
+                    "'s piece of ", param_name(group_sizes_, piece.param), ")");
+    throw;
+  }
+}
+
 void ZeroOptimizer::load(torch::serialize::InputArchive& archive) {
+  load_agreed([&] { load_here(archive); });
+}
+
+void ZeroOptimizer::load_here(torch::serialize::InputArchive& archive) {
   const auto read_int = [&](const char* key) {
     c10::IValue v;
     TORCH_CHECK(archive.try_read(key, v) && v.isInt(), kWhere, "load: the archive has no ", key,
@@ -795,11 +906,7 @@ void ZeroOptimizer::load(torch::serialize::InputArchive& archive) {
   torch::serialize::InputArchive inner;
   TORCH_CHECK(archive.try_read("ampfuse_zero/inner", inner), kWhere, "load: the archive has no ampfuse_zero/inner");
   sdk::check_saved_tensors(inner, "ZeroOptimizer::load");  // the wrapped optimizer may be LibTorch's, which does not
-  inner_->load(inner);
-  // The options loaded into the wrapped optimizer are this optimizer's now.
-  auto& mine = param_groups();
-  const auto& theirs = inner_->param_groups();
-  for (std::size_t g = 0; g < mine.size(); ++g) mine[g].set_options(theirs[g].options().clone());
+  load_inner(inner);
 }
 
 // The pieces rank `rank` holds, per group in order, as build() cut them (a
@@ -844,13 +951,6 @@ bool per_element(const std::string& key, const c10::IValue& v, std::int64_t nume
 }
 
 std::string key_of(const void* p) { return std::to_string(reinterpret_cast<std::size_t>(p)); }
-
-// "group g, parameter j" of the k-th parameter in group order.
-std::string param_name(const std::vector<std::size_t>& group_sizes, std::size_t k) {
-  std::size_t g = 0;
-  while (g + 1 < group_sizes.size() && k >= group_sizes[g]) k -= group_sizes[g++];
-  return name_of(Place{g, k});
-}
 
 // LibTorch's optimizer format around `states` (key -> archive) and groups of
 // `keys` with their options.
@@ -982,6 +1082,10 @@ void ZeroOptimizer::consolidate(std::vector<torch::serialize::InputArchive>& par
 }
 
 void ZeroOptimizer::load_consolidated(torch::serialize::InputArchive& archive) {
+  load_agreed([&] { load_consolidated_here(archive); });
+}
+
+void ZeroOptimizer::load_consolidated_here(torch::serialize::InputArchive& archive) {
   sdk::CheckpointLayout layout =
       sdk::read_checkpoint_layout(archive, "ZeroOptimizer::load_consolidated", group_sizes_);
   // (group, index) -> parameter
@@ -1041,42 +1145,42 @@ void ZeroOptimizer::load_consolidated(torch::serialize::InputArchive& archive) {
   mine.save_to(bytes);
   torch::serialize::InputArchive in;
   in.load_from(bytes);
-  inner_->load(in);
-  auto& own = param_groups();
-  for (std::size_t g = 0; g < own.size(); ++g) own[g].set_options(inner_->param_groups()[g].options().clone());
+  load_inner(in);
 }
 
 void ZeroOptimizer::load_sharded(std::vector<torch::serialize::InputArchive>& parts) {
-  const auto read_int = [&](torch::serialize::InputArchive& a, const char* key, std::size_t i) {
-    c10::IValue v;
-    TORCH_CHECK(a.try_read(key, v) && v.isInt(), kWhere, "load_sharded: part ", i, " has no ", key,
-                " (it is not a ZeroOptimizer checkpoint)");
-    return v.toInt();
-  };
-  const auto world = static_cast<std::int64_t>(parts.size());
-  TORCH_CHECK(world > 0, kWhere, "load_sharded: no parts");
-  std::vector<torch::serialize::InputArchive> inner(parts.size());
-  std::vector<bool> seen(parts.size(), false);
-  for (std::size_t i = 0; i < parts.size(); ++i) {
-    const std::int64_t their_world = read_int(parts[i], "ampfuse_zero/world_size", i);
-    const std::int64_t rank = read_int(parts[i], "ampfuse_zero/rank", i);
-    TORCH_CHECK(their_world == world, kWhere, "load_sharded: part ", i, " is one of ", their_world,
-                " ranks' parts, but ", world, " parts were given (pass every rank's part)");
-    TORCH_CHECK(rank >= 0 && rank < world && !seen[rank], kWhere, "load_sharded: rank ", rank,
-                "'s part is given twice, or is out of range");
-    seen[rank] = true;
-    TORCH_CHECK(read_int(parts[i], "ampfuse_zero/layout", i) == layout_hash_, kWhere, "load_sharded: part ", i,
-                " was saved for other parameters (groups, shapes, dtypes or devices differ)");
-    TORCH_CHECK(parts[i].try_read("ampfuse_zero/inner", inner[rank]), kWhere, "load_sharded: part ", i,
-                " has no ampfuse_zero/inner");
-  }
-  torch::serialize::OutputArchive whole;
-  consolidate(inner, whole);
-  std::stringstream bytes;
-  whole.save_to(bytes);
-  torch::serialize::InputArchive in;
-  in.load_from(bytes);
-  load_consolidated(in);
+  load_agreed([&] {
+    const auto read_int = [&](torch::serialize::InputArchive& a, const char* key, std::size_t i) {
+      c10::IValue v;
+      TORCH_CHECK(a.try_read(key, v) && v.isInt(), kWhere, "load_sharded: part ", i, " has no ", key,
+                  " (it is not a ZeroOptimizer checkpoint)");
+      return v.toInt();
+    };
+    const auto world = static_cast<std::int64_t>(parts.size());
+    TORCH_CHECK(world > 0, kWhere, "load_sharded: no parts");
+    std::vector<torch::serialize::InputArchive> inner(parts.size());
+    std::vector<bool> seen(parts.size(), false);
+    for (std::size_t i = 0; i < parts.size(); ++i) {
+      const std::int64_t their_world = read_int(parts[i], "ampfuse_zero/world_size", i);
+      const std::int64_t rank = read_int(parts[i], "ampfuse_zero/rank", i);
+      TORCH_CHECK(their_world == world, kWhere, "load_sharded: part ", i, " is one of ", their_world,
+                  " ranks' parts, but ", world, " parts were given (pass every rank's part)");
+      TORCH_CHECK(rank >= 0 && rank < world && !seen[rank], kWhere, "load_sharded: rank ", rank,
+                  "'s part is given twice, or is out of range");
+      seen[rank] = true;
+      TORCH_CHECK(read_int(parts[i], "ampfuse_zero/layout", i) == layout_hash_, kWhere, "load_sharded: part ", i,
+                  " was saved for other parameters (groups, shapes, dtypes or devices differ)");
+      TORCH_CHECK(parts[i].try_read("ampfuse_zero/inner", inner[rank]), kWhere, "load_sharded: part ", i,
+                  " has no ampfuse_zero/inner");
+    }
+    torch::serialize::OutputArchive whole;
+    consolidate(inner, whole);
+    std::stringstream bytes;
+    whole.save_to(bytes);
+    torch::serialize::InputArchive in;
+    in.load_from(bytes);
+    load_consolidated_here(in);
+  });
 }
 
 }  // namespace ampfuse::distributed

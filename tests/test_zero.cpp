@@ -554,12 +554,17 @@ TEST(ZeroOptimizer, StepsWithoutAScalerAndWithEmptyShards) {
 // size before the sum. fp16 grads of 40000 on two ranks (a scaled grad; fp16
 // holds up to 65504) average to 40000, where a sum first would be inf and the
 // scaler would skip the step and back off. Both ways a grad that is a view of
-// the bucket (after zero_grad(false)) and a grad that is copied into it.
+// the bucket (after zero_grad(false)) and a grad that is copied into it, by
+// all-reduce (CPU's default) and by Gloo's reduce-scatter (which has no AVG).
 TEST(ZeroOptimizer, GradsAreDividedBeforeTheyAreSummedAsDdpDoes) {
+  using ampfuse::distributed::ZeroCollectives;
+  for (const auto collectives : {ZeroCollectives::kAllReduceBroadcast, ZeroCollectives::kReduceScatter})
   for (const bool views : {false, true}) {
+    SCOPED_TRACE(collectives == ZeroCollectives::kReduceScatter ? "reduce-scatter" : "all-reduce");
     on_ranks(2, [&](int, const Group& pg) {
       auto p = torch::zeros({40}, torch::kHalf).requires_grad_();
-      auto opt = ZeroOptimizer::make<ampfuse::FusedSGD>({p}, torch::optim::SGDOptions(1e-4), pg);
+      auto opt = ZeroOptimizer::make<ampfuse::FusedSGD>({p}, torch::optim::SGDOptions(1e-4), pg,
+                                                        ampfuse::distributed::ZeroOptions().collectives(collectives));
       ampfuse::GradScaler scaler(ampfuse::GradScalerOptions().init_scale(4096.0));
       for (int step = 0; step < 2; ++step) {
         opt->zero_grad(/*set_to_none=*/!views);
@@ -600,6 +605,72 @@ TEST(ZeroOptimizer, ParametersWithoutGradsOnEveryRank) {
       opt->step();
       EXPECT_TRUE(bitwise_equal(a.detach(), torch::full({20}, 0.25f)));                   // 1 - 0.5 * (1 + 0.5)
       EXPECT_TRUE(bitwise_equal(b.detach(), torch::full({20}, skip ? 1.0f : 0.75f)));  // 1 - 0.5 * 0.5
+    });
+  }
+}
+
+// A frozen parameter (requires_grad false) is left out of the update also
+// with skip_params_without_grads(false), which steps the others without a
+// grad with zeros: weight decay must not move it (torch::optim never sees a
+// grad for it, and DeepSpeed leaves it out).
+TEST(ZeroOptimizer, FrozenParametersAreNeverStepped) {
+  for (const bool skip : {true, false}) {
+    on_ranks(2, [&](int, const Group& pg) {
+      auto a = torch::ones({20}).requires_grad_(), frozen = torch::ones({20});
+      auto opt = ZeroOptimizer::make<ampfuse::FusedAdamW>(
+          {a, frozen}, torch::optim::AdamWOptions(0.1).weight_decay(0.1), pg,
+          ampfuse::distributed::ZeroOptions().skip_params_without_grads(skip));
+      for (int step = 0; step < 3; ++step) {
+        opt->zero_grad();
+        a.mutable_grad() = torch::ones({20});
+        opt->step();
+      }
+      EXPECT_TRUE(bitwise_equal(frozen, torch::ones({20}))) << "skip " << skip;
+      EXPECT_FALSE(frozen.grad().defined()) << "skip " << skip;
+    });
+  }
+}
+
+// As after DDP's all-reduce, every parameter's grad holds the ranks' mean
+// once the grads are reduced, whether backward made it or zero_grad(false)
+// left a view of the bucket, also on a rank that had no grad for it; a
+// parameter with no grad on any rank keeps none.
+TEST(ZeroOptimizer, GradsHoldTheRanksMeanAfterTheStepAsAfterDdp) {
+  for (const bool set_to_none : {true, false}) {
+    on_ranks(2, [&](int rank, const Group& pg) {
+      auto a = torch::zeros({20}).requires_grad_(), b = torch::zeros({30}).requires_grad_(),
+           c = torch::zeros({10}).requires_grad_();
+      auto opt = ZeroOptimizer::make<ampfuse::FusedSGD>({a, b, c}, torch::optim::SGDOptions(0.5), pg);
+      for (int step = 0; step < 2; ++step) {
+        opt->zero_grad(set_to_none);
+        if (!a.grad().defined()) a.mutable_grad() = torch::zeros({20});
+        a.mutable_grad().add_(rank + 1.0);
+        if (rank == 1) b.mutable_grad() = torch::full({30}, 4.0f);  // rank 0 has no grad for b, or zeros
+        opt->step();
+        EXPECT_TRUE(bitwise_equal(a.grad(), torch::full({20}, 1.5f))) << "rank " << rank << ", step " << step;
+        ASSERT_TRUE(b.grad().defined()) << "rank " << rank << ", step " << step;
+        EXPECT_TRUE(bitwise_equal(b.grad(), torch::full({30}, 2.0f))) << "rank " << rank << ", step " << step;
+        EXPECT_FALSE(c.grad().defined()) << "rank " << rank << ", step " << step;  // (zero_grad(false) keeps none)
+      }
+      EXPECT_TRUE(bitwise_equal(a.detach(), torch::full({20}, -1.5f)));  // two steps of -0.5 * 1.5
+      EXPECT_TRUE(bitwise_equal(b.detach(), torch::full({30}, -2.0f)));
+    });
+  }
+}
+
+// Every rank starts from rank 0's parameters, as DDP's constructor makes
+// it (ZeroOptions::init_sync); without it each rank keeps its own, and an
+// lr-0 step hands every rank the shard owners' values.
+TEST(ZeroOptimizer, ParametersStartFromRankZerosValues) {
+  for (const bool sync : {true, false}) {
+    on_ranks(2, [&](int rank, const Group& pg) {
+      auto p = torch::full({64}, static_cast<float>(rank + 1)).requires_grad_();
+      auto opt = ZeroOptimizer::make<ampfuse::FusedSGD>({p}, torch::optim::SGDOptions(0.0), pg,
+                                                        ampfuse::distributed::ZeroOptions().init_sync(sync));
+      EXPECT_TRUE(bitwise_equal(p.detach(), torch::full({64}, sync ? 1.0f : rank + 1.0f))) << "init_sync " << sync;
+      p.mutable_grad() = torch::ones({64});
+      opt->step();
+      if (sync) EXPECT_TRUE(bitwise_equal(p.detach(), torch::ones({64})));
     });
   }
 }
@@ -945,6 +1016,94 @@ TEST(ZeroOptimizer, ShardedCheckpointResumesBitForBit) {
     const std::lock_guard<std::mutex> lock(mutex);
     for (std::size_t i = 0; i < params.size(); ++i)
       EXPECT_TRUE(bitwise_equal(params[i].detach(), uninterrupted[rank][i])) << "rank " << rank << ", parameter " << i;
+  });
+}
+
+// A checkpoint that one rank's pieces refuse (here a one-process
+// checkpoint over [64] and [63] loaded over [64] and [64]: only rank 1
+// holds the second parameter) is refused on every rank, and every rank keeps
+// the state it had, bit for bit; rank 1's error names the model's parameter
+// (group 0, parameter 1), not only its piece's place in the wrapped optimizer.
+TEST(ZeroOptimizer, ACheckpointRefusedOnOneRankIsRefusedOnEveryRank) {
+  std::string bytes;
+  {
+    auto a = torch::randn({64}).requires_grad_(), b = torch::randn({63}).requires_grad_();
+    ampfuse::FusedAdam one(std::vector<torch::Tensor>{a, b}, torch::optim::AdamOptions(1e-2));
+    for (int step = 0; step < 3; ++step) {
+      a.mutable_grad() = torch::ones({64});
+      b.mutable_grad() = torch::ones({63});
+      one.step();
+    }
+    torch::serialize::OutputArchive archive;
+    one.save(archive);
+    std::ostringstream out;
+    archive.save_to(out);
+    bytes = out.str();
+  }
+  on_ranks(2, [&](int rank, const Group& pg) {
+    auto a = torch::zeros({64}).requires_grad_(), b = torch::zeros({64}).requires_grad_();
+    auto opt = ZeroOptimizer::make<ampfuse::FusedAdam>({a, b}, torch::optim::AdamOptions(1e-2), pg);
+    a.mutable_grad() = torch::full({64}, 0.5f);
+    b.mutable_grad() = torch::full({64}, 0.25f);
+    opt->step();
+    const auto state_bytes = [&] {
+      torch::serialize::OutputArchive archive;
+      opt->save(archive);
+      std::ostringstream out;
+      archive.save_to(out);
+      return out.str();
+    };
+    const std::string before = state_bytes();
+    torch::serialize::InputArchive in;
+    std::istringstream is(bytes);
+    in.load_from(is);
+    const std::string error = error_of([&] { opt->load_consolidated(in); });
+    if (rank == 1) {
+      EXPECT_THAT(error, ::testing::HasSubstr("has shape [63]"));
+      EXPECT_THAT(error, ::testing::HasSubstr("piece of group 0, parameter 1"));
+    } else {
+      EXPECT_THAT(error, ::testing::HasSubstr("rank 1 of 2 refused"));
+    }
+    EXPECT_EQ(state_bytes(), before) << "rank " << rank;
+    EXPECT_EQ(opt->param_groups()[0].options().get_lr(), 1e-2);
+    // Both go on stepping together.
+    opt->step();
+  });
+}
+
+// The same for load() over a wrapped LibTorch optimizer, whose own load
+// adds to its state and never clears it: rank 1 is given rank 0's part
+// (refused), and rank 0, which had loaded its own, is back to no state.
+TEST(ZeroOptimizer, ALoadRefusedOnOneRankLeavesAWrappedLibTorchOptimizerAsItWas) {
+  std::vector<std::string> parts(2);
+  std::mutex mutex;
+  const auto make = [](torch::Tensor& a, const Group& pg) {
+    a = torch::zeros({64}).requires_grad_();
+    return ZeroOptimizer::make<torch::optim::Adam>({a}, torch::optim::AdamOptions(1e-2), pg);
+  };
+  on_ranks(2, [&](int rank, const Group& pg) {
+    torch::Tensor a;
+    auto opt = make(a, pg);
+    for (int step = 0; step < 2; ++step) {
+      a.mutable_grad() = torch::full({64}, 0.5f);
+      opt->step();
+    }
+    torch::serialize::OutputArchive archive;
+    opt->save(archive);
+    std::ostringstream out;
+    archive.save_to(out);
+    const std::lock_guard<std::mutex> lock(mutex);
+    parts[rank] = out.str();
+  });
+  on_ranks(2, [&](int rank, const Group& pg) {
+    torch::Tensor a;
+    auto opt = make(a, pg);
+    torch::serialize::InputArchive archive;
+    std::istringstream in(parts[0]);  // rank 1: not its part
+    archive.load_from(in);
+    EXPECT_THAT(error_of([&] { opt->load(archive); }),
+                ::testing::HasSubstr(rank == 0 ? "rank 1 of 2 refused the load" : "the checkpoint is rank 0 of 2"));
+    EXPECT_TRUE(opt->inner().state().empty()) << "rank " << rank;
   });
 }
 

@@ -42,11 +42,8 @@ torch::nn::Sequential make_model() {
 
 struct Trainer {
   Trainer(const Group& group, uint64_t seed) : model((torch::manual_seed(seed), make_model())) {
-    // Every rank starts from rank 0's weights (data parallelism keeps them equal from then on).
-    for (auto& p : model->parameters()) {
-      std::vector<torch::Tensor> one{p.data()};
-      group->broadcast(one)->wait();
-    }
+    // Every rank starts from rank 0's weights: the ZeroOptimizer broadcasts
+    // them as it moves the parameters into its buckets (ZeroOptions::init_sync).
     optimizer = ampfuse::distributed::ZeroOptimizer::make<ampfuse::FusedAdam>(
         model->parameters(), torch::optim::AdamOptions(kLr), group, ampfuse::distributed::ZeroOptions(),
         ampfuse::FusedAdamOptions().master_weights(true));

@@ -14,9 +14,10 @@
 // the optimizer owns (each parameter becomes a view of its bucket: the
 // model's parameters keep their identity, values and autograd, and are
 // contiguous from then on). A bucket is cut into `world` equal shards; rank r
-// owns shard r. At a step, each bucket's grads are reduce-scattered (summed,
-// then divided by the world size unless told otherwise) into the rank's
-// shard; the wrapped optimizer, built over this rank's pieces of the
+// owns shard r, and every rank starts from rank 0's values (as DDP does). At
+// a step, each bucket's grads are reduced to their mean (each rank's divided
+// by the world size before the sum, as DDP does; the sum where told so) into
+// the rank's shard; the wrapped optimizer, built over this rank's pieces of the
 // parameters (1-D views of its shard, in the same groups), updates them with
 // the rank's ScaleSignal in its own fused pass; then each bucket is
 // all-gathered, so that every rank holds every parameter again. Optimizer
@@ -72,12 +73,21 @@ struct ZeroOptions {
   /// would overflow average without inf); false keeps the sum.
   TORCH_ARG(bool, average_grads) = true;
   /// A parameter that has no grad on any rank is left out of the update, as
-  /// torch::optim leaves it out. Deciding it takes one all-reduce of a flag
-  /// per parameter each step and, on CUDA, one small device-to-host copy (a
-  /// host sync). False: no such all-reduce and no sync; a missing grad is
+  /// torch::optim leaves it out. Deciding it takes a flag per parameter in
+  /// the all-reduce that agrees on refusals at each step (on the group's CPU
+  /// backend where it has one; on a CUDA-only group, a host sync). False: no
+  /// flags; a missing grad is
   /// zeros everywhere, and the optimizer steps the parameter with them (as
-  /// DeepSpeed does).
+  /// DeepSpeed does), except a parameter with requires_grad false, which
+  /// is left out (DeepSpeed leaves frozen parameters out).
   TORCH_ARG(bool, skip_params_without_grads) = true;
+  /// At construction, every rank's parameters take rank 0's values (one
+  /// broadcast per bucket), as DDP's constructor makes every replica start
+  /// from rank 0's weights (its init_sync); each rank's shard of the
+  /// optimizer would otherwise step its own rank's initial values, and the
+  /// gather would hand every rank a patchwork of them. False: the
+  /// parameters keep each rank's values (the caller has made them equal).
+  TORCH_ARG(bool, init_sync) = true;
 };
 
 class ZeroOptimizer : public torch::optim::Optimizer, public ScalerAware {
@@ -98,7 +108,8 @@ class ZeroOptimizer : public torch::optim::Optimizer, public ScalerAware {
   /// difference is an error on every rank naming the first one that
   /// differs). Parameters are refused before anything is moved when one
   /// appears twice or shares storage with another (tied weights would come
-  /// apart), is sparse, or is not a leaf.
+  /// apart), is sparse, or is not a leaf. Then every rank's parameters take
+  /// rank 0's values (ZeroOptions::init_sync).
   ZeroOptimizer(std::vector<torch::optim::OptimizerParamGroup> param_groups,
                 c10::intrusive_ptr<c10d::ProcessGroup> process_group, const Factory& make_inner,
                 CopyOptions copy_options = nullptr, ZeroOptions options = {});
@@ -171,7 +182,8 @@ class ZeroOptimizer : public torch::optim::Optimizer, public ScalerAware {
   /// all of them, in any order: each rank of this one keeps its pieces' part
   /// (as load_consolidated does with the checkpoint they make together).
   /// Refused, naming the part, when a part is missing or given twice, or was
-  /// saved for other parameters. No collective.
+  /// saved for other parameters. Every rank calls it (one small all-reduce,
+  /// as load() and load_consolidated()).
   void load_sharded(std::vector<torch::serialize::InputArchive>& parts);
 
   /// A consolidated checkpoint, gathered to rank `root`: the wrapped
@@ -189,7 +201,13 @@ class ZeroOptimizer : public torch::optim::Optimizer, public ScalerAware {
   /// optimizer's type over the whole parameters): each keeps its pieces'
   /// part (per-element state tensors sliced, the rest copied) and loads it
   /// through the wrapped optimizer's own load, which refuses a checkpoint
-  /// that does not fit, changing nothing. No collective.
+  /// that does not fit, changing nothing.
+  ///
+  /// load(), load_sharded() and load_consolidated() load on every rank or on
+  /// none: what one rank refuses (its part damaged, a piece's state that does
+  /// not fit its piece) every rank refuses, and the ranks that had loaded
+  /// return to the state they had. Every rank calls them together (one small
+  /// all-reduce, and a copy of this rank's state in memory while loading).
   void load_consolidated(torch::serialize::InputArchive& archive);
 
   /// The wrapped optimizer, over this rank's pieces.
@@ -223,7 +241,9 @@ class ZeroOptimizer : public torch::optim::Optimizer, public ScalerAware {
   void note_writes_from_outside();
   void adopt_moved_params();
   std::string refusal() const;
-  void agree(const std::string& refusal, std::vector<std::int32_t>* flags);
+  /// `what`: what was refused and what that leaves, for the other ranks'
+  /// error (null: the step, which wrote nothing).
+  void agree(const std::string& refusal, std::vector<std::int32_t>* flags, const char* what = nullptr);
   bool grads_replaced_since_reduced() const;
   void step_inner(const StepSignals* signals);
   void record_versions();
@@ -231,6 +251,10 @@ class ZeroOptimizer : public torch::optim::Optimizer, public ScalerAware {
   std::vector<std::vector<Span>> spans_of_rank(int rank, int world) const;
   void consolidate(std::vector<torch::serialize::InputArchive>& parts, torch::serialize::OutputArchive& archive) const;
   std::int64_t saved_per_block(const std::string& key, const c10::IValue& v) const;
+  void load_here(torch::serialize::InputArchive& archive);
+  void load_consolidated_here(torch::serialize::InputArchive& archive);
+  void load_agreed(const std::function<void()>& load);
+  void load_inner(torch::serialize::InputArchive& archive);
 
   c10::intrusive_ptr<c10d::ProcessGroup> process_group_;
   ZeroOptions options_;
@@ -246,6 +270,7 @@ class ZeroOptimizer : public torch::optim::Optimizer, public ScalerAware {
   std::vector<std::size_t> param_bucket_;   // params_ index -> bucket
   std::vector<std::int64_t> param_offset_;  // params_ index -> first element in its bucket
   bool grads_reduced_ = false;
+  bool agree_on_cpu_ = false;  // the group has a CPU backend: agreements run there (no host sync on CUDA)
   std::vector<const c10::TensorImpl*> reduced_grads_;  // each parameter's grad when they were reduced
 };
 
