@@ -51,7 +51,7 @@ bool large_kernel_arguments() {
 
 }  // namespace
 
-at::Tensor device_meta(const std::vector<std::int64_t>& words, c10::Device device) {
+at::Tensor device_meta(const std::vector<std::int64_t>& words, c10::Device device, const at::Tensor& kept) {
   const c10::cuda::CUDAStream current = c10::cuda::getCurrentCUDAStream(device.index());
   const bool capturing = c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None;
   std::lock_guard<std::mutex> lock(g_mutex);
@@ -82,6 +82,15 @@ at::Tensor device_meta(const std::vector<std::int64_t>& words, c10::Device devic
     if (capturing) it->captured = true;
     g_entries.splice(g_entries.begin(), g_entries, it);
     return g_entries.front().on_device;
+  }
+  // The caller's copy from an eager step, evicted from the cache since: a
+  // graph may hold it (finished, as the warm-up's synchronize guarantees;
+  // its event is not recorded, so a later lookup from another stream does
+  // not wait for it).
+  if (capturing && kept.defined()) {
+    g_entries.push_front(Entry{device, current.id(), words, kept, c10::cuda::CUDAEvent()});
+    g_entries.front().captured = true;
+    return kept;
   }
   // An upload inside a capture would cache graph-pool memory that only a
   // replay fills: refuse it, and ask for the warm-up step that uploads eagerly.

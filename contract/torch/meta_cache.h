@@ -26,7 +26,11 @@ namespace ampfuse::detail {
 /// graph captured (a replay reads it, however many other lists ran since).
 /// The returned tensor holds the memory: a caller that launches later (after
 /// other lists were prepared, which may evict the entry) keeps it until then.
-at::Tensor device_meta(const std::vector<std::int64_t>& words, c10::Device device);
+/// `kept`: the copy of these words that the caller kept from an earlier
+/// step (undefined if none); under capture, where the cache has evicted the
+/// entry since (more than 32 other lists uploaded after the warm-up), that
+/// copy is taken back into the cache as captured instead of refused.
+at::Tensor device_meta(const std::vector<std::int64_t>& words, c10::Device device, const at::Tensor& kept = {});
 
 /// Launch metadata of `views` over `plan`: packed into out.words and, when
 /// too long for kernel arguments (or for the driver's), on the device through

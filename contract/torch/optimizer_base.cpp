@@ -1263,7 +1263,7 @@ std::shared_ptr<const ListMeta> make_launch_meta(const TensorListsView& views, c
 
 std::shared_ptr<const ListMeta> reuse_launch_meta(const std::shared_ptr<const ListMeta>& meta, c10::Device device) {
   if (!meta || !meta->on_device.defined()) return meta;
-  at::Tensor on_device = detail::device_meta(meta->words, device);
+  at::Tensor on_device = detail::device_meta(meta->words, device, meta->on_device);
   if (on_device.is_same(meta->on_device)) return meta;
   auto fresh = std::make_shared<ListMeta>();  // evicted and uploaded again
   fresh->words = meta->words;

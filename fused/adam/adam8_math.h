@@ -1,8 +1,11 @@
 #pragma once
 // The 8-bit blockwise code of FusedAdam's moments_8bit, written once as
 // scalar functions (host and device: the rule, the CUDA kernel's element
-// code, and what the CPU kernel's lanes must equal bit for bit). No LibTorch
-// here.
+// code, and what the CPU kernel's lanes must equal bit for bit). The CPU
+// kernel flushes subnormals by default (sdk::cpu::keep_subnormals turns it off):
+// a subnormal moment codes as 0 there and as the smallest code on CUDA, so
+// CPU and CUDA codes agree bit for bit only with subnormals kept. No
+// LibTorch here.
 //
 // A tensor's elements are cut into blocks of kQuantBlock consecutive
 // elements (the last one may be shorter). A block keeps one fp32 absmax, the

@@ -171,6 +171,9 @@ void dispatch_dtype(ScalarType dtype, F&& f) {
 template <int Depth, class Launch>
 void launch_with_meta(const LaunchMeta& m, Launch&& launch) {
   if (m.num_chunks == 0) return;
+  if (m.depth != Depth)
+    throw std::runtime_error("ampfuse: internal error: launch metadata packed for " + std::to_string(m.depth) +
+                             " lists, kernel built for " + std::to_string(Depth));
   if (m.num_chunks > 0x7FFFFFFF) throw std::runtime_error("ampfuse: list has more than 2^31 - 1 chunks");
   const dim3 grid(static_cast<unsigned>(m.num_chunks));
   if (m.device == nullptr) {
