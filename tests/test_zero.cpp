@@ -260,6 +260,22 @@ void expect_zero_matches_one_process(const Kind& k, int world, std::uint64_t see
   });
 }
 
+// A checkpoint as bytes, and back.
+std::string to_bytes(const std::function<void(torch::serialize::OutputArchive&)>& save) {
+  torch::serialize::OutputArchive archive;
+  save(archive);
+  std::ostringstream out;
+  archive.save_to(out);
+  return out.str();
+}
+
+torch::serialize::InputArchive from_bytes(const std::string& bytes) {
+  torch::serialize::InputArchive archive;
+  std::istringstream in(bytes);
+  archive.load_from(in);
+  return archive;
+}
+
 // Every optimizer, world sizes 1 to 4, both ways of reducing and
 // gathering, without clipping: bit for bit.
 TEST(ZeroOptimizer, StepsAsOneProcessOnTheAveragedGrads) {
@@ -1025,38 +1041,23 @@ TEST(ZeroOptimizer, ShardedCheckpointResumesBitForBit) {
 // the state it had, bit for bit; rank 1's error names the model's parameter
 // (group 0, parameter 1), not only its piece's place in the wrapped optimizer.
 TEST(ZeroOptimizer, ACheckpointRefusedOnOneRankIsRefusedOnEveryRank) {
-  std::string bytes;
-  {
-    auto a = torch::randn({64}).requires_grad_(), b = torch::randn({63}).requires_grad_();
-    ampfuse::FusedAdam one(std::vector<torch::Tensor>{a, b}, torch::optim::AdamOptions(1e-2));
-    for (int step = 0; step < 3; ++step) {
-      a.mutable_grad() = torch::ones({64});
-      b.mutable_grad() = torch::ones({63});
-      one.step();
-    }
-    torch::serialize::OutputArchive archive;
-    one.save(archive);
-    std::ostringstream out;
-    archive.save_to(out);
-    bytes = out.str();
+  auto a = torch::randn({64}).requires_grad_(), b = torch::randn({63}).requires_grad_();
+  ampfuse::FusedAdam one(std::vector<torch::Tensor>{a, b}, torch::optim::AdamOptions(1e-2));
+  for (int step = 0; step < 3; ++step) {
+    a.mutable_grad() = torch::ones({64});
+    b.mutable_grad() = torch::ones({63});
+    one.step();
   }
+  const std::string bytes = to_bytes([&](auto& archive) { one.save(archive); });
   on_ranks(2, [&](int rank, const Group& pg) {
     auto a = torch::zeros({64}).requires_grad_(), b = torch::zeros({64}).requires_grad_();
     auto opt = ZeroOptimizer::make<ampfuse::FusedAdam>({a, b}, torch::optim::AdamOptions(1e-2), pg);
     a.mutable_grad() = torch::full({64}, 0.5f);
     b.mutable_grad() = torch::full({64}, 0.25f);
     opt->step();
-    const auto state_bytes = [&] {
-      torch::serialize::OutputArchive archive;
-      opt->save(archive);
-      std::ostringstream out;
-      archive.save_to(out);
-      return out.str();
-    };
+    const auto state_bytes = [&] { return to_bytes([&](auto& archive) { opt->save(archive); }); };
     const std::string before = state_bytes();
-    torch::serialize::InputArchive in;
-    std::istringstream is(bytes);
-    in.load_from(is);
+    auto in = from_bytes(bytes);
     const std::string error = error_of([&] { opt->load_consolidated(in); });
     if (rank == 1) {
       EXPECT_THAT(error, ::testing::HasSubstr("has shape [63]"));
@@ -1088,19 +1089,14 @@ TEST(ZeroOptimizer, ALoadRefusedOnOneRankLeavesAWrappedLibTorchOptimizerAsItWas)
       a.mutable_grad() = torch::full({64}, 0.5f);
       opt->step();
     }
-    torch::serialize::OutputArchive archive;
-    opt->save(archive);
-    std::ostringstream out;
-    archive.save_to(out);
+    const std::string part = to_bytes([&](auto& archive) { opt->save(archive); });
     const std::lock_guard<std::mutex> lock(mutex);
-    parts[rank] = out.str();
+    parts[rank] = part;
   });
   on_ranks(2, [&](int rank, const Group& pg) {
     torch::Tensor a;
     auto opt = make(a, pg);
-    torch::serialize::InputArchive archive;
-    std::istringstream in(parts[0]);  // rank 1: not its part
-    archive.load_from(in);
+    auto archive = from_bytes(parts[0]);  // rank 1: not its part
     EXPECT_THAT(error_of([&] { opt->load(archive); }),
                 ::testing::HasSubstr(rank == 0 ? "rank 1 of 2 refused the load" : "the checkpoint is rank 0 of 2"));
     EXPECT_TRUE(opt->inner().state().empty()) << "rank " << rank;
@@ -1148,21 +1144,6 @@ TEST(ZeroOptimizer, ATensorReachingOutsideItsStorageIsRefusedForAWrappedLibTorch
                 ::testing::HasSubstr("ZeroOptimizer::load: the checkpoint's tensor 'exp_avg' (sizes [4], strides [1], "
                                      "storage offset 6, 4 bytes an element) reaches outside its storage of 16 bytes"));
   });
-}
-
-std::string to_bytes(const std::function<void(torch::serialize::OutputArchive&)>& save) {
-  torch::serialize::OutputArchive archive;
-  save(archive);
-  std::ostringstream out;
-  archive.save_to(out);
-  return out.str();
-}
-
-torch::serialize::InputArchive from_bytes(const std::string& bytes) {
-  torch::serialize::InputArchive archive;
-  std::istringstream in(bytes);
-  archive.load_from(in);
-  return archive;
 }
 
 // What a resharding run leaves for further checks: the parameters after
