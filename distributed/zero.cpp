@@ -550,7 +550,7 @@ bool ZeroOptimizer::grads_replaced_since_reduced() const {
   if (reduced_grads_.size() != params_.size()) return true;
   for (std::size_t i = 0; i < params_.size(); ++i) {
     const at::Tensor& g = params_[i].grad();
-    if ((g.defined() ? g.unsafeGetTensorImpl() : nullptr) != reduced_grads_[i]) return true;
+    if (g.unsafeGetTensorImpl() != reduced_grads_[i]._unsafe_get_target()) return true;  // (undefined: the singleton)
   }
   return false;
 }
@@ -667,9 +667,10 @@ void ZeroOptimizer::reduce_grads() {
     });
   }
   set_piece_grads(has_grad);
-  reduced_grads_.resize(params_.size());
-  for (std::size_t i = 0; i < params_.size(); ++i)
-    reduced_grads_[i] = params_[i].grad().defined() ? params_[i].grad().unsafeGetTensorImpl() : nullptr;
+  // Held weakly: a grad freed since (zero_grad) cannot hand its address to
+  // the next one, which would then be taken for the grad reduced here.
+  reduced_grads_.clear();
+  for (const at::Tensor& p : params_) reduced_grads_.emplace_back(p.grad().getIntrusivePtr());
   grads_reduced_ = true;
 }
 
@@ -847,6 +848,10 @@ void ZeroOptimizer::load_agreed(const std::function<void()>& load) {
     agree(refused, nullptr, "the load (its error says why); every rank keeps the optimizer state it had");
   } catch (const std::exception& e) {
     if (!saved) throw;
+    const auto message = [](const std::exception& x) -> std::string {
+      const auto* c10 = dynamic_cast<const c10::Error*>(&x);
+      return c10 ? c10->what_without_backtrace() : x.what();
+    };
     try {
       // LibTorch's own load adds to state() and never clears it.
       inner_->state().clear();
@@ -854,8 +859,8 @@ void ZeroOptimizer::load_agreed(const std::function<void()>& load) {
       archive.load_from(before);
       inner_->load(archive);
     } catch (const std::exception& again) {
-      TORCH_CHECK(false, kWhere, e.what(), "; and taking back the state this rank had before failed too: ",
-                  again.what(), " (this rank's optimizer state is not what it was; reload it)");
+      TORCH_CHECK(false, kWhere, message(e), "; and taking back the state this rank had before failed too: ",
+                  message(again), " (this rank's optimizer state is not what it was; reload it)");
     }
     throw;
   }
@@ -869,17 +874,18 @@ void ZeroOptimizer::load_agreed(const std::function<void()>& load) {
 void ZeroOptimizer::load_inner(torch::serialize::InputArchive& archive) {
   try {
     inner_->load(archive);
-  } catch (const c10::Error& e) {
-    const std::string message = e.what_without_backtrace();
+  } catch (c10::Error& e) {
+    const std::string message = e.msg();
     static const std::regex where("param group ([0-9]+), param ([0-9]+)");
     std::smatch m;
-    if (!std::regex_search(message, m, where)) throw;
-    const std::size_t g = std::stoul(m[1].str()), i = std::stoul(m[2].str());
-    for (const Piece& piece : pieces_)
-      if (piece.group == g && piece.index == i)
-        TORCH_CHECK(false, message, " (the wrapped optimizer's ", m[0].str(), " is rank ", process_group_->getRank(),
-                    "'s piece of ", param_name(group_sizes_, piece.param), ")");
-    throw;
+    if (std::regex_search(message, m, where)) {
+      const std::size_t g = std::stoul(m[1].str()), i = std::stoul(m[2].str());
+      for (const Piece& piece : pieces_)
+        if (piece.group == g && piece.index == i)
+          e.add_context(c10::str("the wrapped optimizer's ", m[0].str(), " is rank ", process_group_->getRank(),
+                                 "'s piece of ", param_name(group_sizes_, piece.param)));
+    }
+    throw;  // (its type kept)
   }
 }
 

@@ -80,8 +80,9 @@ struct FusedLAMBParamState : public torch::optim::OptimizerCloneableParamState<F
   /// The parameter's version counter when master last matched it (see
   /// FusedOptimizer::prepare_master). Not saved.
   TORCH_ARG(std::int64_t, master_version) = 0;
-  /// The parameter's storage and offset when master last matched it (not
-  /// known yet after load()); see FusedAdamParamStateT::master_source. Not saved.
+  /// The parameter's storage and offset when master last matched it (recorded
+  /// when the master is made, at each step and by load()); see
+  /// FusedAdamParamStateT::master_source. Not saved.
   TORCH_ARG(sdk::MasterSource, master_source);
 
  public:

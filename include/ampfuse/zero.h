@@ -271,7 +271,8 @@ class ZeroOptimizer : public torch::optim::Optimizer, public ScalerAware {
   std::vector<std::int64_t> param_offset_;  // params_ index -> first element in its bucket
   bool grads_reduced_ = false;
   bool agree_on_cpu_ = false;  // the group has a CPU backend: agreements run there (no host sync on CUDA)
-  std::vector<const c10::TensorImpl*> reduced_grads_;  // each parameter's grad when they were reduced
+  /// Each parameter's grad when they were reduced (held weakly: not taken for a later grad at its address).
+  std::vector<c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>> reduced_grads_;
 };
 
 }  // namespace ampfuse::distributed

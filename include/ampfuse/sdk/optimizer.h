@@ -920,8 +920,9 @@ struct KeptLaunch {
 /// as usual, but its StorageImpl object, whose address is compared, cannot be
 /// reused by another storage while recorded (a parameter given empty memory
 /// and then loaded weights, `p.set_data(empty)` then `p.set_data(loaded)`,
-/// most often gets the freed object's address). Not known until a step
-/// records it.
+/// most often gets the freed object's address). Not known until recorded
+/// (prepare_master records it when it makes or checks the master, an
+/// optimizer's after_load when it loads one).
 class MasterSource {
  public:
   /// Whether param is where this was recorded (false where not known).
