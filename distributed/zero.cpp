@@ -211,6 +211,32 @@ std::int64_t check_same_parameters(c10d::ProcessGroup& group, const std::vector<
 
 }  // namespace
 
+namespace {
+
+// Every rank learns whether any rank's construction failed (one all-reduce
+// of a flag per rank, on the CPU where the group has a CPU backend); throws
+// on every rank when one did, its own error on that rank.
+void agree_on_construction(c10d::ProcessGroup& group, const std::string& refused, c10::Device device) {
+  const int world = group.getSize(), rank = group.getRank();
+  std::vector<std::int32_t> flags(static_cast<std::size_t>(world), 0);
+  flags[static_cast<std::size_t>(rank)] = refused.empty() ? 0 : 1;
+  if (world > 1) {
+    const auto types = group.getDeviceTypes();
+    if (std::any_of(types.begin(), types.end(), [](const c10::Device& d) { return d.is_cpu(); }))
+      device = c10::Device(c10::kCPU);
+    std::vector<at::Tensor> buffer{at::tensor(flags, at::kInt).to(device)};
+    collective(group, "agreeing that every rank has made its optimizer", [&] { return group.allreduce(buffer); });
+    const at::Tensor summed = buffer[0].cpu();
+    std::copy_n(summed.data_ptr<std::int32_t>(), flags.size(), flags.begin());
+  }
+  TORCH_CHECK(refused.empty(), refused);
+  for (int r = 0; r < world; ++r)
+    TORCH_CHECK(flags[static_cast<std::size_t>(r)] == 0, kWhere, "rank ", r, " of ", world,
+                " could not make its optimizer (its error says why); the parameters were not moved on any rank");
+}
+
+}  // namespace
+
 std::shared_ptr<ZeroOptimizer::Layout> ZeroOptimizer::build(std::vector<torch::optim::OptimizerParamGroup> param_groups,
                                                             c10::intrusive_ptr<c10d::ProcessGroup> process_group,
                                                             const Factory& make_inner, CopyOptions copy_options,
@@ -358,21 +384,33 @@ std::shared_ptr<ZeroOptimizer::Layout> ZeroOptimizer::build(std::vector<torch::o
     else
       piece_groups.emplace_back(std::move(pieces));
   }
-  layout->inner = make_inner(std::move(piece_groups));
-  TORCH_CHECK(layout->inner, kWhere, "the factory returned no optimizer");
-  TORCH_CHECK(layout->inner->param_groups().size() == groups.size(), kWhere, "the wrapped optimizer has ",
-              layout->inner->param_groups().size(), " parameter groups, expected ", groups.size());
-  // State that depends on the whole tensor (FusedAdam's 8-bit moments: the
-  // 4096 rule on the whole numel, blocks counted from its first element).
-  if (auto* knows = dynamic_cast<sdk::KnowsWholeTensors*>(layout->inner.get())) {
-    const auto& inner_groups = layout->inner->param_groups();
-    for (const Piece& piece : layout->pieces) {
-      const std::int64_t offset = layout->param_offset[piece.param];
-      const std::int64_t lo = std::max(offset, rank * layout->buckets[param_bucket[piece.param]].shard);
-      knows->set_whole_tensor(inner_groups.at(piece.group).params().at(piece.index), params[piece.param].numel(),
-                              lo - offset);
+  // The wrapped optimizer, agreed with the other ranks: a factory that
+  // throws on one rank alone (its options refused on this rank's pieces, out
+  // of memory) fails every rank's construction, instead of leaving the others
+  // to wait in their first step until the timeout.
+  std::string refused;
+  try {
+    layout->inner = make_inner(std::move(piece_groups));
+    TORCH_CHECK(layout->inner, kWhere, "the factory returned no optimizer");
+    TORCH_CHECK(layout->inner->param_groups().size() == groups.size(), kWhere, "the wrapped optimizer has ",
+                layout->inner->param_groups().size(), " parameter groups, expected ", groups.size());
+    // State that depends on the whole tensor (FusedAdam's 8-bit moments: the
+    // 4096 rule on the whole numel, blocks counted from its first element).
+    if (auto* knows = dynamic_cast<sdk::KnowsWholeTensors*>(layout->inner.get())) {
+      const auto& inner_groups = layout->inner->param_groups();
+      for (const Piece& piece : layout->pieces) {
+        const std::int64_t offset = layout->param_offset[piece.param];
+        const std::int64_t lo = std::max(offset, rank * layout->buckets[param_bucket[piece.param]].shard);
+        knows->set_whole_tensor(inner_groups.at(piece.group).params().at(piece.index),
+                                params[piece.param].numel(), lo - offset);
+      }
     }
+  } catch (const c10::Error& e) {
+    refused = e.what_without_backtrace();
+  } catch (const std::exception& e) {
+    refused = e.what();
   }
+  agree_on_construction(*process_group, refused, check_device);
   // Nothing can fail from here: each parameter becomes a view of its bucket
   // (same TensorImpl, autograd identity and version counter).
   if (!sharing.empty())

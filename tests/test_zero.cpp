@@ -693,6 +693,30 @@ TEST(ZeroOptimizer, ParametersStartFromRankZerosValues) {
   }
 }
 
+// A factory that fails on one rank alone fails every rank's construction,
+// at once rather than at the first step's timeout, and no rank moves its
+// parameters into buckets.
+TEST(ZeroOptimizer, AFactoryFailingOnOneRankFailsEveryRanksConstruction) {
+  on_ranks(2, [&](int rank, const Group& pg) {
+    auto p = torch::ones({64}).requires_grad_();
+    const void* data = p.data_ptr();
+    const auto start = std::chrono::steady_clock::now();
+    const std::string error = error_of([&] {
+      ZeroOptimizer opt({torch::optim::OptimizerParamGroup({p})}, pg,
+                        [rank](std::vector<torch::optim::OptimizerParamGroup> groups) {
+                          TORCH_CHECK(rank != 1, "no optimizer on rank 1");
+                          return std::unique_ptr<torch::optim::Optimizer>(
+                              std::make_unique<torch::optim::SGD>(std::move(groups), torch::optim::SGDOptions(0.1)));
+                        });
+    });
+    EXPECT_THAT(error, ::testing::HasSubstr(rank == 1 ? "no optimizer on rank 1"
+                                                      : "rank 1 of 2 could not make its optimizer"));
+    EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(15));  // the timeout is 20 s
+    EXPECT_EQ(p.data_ptr(), data) << "rank " << rank;
+    EXPECT_TRUE(bitwise_equal(p.detach(), torch::ones({64})));
+  });
+}
+
 // A parameter that is a view of a larger tensor (every other column) steps
 // as it would in place, and the warning says that the larger tensor no
 // longer follows it once it has moved into its bucket; a parameter that

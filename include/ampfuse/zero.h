@@ -109,7 +109,8 @@ class ZeroOptimizer : public torch::optim::Optimizer, public ScalerAware {
   /// differs). Parameters are refused before anything is moved when one
   /// appears twice or shares storage with another (tied weights would come
   /// apart), is sparse, or is not a leaf. Then every rank's parameters take
-  /// rank 0's values (ZeroOptions::init_sync).
+  /// rank 0's values (ZeroOptions::init_sync). A factory that throws on one
+  /// rank fails every rank's construction, and no parameter moves.
   ZeroOptimizer(std::vector<torch::optim::OptimizerParamGroup> param_groups,
                 c10::intrusive_ptr<c10d::ProcessGroup> process_group, const Factory& make_inner,
                 CopyOptions copy_options = nullptr, ZeroOptions options = {});
