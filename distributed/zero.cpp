@@ -213,26 +213,35 @@ std::int64_t check_same_parameters(c10d::ProcessGroup& group, const std::vector<
 
 namespace {
 
-// Every rank learns whether any rank's construction failed (one all-reduce
-// of a flag per rank, on the CPU where the group has a CPU backend); throws
-// on every rank when one did, its own error on that rank.
-void agree_on_construction(c10d::ProcessGroup& group, const std::string& refused, c10::Device device) {
+bool has_cpu_backend(const c10d::ProcessGroup& group) {
+  const auto types = group.getDeviceTypes();
+  return std::any_of(types.begin(), types.end(), [](const c10::Device& d) { return d.is_cpu(); });
+}
+
+// Every rank learns whether any rank refused (one flag per rank) and the
+// sum of `flags` (may be null) over the ranks, in one all-reduce: on the CPU
+// where the group has a CPU backend (Gloo beside NCCL, as
+// init_process_group makes it: the flags are the host's, and reading back a
+// CUDA all-reduce would be a host sync), else on `device`. Throws on every
+// rank when one refused: its own refusal on that rank, naming the first
+// rank that refused (followed by `refused_what`) on the others.
+void agree_across(c10d::ProcessGroup& group, bool on_cpu, c10::Device device, const std::string& refusal,
+                  std::vector<std::int32_t>* flags, const char* doing, const std::string& refused_what) {
   const int world = group.getSize(), rank = group.getRank();
-  std::vector<std::int32_t> flags(static_cast<std::size_t>(world), 0);
-  flags[static_cast<std::size_t>(rank)] = refused.empty() ? 0 : 1;
+  const std::size_t n = flags ? flags->size() : 0;
+  std::vector<std::int32_t> all(n + static_cast<std::size_t>(world), 0);
+  if (flags) std::copy(flags->begin(), flags->end(), all.begin());
+  all[n + static_cast<std::size_t>(rank)] = refusal.empty() ? 0 : 1;
   if (world > 1) {
-    const auto types = group.getDeviceTypes();
-    if (std::any_of(types.begin(), types.end(), [](const c10::Device& d) { return d.is_cpu(); }))
-      device = c10::Device(c10::kCPU);
-    std::vector<at::Tensor> buffer{at::tensor(flags, at::kInt).to(device)};
-    collective(group, "agreeing that every rank has made its optimizer", [&] { return group.allreduce(buffer); });
+    std::vector<at::Tensor> buffer{at::tensor(all, at::kInt).to(on_cpu ? c10::Device(c10::kCPU) : device)};
+    collective(group, doing, [&] { return group.allreduce(buffer); });
     const at::Tensor summed = buffer[0].cpu();
-    std::copy_n(summed.data_ptr<std::int32_t>(), flags.size(), flags.begin());
+    std::copy_n(summed.data_ptr<std::int32_t>(), all.size(), all.begin());
   }
-  TORCH_CHECK(refused.empty(), refused);
+  TORCH_CHECK(refusal.empty(), refusal);
   for (int r = 0; r < world; ++r)
-    TORCH_CHECK(flags[static_cast<std::size_t>(r)] == 0, kWhere, "rank ", r, " of ", world,
-                " could not make its optimizer (its error says why); the parameters were not moved on any rank");
+    TORCH_CHECK(all[n + static_cast<std::size_t>(r)] == 0, kWhere, "rank ", r, " of ", world, " ", refused_what);
+  if (flags) std::copy_n(all.begin(), n, flags->begin());
 }
 
 }  // namespace
@@ -410,7 +419,10 @@ std::shared_ptr<ZeroOptimizer::Layout> ZeroOptimizer::build(std::vector<torch::o
   } catch (const std::exception& e) {
     refused = e.what();
   }
-  agree_on_construction(*process_group, refused, check_device);
+  // (A failed construction on every rank, before any parameter moves.)
+  agree_across(*process_group, has_cpu_backend(*process_group), check_device, refused, nullptr,
+               "agreeing that every rank has made its optimizer",
+               "could not make its optimizer (its error says why); the parameters were not moved on any rank");
   // Nothing can fail from here: each parameter becomes a view of its bucket
   // (same TensorImpl, autograd identity and version counter).
   if (!sharing.empty())
@@ -450,8 +462,7 @@ ZeroOptimizer::ZeroOptimizer(std::shared_ptr<Layout> layout)
       group_sizes_(std::move(layout->group_sizes)),
       param_bucket_(std::move(layout->param_bucket)),
       param_offset_(std::move(layout->param_offset)) {
-  const auto types = process_group_->getDeviceTypes();
-  agree_on_cpu_ = std::any_of(types.begin(), types.end(), [](const c10::Device& d) { return d.is_cpu(); });
+  agree_on_cpu_ = has_cpu_backend(*process_group_);
   record_versions();
   connect_tensor_sums();
 }
@@ -555,31 +566,17 @@ std::string ZeroOptimizer::refusal() const {
 // Every rank learns whether any rank refused, before any rank writes or
 // enters the collectives of the step: a refusal on one rank alone would
 // otherwise leave the others waiting in them until the timeout, or pair
-// their collectives with that rank's next step. `flags` (may be null) are
-// summed over the ranks in the same all-reduce. Throws on every rank when
-// one refused: its own refusal on that rank, naming the first that refused
-// on the others.
+// their collectives with that rank's next step (agree_across).
 void ZeroOptimizer::agree(const std::string& refusal, std::vector<std::int32_t>* flags, const char* what) {
-  const int world = process_group_->getSize(), rank = process_group_->getRank();
-  const std::size_t n = flags ? flags->size() : 0;
-  std::vector<std::int32_t> all(n + static_cast<std::size_t>(world), 0);
-  if (flags) std::copy(flags->begin(), flags->end(), all.begin());
-  all[n + static_cast<std::size_t>(rank)] = refusal.empty() ? 0 : 1;
-  if (world > 1 && !buckets_.empty()) {  // (the same on every rank: they have the same parameters)
-    // On the CPU where the group has a CPU backend (Gloo beside NCCL, as
-    // init_process_group makes it): the flags are the host's, and reading
-    // back a CUDA all-reduce would be a host sync.
-    const c10::Device device = agree_on_cpu_ ? c10::Device(c10::kCPU) : buckets_.front().flat_grad.device();
-    std::vector<at::Tensor> buffer{at::tensor(all, at::kInt).to(device)};
-    collective(*process_group_, "agreeing that every rank can step", [&] { return process_group_->allreduce(buffer); });
-    const at::Tensor summed = buffer[0].cpu();
-    std::copy_n(summed.data_ptr<std::int32_t>(), all.size(), all.begin());
+  // No bucket (no parameter on any rank: they have the same parameters):
+  // nothing to agree with the others about but this rank's own refusal.
+  if (buckets_.empty()) {
+    TORCH_CHECK(refusal.empty(), refusal);
+    return;
   }
-  TORCH_CHECK(refusal.empty(), refusal);
-  for (int r = 0; r < world; ++r)
-    TORCH_CHECK(all[n + static_cast<std::size_t>(r)] == 0, kWhere, "rank ", r, " of ", world, " refused ",
-                what ? what : "the step (its error says why); nothing was written on any rank");
-  if (flags) std::copy_n(all.begin(), n, flags->begin());
+  agree_across(*process_group_, agree_on_cpu_, buckets_.front().flat_grad.device(), refusal, flags,
+               "agreeing that every rank can step",
+               std::string("refused ") + (what ? what : "the step (its error says why); nothing was written on any rank"));
 }
 
 // Whether a parameter's grad is another tensor than when the grads were
@@ -642,11 +639,22 @@ void ZeroOptimizer::reduce_grads() {
         refused = c10::str(kWhere, "parameter ", i, " is ", describe(p), " but its grad is ", describe(g));
       has_grad[i] = 1;
     }
-  // Which parameters have a grad on any rank: the others are skipped.
+  // Which parameters have a grad on any rank: the others are skipped. Or,
+  // with skip_params_without_grads(false), which require grad: those on
+  // every rank step, those on none are left out, and one frozen on some
+  // ranks only is refused on every rank (its shards would part).
   const bool skip = options_.skip_params_without_grads();
-  agree(refused, skip ? &has_grad : nullptr);
-  if (!skip)  // (the same on every rank without an all-reduce: frozen parameters are left out)
+  if (!skip)
     for (std::size_t i = 0; i < params_.size(); ++i) has_grad[i] = params_[i].requires_grad() ? 1 : 0;
+  agree(refused, &has_grad);
+  if (!skip) {
+    const int ranks = process_group_->getSize();
+    for (std::size_t i = 0; i < params_.size(); ++i)
+      TORCH_CHECK(has_grad[i] == 0 || has_grad[i] == ranks, kWhere, param_name(group_sizes_, i),
+                  " requires grad on ", has_grad[i], " of ", ranks,
+                  " ranks: freeze a parameter on every rank or on none (as DDP requires); nothing was written on "
+                  "any rank");
+  }
   adopt_moved_params();
   // The mean as DDP takes it, each rank's grad divided by the world size
   // before the sum, so that a sum the grads' dtype cannot hold (fp16 grads

@@ -647,6 +647,29 @@ TEST(ZeroOptimizer, FrozenParametersAreNeverStepped) {
   }
 }
 
+// With skip_params_without_grads(false), which parameters step is decided
+// by requires_grad on each rank: a parameter frozen on rank 1 only would
+// step on rank 0's shard alone. Every rank refuses, naming it, before
+// anything is written; frozen on both, the step goes on.
+TEST(ZeroOptimizer, AParameterFrozenOnOneRankOnlyIsRefusedOnEveryRank) {
+  on_ranks(2, [&](int rank, const Group& pg) {
+    auto a = torch::ones({20}).requires_grad_(), b = torch::ones({20}).requires_grad_();
+    auto opt = ZeroOptimizer::make<ampfuse::FusedAdamW>(
+        {a, b}, torch::optim::AdamWOptions(0.1).weight_decay(0.1), pg,
+        ampfuse::distributed::ZeroOptions().skip_params_without_grads(false));
+    a.mutable_grad() = torch::ones({20});
+    if (rank == 1) b.requires_grad_(false);
+    const std::string error = error_of([&] { opt->step(); });
+    EXPECT_THAT(error, ::testing::HasSubstr("group 0, parameter 1 requires grad on 1 of 2 ranks")) << "rank " << rank;
+    EXPECT_TRUE(bitwise_equal(a.detach(), torch::ones({20}))) << "rank " << rank;
+    EXPECT_TRUE(bitwise_equal(b.detach(), torch::ones({20}))) << "rank " << rank;
+    b.requires_grad_(false);
+    opt->step();
+    EXPECT_FALSE(bitwise_equal(a.detach(), torch::ones({20}))) << "rank " << rank;
+    EXPECT_TRUE(bitwise_equal(b.detach(), torch::ones({20}))) << "rank " << rank;
+  });
+}
+
 // As after DDP's all-reduce, every parameter's grad holds the ranks' mean
 // once the grads are reduced, whether backward made it or zero_grad(false)
 // left a view of the bucket, also on a rank that had no grad for it; a
@@ -1095,6 +1118,49 @@ TEST(ZeroOptimizer, ACheckpointRefusedOnOneRankIsRefusedOnEveryRank) {
     EXPECT_EQ(opt->param_groups()[0].options().get_lr(), 1e-2);
     EXPECT_EQ(opt->inner().param_groups()[0].options().get_lr(), 1e-2);
     opt->step();  // both ranks step together again (a rank left in a collective would time out)
+  });
+}
+
+// load_sharded given every part on rank 0 and a part short on rank 1:
+// rank 0's load, which went through on its own, is undone, and both ranks
+// keep the state they had and step together again.
+TEST(ZeroOptimizer, AShardedLoadRefusedOnOneRankIsRefusedOnEveryRank) {
+  std::mutex mutex;
+  std::vector<std::string> parts(2);
+  on_ranks(2, [&](int rank, const Group& pg) {
+    auto a = torch::zeros({64}).requires_grad_(), b = torch::zeros({40}).requires_grad_();
+    auto opt = ZeroOptimizer::make<ampfuse::FusedAdam>({a, b}, torch::optim::AdamOptions(1e-3), pg);
+    for (int step = 0; step < 3; ++step) {
+      a.mutable_grad() = torch::full({64}, 0.5f + static_cast<float>(step));
+      b.mutable_grad() = torch::full({40}, -0.25f);
+      opt->step();
+    }
+    const std::string part = to_bytes([&](auto& archive) { opt->save(archive); });
+    const std::lock_guard<std::mutex> lock(mutex);
+    parts[rank] = part;
+  });
+  on_ranks(2, [&](int rank, const Group& pg) {
+    auto a = torch::zeros({64}).requires_grad_(), b = torch::zeros({40}).requires_grad_();
+    auto opt = ZeroOptimizer::make<ampfuse::FusedAdam>({a, b}, torch::optim::AdamOptions(1e-2), pg);
+    a.mutable_grad() = torch::full({64}, 2.0f);
+    b.mutable_grad() = torch::full({40}, 3.0f);
+    opt->step();
+    const auto state_bytes = [&] { return to_bytes([&](auto& archive) { opt->save(archive); }); };
+    const std::string before = state_bytes();
+    std::vector<torch::serialize::InputArchive> given;
+    given.push_back(from_bytes(parts[rank]));
+    if (rank == 0) given.push_back(from_bytes(parts[1]));  // every part; rank 1 gives its own alone
+    const std::string error = error_of([&] { opt->load_sharded(given); });
+    if (rank == 1) {
+      EXPECT_THAT(error, ::testing::HasSubstr("pass every rank's part"));
+    } else {
+      EXPECT_THAT(error, ::testing::HasSubstr("rank 1 of 2 refused"));
+    }
+    EXPECT_EQ(state_bytes(), before) << "rank " << rank;
+    EXPECT_EQ(opt->param_groups()[0].options().get_lr(), 1e-2);
+    const auto a_before = a.detach().clone();
+    opt->step();  // both ranks step together again (a rank left in a collective would time out)
+    EXPECT_FALSE(torch::equal(a.detach(), a_before));
   });
 }
 

@@ -75,11 +75,12 @@ struct ZeroOptions {
   /// A parameter that has no grad on any rank is left out of the update, as
   /// torch::optim leaves it out. Deciding it takes a flag per parameter in
   /// the all-reduce that agrees on refusals at each step (on the group's CPU
-  /// backend where it has one; on a CUDA-only group, a host sync). False: no
-  /// flags; a missing grad is
-  /// zeros everywhere, and the optimizer steps the parameter with them (as
-  /// DeepSpeed does), except a parameter with requires_grad false, which
-  /// is left out (DeepSpeed leaves frozen parameters out).
+  /// backend where it has one; on a CUDA-only group, a host sync). False: a
+  /// missing grad is zeros everywhere, and the optimizer steps the parameter
+  /// with them (as DeepSpeed does), except a parameter with requires_grad
+  /// false, which is left out (DeepSpeed leaves frozen parameters out); the
+  /// flags then say which parameters require grad, and one frozen on some
+  /// ranks only is refused on every rank.
   TORCH_ARG(bool, skip_params_without_grads) = true;
   /// At construction, every rank's parameters take rank 0's values (one
   /// broadcast per bucket), as DDP's constructor makes every replica start
