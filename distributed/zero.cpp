@@ -66,6 +66,12 @@ std::string describe(const at::Tensor& p) {
   return out.str();
 }
 
+// An error's message, without c10's backtrace.
+std::string message_of(const std::exception& e) {
+  const auto* c10 = dynamic_cast<const c10::Error*>(&e);
+  return c10 ? c10->what_without_backtrace() : e.what();
+}
+
 // Runs a collective and waits for it; an error (a timeout, a rank that
 // left) is rethrown naming what was being done and what every rank must do.
 template <class F>
@@ -76,7 +82,7 @@ void collective(const c10d::ProcessGroup& group, const char* what, F&& start) {
     TORCH_CHECK(false, kWhere, what, ": rank ", group.getRank(), " of ", group.getSize(),
                 ": the collective failed (every rank must construct the optimizer with the same parameters and "
                 "call step(), reduce_grads() and each load together): ",
-                e.what());
+                message_of(e));
   }
 }
 
@@ -414,10 +420,8 @@ std::shared_ptr<ZeroOptimizer::Layout> ZeroOptimizer::build(std::vector<torch::o
                                 params[piece.param].numel(), lo - offset);
       }
     }
-  } catch (const c10::Error& e) {
-    refused = e.what_without_backtrace();
   } catch (const std::exception& e) {
-    refused = e.what();
+    refused = message_of(e);
   }
   // (A failed construction on every rank, before any parameter moves.)
   agree_across(*process_group, has_cpu_backend(*process_group), check_device, refused, nullptr,
@@ -812,12 +816,9 @@ void ZeroOptimizer::step_inner(const StepSignals* signals) {
           agree({}, nullptr);
         }))
       return;
-  } catch (const c10::Error& e) {
-    if (agreed) throw;  // every rank refuses (or this one failed after the agreement)
-    agree(e.what_without_backtrace(), nullptr);
   } catch (const std::exception& e) {
-    if (agreed) throw;
-    agree(e.what(), nullptr);
+    if (agreed) throw;  // every rank refuses (or this one failed after the agreement)
+    agree(message_of(e), nullptr);
   }
   agree({}, nullptr);
   if (signals) aware->step_with_signals(*signals);
@@ -876,28 +877,22 @@ void ZeroOptimizer::load_agreed(const std::function<void()>& load) {
   std::stringstream before;
   bool saved = false;
   std::string refused;
-  const auto note = [&](const char* what) { refused = what && *what ? what : "the load failed"; };
   try {
     torch::serialize::OutputArchive archive;
     inner_->save(archive);
     archive.save_to(before);
     saved = true;
     load();
-  } catch (const c10::Error& e) {
-    note(e.what_without_backtrace());
   } catch (const std::exception& e) {
-    note(e.what());
+    refused = message_of(e);
+    if (refused.empty()) refused = "the load failed";
   } catch (...) {
-    note(nullptr);
+    refused = "the load failed";
   }
   try {
     agree(refused, nullptr, "the load (its error says why); every rank keeps the optimizer state it had");
   } catch (const std::exception& e) {
     if (!saved) throw;
-    const auto message = [](const std::exception& x) -> std::string {
-      const auto* c10 = dynamic_cast<const c10::Error*>(&x);
-      return c10 ? c10->what_without_backtrace() : x.what();
-    };
     try {
       // LibTorch's own load adds to state() and never clears it.
       inner_->state().clear();
@@ -905,8 +900,8 @@ void ZeroOptimizer::load_agreed(const std::function<void()>& load) {
       archive.load_from(before);
       inner_->load(archive);
     } catch (const std::exception& again) {
-      TORCH_CHECK(false, kWhere, message(e), "; and taking back the state this rank had before failed too: ",
-                  message(again), " (this rank's optimizer state is not what it was; reload it)");
+      TORCH_CHECK(false, kWhere, message_of(e), "; and taking back the state this rank had before failed too: ",
+                  message_of(again), " (this rank's optimizer state is not what it was; reload it)");
     }
     throw;
   }

@@ -349,27 +349,24 @@ TEST_P(StateModelTest, FusedLAMBMasterCopiesFollowExternalWrites) {
 // Loading the optimizer after the weights keeps the checkpoint's master (it
 // stands for the weights as loaded); writing the weights after loading the
 // optimizer refreshes it.
-TEST_P(StateModelTest, FusedAdamLoadedMasterStandsForTheParameterAsItIsAtLoad) {
-  auto p = param({257}, torch::kHalf);
-  const auto fused = ampfuse::FusedAdamOptions().master_weights(true);
-  ampfuse::FusedAdam opt({p}, torch::optim::AdamOptions(1e-2), fused);
+template <class Opt, class State, class... Args>
+void expect_loaded_master_stands_for_the_parameter(torch::Tensor p, torch::Tensor q, const Args&... args) {
+  Opt opt({p}, args...);
   for (int i = 0; i < 3; ++i) {
     fill_grads(opt);
     opt.step();
   }
   std::stringstream archive;
   torch::save(opt, archive);
-  const torch::Tensor saved_master =
-      static_cast<ampfuse::FusedAdamParamState&>(*opt.state().begin()->second).master().clone();
+  const torch::Tensor saved_master = static_cast<State&>(*opt.state().begin()->second).master().clone();
 
-  auto q = param({257}, torch::kHalf);
-  ampfuse::FusedAdam resumed({q}, torch::optim::AdamOptions(1e-2), fused);
+  Opt resumed({q}, args...);
   {
     torch::NoGradGuard no_grad;
     q.copy_(p);  // the weights first, then the optimizer
   }
   torch::load(resumed, archive);
-  auto& st = static_cast<ampfuse::FusedAdamParamState&>(*resumed.state().begin()->second);
+  auto& st = static_cast<State&>(*resumed.state().begin()->second);
   EXPECT_TRUE(bitwise_equal(st.master().cpu(), saved_master.cpu()));
   resumed.param_groups()[0].options().set_lr(0.0);
   fill_grads(resumed);
@@ -387,6 +384,18 @@ TEST_P(StateModelTest, FusedAdamLoadedMasterStandsForTheParameterAsItIsAtLoad) {
   fill_grads(resumed);
   resumed.step();
   EXPECT_TRUE(bitwise_equal(q.detach(), written)) << "a loaded master undid weights written after the load";
+}
+
+// FusedAdam and FusedLAMB alike: the SDK's load() makes a loaded master
+// follow its parameter (sdk::follow_loaded_master), so an optimizer of the
+// SDK need not do it in after_load (FusedLAMB has none).
+TEST_P(StateModelTest, ALoadedMasterStandsForTheParameterAsItIsAtLoad) {
+  expect_loaded_master_stands_for_the_parameter<ampfuse::FusedAdam, ampfuse::FusedAdamParamState>(
+      param({257}, torch::kHalf), param({257}, torch::kHalf), torch::optim::AdamOptions(1e-2),
+      ampfuse::FusedAdamOptions().master_weights(true));
+  expect_loaded_master_stands_for_the_parameter<ampfuse::FusedLAMB, ampfuse::FusedLAMBParamState>(
+      param({257}, torch::kBFloat16), param({257}, torch::kBFloat16),
+      ampfuse::FusedLAMBOptions(1e-2).master_weights(true));
 }
 
 // A master that its parameter does not round to (weights written after the

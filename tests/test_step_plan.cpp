@@ -1294,3 +1294,52 @@ TEST(GroupSpans, FlatParamsWalksEveryParameterFromAnyIndex) {
 }
 
 }  // namespace
+
+// An optimizer with an option of its own that decides how check_entries
+// judges the step (as a per-group master_weights would decide its state's
+// dtypes) says so with plan_key(): a step that finds the key changed starts
+// the plan over, and validation sees the new option before anything is
+// written. Without it, the plan made before the change was reused and the
+// option was never checked (a third-party author's optimizer stepped state
+// of the old layout as the new one).
+class Keyed : public ampfuse::FusedAdam {
+ public:
+  using ampfuse::FusedAdam::FusedAdam;
+  std::uint64_t key = 0;
+  bool refuse = false;
+  mutable int checks = 0;
+
+ protected:
+  std::uint64_t plan_key(std::size_t /*group*/) const override { return key; }
+  void check_entries(const std::vector<ampfuse::sdk::Entry>& entries) const override {
+    ++checks;
+    TORCH_CHECK(!refuse, "Keyed: the option refuses this step");
+    ampfuse::FusedAdam::check_entries(entries);
+  }
+};
+
+TEST(StepPlanKey, AChangedPlanKeyStartsThePlanOverAndValidatesAgain) {
+  auto p = torch::randn({100}).requires_grad_();
+  Keyed opt({p}, torch::optim::AdamOptions(1e-2));
+  p.mutable_grad() = torch::ones({100});
+  opt.step();
+  EXPECT_EQ(opt.last_plan_match(), PlanMatch::kChanged);
+  opt.step();
+  EXPECT_EQ(opt.last_plan_match(), PlanMatch::kSame);
+  EXPECT_EQ(opt.checks, 1);
+  opt.refuse = true;  // the key is the same: the plan holds, and validation does not run
+  opt.step();
+  EXPECT_EQ(opt.last_plan_match(), PlanMatch::kSame);
+  EXPECT_EQ(opt.checks, 1);
+  opt.key = 1;
+  const torch::Tensor before = p.detach().clone();
+  EXPECT_THAT([&] { opt.step(); }, ::testing::ThrowsMessage<c10::Error>(HasSubstr("the option refuses this step")));
+  EXPECT_TRUE(bitwise_equal(p.detach(), before));
+  EXPECT_EQ(opt.checks, 2);
+  opt.refuse = false;
+  opt.step();
+  EXPECT_EQ(opt.last_plan_match(), PlanMatch::kChanged);
+  opt.step();
+  EXPECT_EQ(opt.last_plan_match(), PlanMatch::kSame);
+  EXPECT_EQ(opt.checks, 3);
+}

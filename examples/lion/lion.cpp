@@ -76,7 +76,7 @@ ampfuse::sdk::Launch FusedLion::prepare_list(const ampfuse::sdk::ParamList& list
     const torch::Tensor& p = list.entries[i]->param;
     LionParamState& s = state_for(*list.entries[i], [&](LionParamState& st) { st.exp_avg(pool.take(p)); });
     param[i] = p.data_ptr();
-    grad[i] = list.entries[i]->grad.data_ptr();
+    grad[i] = list.entries[i]->grad_data();
     exp_avg[i] = s.exp_avg().data_ptr();
     numel[i] = p.numel();
   }

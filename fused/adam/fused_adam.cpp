@@ -350,12 +350,7 @@ std::vector<std::string> FusedAdamImpl<Base, Options, State, kDecoupled>::saved_
 
 template <class Base, class Options, class State, bool kDecoupled>
 void FusedAdamImpl<Base, Options, State, kDecoupled>::after_load(const at::Tensor& param, State& state) {
-  // The loaded master stands for the parameter as it is now (where the
-  // parameter does not round to it, the parameter's values): a write into
-  // the parameter after this load (weights loaded next) refreshes it.
-  if (state.master().defined()) state.master(sdk::master_following(state.master(), param));
-  state.master_version(param._version());
-  sdk::set_master_source(state, param);
+  // (The loaded master follows the parameter already: sdk::follow_loaded_master.)
   // The moments as these options keep them: coded or decoded once, here.
   const bool want = coded_8bit(param) && param.scalar_type() != at::kDouble;
   if (want && !holds_coded(state)) code_moments(state);

@@ -260,13 +260,6 @@ void FusedLAMB::end_step(const StepSignals* signals) {
   ws.pending_apply.clear();
 }
 
-void FusedLAMB::after_load(const at::Tensor& param, FusedLAMBParamState& state) {
-  // The loaded master stands for the parameter as it is now (as FusedAdam's).
-  if (state.master().defined()) state.master(sdk::master_following(state.master(), param));
-  state.master_version(param._version());
-  sdk::set_master_source(state, param);
-}
-
 namespace {
 
 // What a list's step keeps while the step plan holds (sdk::ListSlot): its

@@ -119,7 +119,6 @@ class FusedLAMB : public sdk::FusedOptimizer<torch::optim::Optimizer, FusedLAMBO
   void begin_step(const std::vector<const sdk::Entry*>& entries, const StepSignals* signals) override;
   sdk::Launch prepare_list(const sdk::ParamList& list) override;
   void end_step(const StepSignals* signals) override;
-  void after_load(const at::Tensor& param, FusedLAMBParamState& state) override;
   std::vector<std::string> saved_state_keys() const override { return {"step", "exp_avg", "exp_avg_sq", "master"}; }
   std::size_t state_stamp(const FusedLAMBParamState& state) const override {
     return stamp_tensors({&state.step(), &state.exp_avg(), &state.exp_avg_sq(), &state.master()});

@@ -974,6 +974,29 @@ bool master_source_moved(const S& state, const at::Tensor& param) {
   }
 }
 
+/// Whether State keeps an fp32 master copy (fields `master` and
+/// `master_version`: FusedOptimizer::prepare_master).
+template <class S, class = void>
+struct HasMaster : std::false_type {};
+template <class S>
+struct HasMaster<S, std::void_t<decltype(std::declval<const S&>().master()),
+                                decltype(std::declval<const S&>().master_version())>> : std::true_type {};
+
+/// What load() does for a loaded State with a master copy, before
+/// after_load(): the master stands for the parameter as it is now (where
+/// the parameter does not round to it, the parameter's values, as a master
+/// made from it), and a write into the parameter after the load (weights
+/// loaded next) refreshes it. Without it, the loaded master would be taken
+/// for stale at the next step and replaced by the rounded parameter.
+template <class S>
+void follow_loaded_master(const at::Tensor& param, S& state) {
+  if constexpr (HasMaster<S>::value) {
+    if (state.master().defined()) state.master(master_following(state.master(), param));
+    state.master_version(param._version());
+    set_master_source(state, param);
+  }
+}
+
 /// An fp32 master copy kept in State takes the parameter's values (the
 /// launch phase does it for FusedOptimizer::prepare_master).
 template <class S>
@@ -1104,7 +1127,11 @@ class FusedOptimizer : public Base, public ScalerAware {
       throw;
     }
     forget_plan();
-    for (const auto& [saved, st] : loaded) after_load(groups[saved->group].params()[saved->index], *st);
+    for (const auto& [saved, st] : loaded) {
+      const at::Tensor& p = groups[saved->group].params()[saved->index];
+      follow_loaded_master(p, *st);
+      after_load(p, *st);
+    }
   }
 
  protected:
@@ -1128,10 +1155,12 @@ class FusedOptimizer : public Base, public ScalerAware {
     return {};
   }
   /// Validates a parameter's existing state (use check_state_tensor and
-  /// check_required_state_tensor); throw to refuse. load() calls it for every
-  /// state a checkpoint holds, so that what a step would refuse is refused
-  /// when loaded. May run on several threads at once, for different
-  /// parameters: read only.
+  /// check_required_state_tensor); throw to refuse. Runs when the step plan
+  /// is made (the first step, and any step that finds a parameter, its grad,
+  /// its state or a group's plan_key() changed), not at every step. load()
+  /// calls it for every state a checkpoint holds, so that what a step would
+  /// refuse is refused when loaded. May run on several threads at once, for
+  /// different parameters: read only.
   virtual void check_state(const at::Tensor& /*param*/, const State& /*state*/, std::size_t /*group*/,
                            std::size_t /*index*/) const {}
   /// What load() calls for every state a checkpoint holds: check_state,
@@ -1146,8 +1175,21 @@ class FusedOptimizer : public Base, public ScalerAware {
   ///
   /// Validates anything else about the step's parameters, and the groups'
   /// options; throw to refuse. load() calls it with no entries, with the
-  /// checkpoint's options in place.
+  /// checkpoint's options in place. Like check_state, it runs when the step
+  /// plan is made, not at every step (see "Step plans" above): an option set
+  /// between steps reaches it only where plan_key() changes with it; one
+  /// whose every value must be checked is checked in prepare_list.
   virtual void check_entries(const std::vector<Entry>& /*entries*/) const {}
+  /// What in group `group`'s options decides the layout of its state (which
+  /// tensors, of which dtypes: an option of your own such as a per-group
+  /// master_weights or 8-bit moments) or how check_state or check_entries
+  /// judge it. A step that finds a group's key other than when the step
+  /// plan was made starts the plan over: check_state and check_entries see
+  /// the new options before anything is written. The default, 0 for every
+  /// group, says no option does (the built-in optimizers' per-group options
+  /// are lr, betas, eps and the like, read at every step). Called once per
+  /// group at every step: keep it cheap.
+  virtual std::uint64_t plan_key(std::size_t /*group*/) const { return 0; }
   /// Called once per step after validation, before the first prepare_list():
   /// for optimizer-wide work such as a global gradient norm (it may launch
   /// into workspaces, not into parameters or state). `signals` is null
@@ -1163,7 +1205,9 @@ class FusedOptimizer : public Base, public ScalerAware {
   /// its first applied step).
   virtual bool has_saved_state(const State& /*state*/) const { return true; }
   /// Called by load() for every parameter whose state it read from the
-  /// checkpoint, once the checkpoint was accepted; must not throw.
+  /// checkpoint, once the checkpoint was accepted; must not throw. A master
+  /// copy (prepare_master's fields) is already made to follow the parameter
+  /// (follow_loaded_master).
   virtual void after_load(const at::Tensor& /*param*/, State& /*state*/) {}
   /// Called by load() for every state it read, before validation: for what a
   /// checkpoint keeps of a parameter outside its state (an earlier format).
@@ -1214,6 +1258,7 @@ class FusedOptimizer : public Base, public ScalerAware {
   /// from scratch (load() calls it).
   void forget_plan() {
     plan_valid_ = false;
+    plan_group_keys_.clear();
     grads_id_ = 0;
     plan_slots_.clear();
     plan_lists_.clear();
@@ -1375,7 +1420,7 @@ class FusedOptimizer : public Base, public ScalerAware {
     // have recorded moved grads that no list was prepared for) and takes
     // back the state made so far: nothing was written.
     try {
-      if (plan_valid_) {
+      if (plan_valid_ && group_keys_match()) {
         if (signals) check_signals(*signals, name());
         match = match_plan(*this, stamp, name(), signals, plan_keys_, takes_float64(), /*stage_grads=*/true,
                            sizeof(State));
@@ -1454,6 +1499,8 @@ class FusedOptimizer : public Base, public ScalerAware {
     write_back_staged_params(staged_params_, !skip_cpu);
     if (match == PlanMatch::kChanged) {
       record_plan(*this, stamp, plan_keys_);
+      plan_group_keys_.clear();
+      for (std::size_t g = 0; g < this->param_groups().size(); ++g) plan_group_keys_.push_back(plan_key(g));
       // What the plan's stamps compare by address stays alive while it holds.
       held_state_.clear();
       {
@@ -1472,6 +1519,14 @@ class FusedOptimizer : public Base, public ScalerAware {
     last_match_ = match;
   }
 
+  // Whether every group's plan_key is the one the step plan was made with.
+  bool group_keys_match() const {
+    if (plan_group_keys_.size() != this->param_groups().size()) return false;
+    for (std::size_t g = 0; g < plan_group_keys_.size(); ++g)
+      if (plan_key(g) != plan_group_keys_[g]) return false;
+    return true;
+  }
+
   std::vector<std::function<void()>> undo_;
   std::vector<std::function<void()>> stale_masters_;  ///< the refreshes prepare_master asked for
   // The step plan (see the top of this file).
@@ -1479,6 +1534,7 @@ class FusedOptimizer : public Base, public ScalerAware {
   std::uint64_t grads_id_ = 0;  ///< grads_id(); 0 while there is no plan
   PlanMatch last_match_ = PlanMatch::kChanged;
   PlanKeys plan_keys_;
+  std::vector<std::uint64_t> plan_group_keys_;  ///< plan_key(g) of every group when the plan was made
   std::vector<Entry> plan_entries_;
   std::vector<const Entry*> plan_entry_ptrs_;  ///< one per plan_entries_ element, in order
   std::vector<Entry> plan_sparse_;  ///< parameters with sparse grads (prepare_sparse), rebuilt every step
