@@ -7,6 +7,7 @@
 
 #include <cmath>
 #include <limits>
+#include <vector>
 
 #include "tests/common.h"
 
@@ -289,6 +290,68 @@ TEST_P(FusedLambTest, BadInputNamesGroupAndParamAndChangesNothing) {
   }
   EXPECT_TRUE(ampfuse_test::bitwise_equal(p0, before0));
   EXPECT_TRUE(ampfuse_test::bitwise_equal(p1, before1));
+}
+
+// Options set between steps are checked as at the first step, before
+// anything is written (the step plan made before them held, and they were
+// not: an eps of 0 made NaN where m = v = 0, master_weights on a Float
+// parameter made a master that was then saved).
+TEST_P(FusedLambTest, OptionsSetBetweenStepsAreRefusedAsAtTheFirstStep) {
+  ampfuse_test::seed_for_test();
+  auto p = torch::randn({300}).to(device_);
+  p.mutable_grad() = torch::randn({300}).to(device_);
+  p.mutable_grad()[0] = 0.0f;  // m = v = 0 there
+  FusedLAMB opt({p}, FusedLAMBOptions(1e-2));
+  opt.step();
+  opt.step();
+  auto& o = static_cast<FusedLAMBOptions&>(opt.param_groups()[0].options());
+  auto& st = static_cast<ampfuse::FusedLAMBParamState&>(*opt.state().begin()->second);
+  const torch::Tensor before = p.clone();
+  const std::vector<torch::Tensor> state_before = {st.step().clone(), st.exp_avg().clone(), st.exp_avg_sq().clone()};
+  o.eps(0.0);
+  EXPECT_THAT([&] { opt.step(); }, ::testing::ThrowsMessage<c10::Error>(
+                                       ::testing::HasSubstr("FusedLAMB: param group 0: eps must be > 0, got 0")));
+  o.eps(1e-6);
+  o.master_weights(true);
+  EXPECT_THAT([&] { opt.step(); }, ::testing::ThrowsMessage<c10::Error>(::testing::HasSubstr(
+                                       "FusedLAMB: param group 0, param 0: master_weights asked for on a Float")));
+  EXPECT_TRUE(ampfuse_test::bitwise_equal(p, before));
+  EXPECT_TRUE(ampfuse_test::bitwise_equal(st.step(), state_before[0]));
+  EXPECT_TRUE(ampfuse_test::bitwise_equal(st.exp_avg(), state_before[1]));
+  EXPECT_TRUE(ampfuse_test::bitwise_equal(st.exp_avg_sq(), state_before[2]));
+  EXPECT_FALSE(st.master().defined());
+  o.master_weights(false);
+  opt.step();
+  EXPECT_TRUE(torch::isfinite(p).all().item<bool>());
+  EXPECT_FALSE(ampfuse_test::bitwise_equal(p, before));
+}
+
+// master_weights switched off and on again: the master of the first steps
+// is dropped while the option is off (the kernel writes the parameter
+// alone, which leaves its version as it was, so the old master looked
+// current when the option came back, and an lr-0 step put the parameter
+// back where it was 20 steps before: helper-44's reproducer).
+TEST_P(FusedLambTest, MasterWeightsSwitchedOffAndOnDoNotUndoTheStepsBetween) {
+  ampfuse_test::seed_for_test();
+  for (auto dtype : {torch::kHalf, torch::kBFloat16}) {
+    SCOPED_TRACE(ampfuse_test::dtype_name(dtype));
+    auto p = torch::randn({1000}).to(dtype).to(device_);
+    FusedLAMB opt({p}, FusedLAMBOptions(1e-1).weight_decay(0.01).master_weights(true));
+    auto& o = static_cast<FusedLAMBOptions&>(opt.param_groups()[0].options());
+    const auto step = [&] {
+      p.mutable_grad() = torch::randn({1000}).to(dtype).to(device_);
+      opt.step();
+    };
+    for (int i = 0; i < 3; ++i) step();
+    o.master_weights(false);
+    for (int i = 0; i < 5; ++i) step();
+    EXPECT_FALSE(static_cast<ampfuse::FusedLAMBParamState&>(*opt.state().begin()->second).master().defined());
+    const torch::Tensor before = p.clone();
+    o.master_weights(true);
+    o.lr(0.0);
+    step();
+    EXPECT_TRUE(ampfuse_test::bitwise_equal(p, before));
+  }
 }
 
 // Launches per step, counted in a CUDA graph: two per group and dtype, one

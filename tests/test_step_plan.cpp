@@ -143,9 +143,9 @@ TEST_P(StepPlanTest, FusedAdamReusesItsPlanAndSeesEveryChange) {
     static_cast<torch::optim::AdamOptions&>(opt.param_groups()[0].options()).amsgrad(true);
   });
   t.grads(true);
-  EXPECT_TRUE(t.step(PlanMatch::kSame));  // the list is prepared again: it makes max_exp_avg_sq
+  EXPECT_TRUE(t.step(PlanMatch::kChanged));  // amsgrad is FusedAdam's plan_key: it makes max_exp_avg_sq
   t.grads(true);
-  EXPECT_TRUE(t.step(PlanMatch::kChanged));  // which the state stamp sees
+  EXPECT_TRUE(t.step(PlanMatch::kSame));  // recorded with the plan
   t.apply([](auto& opt, auto&) { opt.state().clear(); });
   t.grads(true);
   EXPECT_TRUE(t.step(PlanMatch::kChanged));
@@ -204,7 +204,9 @@ TEST_P(StepPlanTest, FusedSGDAndFusedLAMBReuseTheirPlans) {
   plain.apply([](auto& opt, auto&) {
     static_cast<torch::optim::SGDOptions&>(opt.param_groups()[0].options()).momentum(0.9);
   });
-  for (const PlanMatch expected : {PlanMatch::kSame, PlanMatch::kChanged, PlanMatch::kSame}) {
+  // (momentum is FusedSGD's plan_key: the plan starts over at the step that
+  // sees it, and holds from there, the buffers made in that step included)
+  for (const PlanMatch expected : {PlanMatch::kChanged, PlanMatch::kSame, PlanMatch::kSame}) {
     plain.grads(true);
     EXPECT_TRUE(plain.step(expected)) << "FusedSGD with momentum switched on";
   }
@@ -220,7 +222,7 @@ TEST_P(StepPlanTest, FusedSGDAndFusedLAMBReuseTheirPlans) {
 
 // FusedAdagrad and FusedRMSprop keep their pointer arrays and Plan on CPU
 // too. An option that gives RMSprop's state another list (momentum switched
-// on) is seen at the step where it changes, before the state does.
+// on, its plan_key) starts the plan over at the step where it changes.
 TEST_P(StepPlanTest, FusedAdagradAndFusedRMSpropReuseTheirPlans) {
   Twins<ampfuse::FusedAdagrad> adagrad(
       {param({129}, torch::kFloat), param({0}, torch::kFloat), param({70000}, torch::kFloat)},
@@ -237,7 +239,7 @@ TEST_P(StepPlanTest, FusedAdagradAndFusedRMSpropReuseTheirPlans) {
   rmsprop.apply([](auto& opt, auto&) {
     static_cast<torch::optim::RMSpropOptions&>(opt.param_groups()[0].options()).momentum(0.9);
   });
-  for (const PlanMatch expected : {PlanMatch::kSame, PlanMatch::kChanged, PlanMatch::kSame}) {
+  for (const PlanMatch expected : {PlanMatch::kChanged, PlanMatch::kSame, PlanMatch::kSame}) {
     rmsprop.grads(true);
     EXPECT_TRUE(rmsprop.step(expected)) << "FusedRMSprop with momentum switched on";
   }

@@ -281,23 +281,14 @@ void FusedAdamImpl<Base, Options, State, kDecoupled>::check_adam_state(const at:
   sdk::check_device_step(st.device_step(), p, name(), g, i);
 }
 
-namespace {
-
-// With moments_8bit, amsgrad is refused in every group: when the plan is
-// made (check_entries), and at every step for an option set since (prepare_list).
-void refuse_amsgrad_8bit(const char* who, std::size_t group, bool amsgrad) {
-  TORCH_CHECK(!amsgrad, who, ": param group ", group,
-              ": amsgrad with moments_8bit; 8-bit moments have no max_exp_avg_sq (turn one of them off)");
-}
-
-}  // namespace
-
 template <class Base, class Options, class State, bool kDecoupled>
 void FusedAdamImpl<Base, Options, State, kDecoupled>::check_entries(const std::vector<sdk::Entry>& entries) const {
   if (fused_.moments_8bit()) {
     TORCH_CHECK(!fused_.bf16_moments(), name(), ": moments_8bit and bf16_moments both asked for; choose one");
+    // (in every group, also when set between steps: amsgrad is the plan key)
     for (std::size_t g = 0; g < this->param_groups().size(); ++g)
-      refuse_amsgrad_8bit(name(), g, this->options_of(g).amsgrad());
+      TORCH_CHECK(!this->options_of(g).amsgrad(), name(), ": param group ", g,
+                  ": amsgrad with moments_8bit; 8-bit moments have no max_exp_avg_sq (turn one of them off)");
     for (const sdk::Entry& e : entries) {
       TORCH_CHECK(e.dtype != at::kDouble, name(), ": param group ", e.group, ", param ", e.index,
                   ": moments_8bit asked for on a Double parameter; Double parameters keep Double moments");
@@ -372,7 +363,6 @@ constexpr int kCoded8Lists = 7;
 // pointers the kernels take, valid while the step plan holds.
 template <class State>
 struct AdamKept {
-  bool amsgrad = false;  // the option the pointers were gathered for
   std::vector<State*> states;
   // The state tensors pointed to, held so that none is freed (and another
   // made at its address, which its state stamp would not tell apart) while
@@ -421,13 +411,9 @@ sdk::Launch FusedAdamImpl<Base, Options, State, kDecoupled>::prepare_list(const 
   const std::size_t n = list.size();
 
   std::shared_ptr<AdamKept<State>> kept = pl.slot.get<AdamKept<State>>();
-  const bool fresh = kept == nullptr || kept->amsgrad != o.amsgrad();
-  // (check_entries refuses it when the plan is made; an option set since
-  // keeps the plan, so it is refused here too, before anything is made)
-  if (fused_.moments_8bit()) refuse_amsgrad_8bit(name(), pl.group, o.amsgrad());
+  const bool fresh = kept == nullptr;  // (and after amsgrad was switched: plan_key)
   if (fresh) {
     AdamKept<State> k;
-    k.amsgrad = o.amsgrad();
     k.states.resize(n);
     k.numels.assign(n, 0);
     k.coded.assign(n, 0);

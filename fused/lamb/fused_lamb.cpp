@@ -186,11 +186,22 @@ void FusedLAMB::check_entries(const std::vector<sdk::Entry>& entries) const {
                 " parameter; it is for Half and BFloat16 parameters");
 }
 
+// master_weights decides which state a group's step keeps: switching it
+// starts the step plan over (check_entries sees it, prepare_list starts
+// from a fresh slot).
+std::uint64_t FusedLAMB::plan_key(std::size_t group) const {
+  return options_of(group).master_weights() ? 1 : 0;
+}
+
 void FusedLAMB::set_tensor_sums_reducer(sdk::TensorSumsReducer reducer) {
   workspace_->reducer = std::move(reducer);
 }
 
 void FusedLAMB::begin_step(const std::vector<const sdk::Entry*>& entries, const StepSignals*) {
+  // Options set since the step plan was made (check_entries ran then) are
+  // checked at every step, before anything is written: an eps of 0 set
+  // mid-run made NaN where m = v = 0 instead of being refused.
+  for (std::size_t g = 0; g < param_groups().size(); ++g) check_options(options_of(g), g);
   auto& sums = workspace_->grad_sum_sq;
   sums.clear();
   workspace_->pending_sums.clear();
@@ -266,7 +277,6 @@ namespace {
 // states and what was gathered from them, made on the list's first step;
 // grads that moved are gathered again.
 struct LambKept {
-  bool master = false;  // the option the lists were gathered for
   std::vector<FusedLAMBParamState*> states;
   // The state tensors pointed to, held so that none is freed (and another
   // made at its address, which its state stamp would not tell apart) while
@@ -296,10 +306,9 @@ sdk::Launch FusedLAMB::prepare_list(const sdk::ParamList& pl) {
   const std::size_t n = list.size();
 
   std::shared_ptr<LambKept> kept = pl.slot.get<LambKept>();
-  const bool fresh = kept == nullptr || kept->master != master;
+  const bool fresh = kept == nullptr;  // (and after master_weights was switched: plan_key)
   if (fresh) {
     kept = std::make_shared<LambKept>();
-    kept->master = master;
     const at::Tensor& first = list.front()->param;
     sdk::SmallStatePool steps(first.options().dtype(at::kDouble));
     sdk::SmallStatePool moments(first.options().dtype(lamb_state_dtype(first)));
@@ -311,11 +320,20 @@ sdk::Launch FusedLAMB::prepare_list(const sdk::ParamList& pl) {
     for (std::size_t i = 0; i < n; ++i) {
       const sdk::Entry& e = *list[i];
       const at::Tensor& p = e.param;
-      kept->states.push_back(&state_for(e, [&](FusedLAMBParamState& s) {
-        s.step(steps.take({1}));
-        s.exp_avg(moments.take(p));
-        s.exp_avg_sq(moments.take(p));
-      }));
+      FusedLAMBParamState& s = state_for(e, [&](FusedLAMBParamState& made) {
+        made.step(steps.take({1}));
+        made.exp_avg(moments.take(p));
+        made.exp_avg_sq(moments.take(p));
+      });
+      // A master kept from steps with master_weights on is dropped while it
+      // is off: the kernel writes the parameter alone, which leaves its
+      // version counter as it was, so the master would look current when the
+      // option comes back and put the parameter back where it was then.
+      if (!master && s.master().defined()) {
+        undo_on_failure([&s, kept_master = s.master()] { s.master(kept_master); });
+        s.master(at::Tensor());
+      }
+      kept->states.push_back(&s);
       kept->numels.push_back(p.numel());
     }
   }

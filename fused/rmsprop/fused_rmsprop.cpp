@@ -24,7 +24,6 @@ namespace {
 // arrays by RmspropList and Plan) and, on CUDA, the views and launch
 // metadata, and the device step counters that advance after the kernel.
 struct RmspropKept : sdk::KeptLists<FusedRMSpropParamState> {
-  bool momentum = false, centered = false;
 #if defined(AMPFUSE_WITH_CUDA)
   sdk::KeptLaunch launch;
   std::vector<at::Tensor> device_steps;
@@ -65,12 +64,10 @@ sdk::Launch FusedRMSprop::prepare_list(const sdk::ParamList& list) {
   const bool on_cuda = list.device.is_cuda();
   const std::size_t n = entries.size();
   std::shared_ptr<RmspropKept> kept = list.slot.get<RmspropKept>();
-  // A state made for other options (momentum or centered switched on) has other lists.
-  const bool fresh = kept == nullptr || kept->momentum != momentum || kept->centered != centered;
+  // (A slot is also fresh after momentum or centered was switched: plan_key.)
+  const bool fresh = kept == nullptr;
   if (fresh) {
     kept = std::make_shared<RmspropKept>();
-    kept->momentum = momentum;
-    kept->centered = centered;
     kept->states.resize(n);
     sdk::SmallStatePool pool(entries.front()->param.options());
     for (const sdk::Entry* e : entries)

@@ -44,7 +44,6 @@ namespace {
 // CUDA the views and launch metadata.
 enum CpuList : int { kCpuParam, kCpuGrad, kCpuBuffer, kCpuLists };
 struct SgdKept : sdk::KeptLists<FusedSGDParamState> {
-  bool momentum = false;
   std::vector<unsigned char> first;
 #if defined(AMPFUSE_WITH_CUDA)
   sdk::KeptLaunch launch;
@@ -95,14 +94,13 @@ sdk::Launch FusedSGD::prepare_list(const sdk::ParamList& pl) {
   const ScalarType st = pl.kernel_dtype();
   const std::size_t n = list.size();
   std::shared_ptr<SgdKept> kept = pl.slot.get<SgdKept>();
-  const bool fresh = kept == nullptr || kept->momentum != momentum;
+  const bool fresh = kept == nullptr;  // (and after momentum was switched: plan_key)
   if (fresh) {
     // The states and their momentum buffers, made where missing (on this
     // thread), and which buffers a step has not filled yet: on CPU (the
     // skip was decided on the host, so this step is applied) the kernel
     // fills them; on CUDA their device flag says so.
     kept = std::make_shared<SgdKept>();
-    kept->momentum = momentum;
     kept->states.assign(n, nullptr);
     kept->first.assign(n, 0);
     for (std::size_t i = 0; i < n && momentum; ++i) {

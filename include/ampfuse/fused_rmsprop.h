@@ -68,6 +68,11 @@ class FusedRMSprop
   void check_state(const at::Tensor& param, const FusedRMSpropParamState& state, std::size_t group,
                    std::size_t index) const override;
   sdk::Launch prepare_list(const sdk::ParamList& list) override;
+  /// momentum (> 0, as LibTorch decides it) and centered, which add
+  /// momentum_buffer and grad_avg to a group's state.
+  std::uint64_t plan_key(std::size_t group) const override {
+    return (options_of(group).momentum() > 0 ? 1 : 0) | (options_of(group).centered() ? 2 : 0);
+  }
   std::vector<std::string> saved_state_keys() const override {
     return {"step", "square_avg", "momentum_buffer", "grad_avg"};
   }
