@@ -1299,16 +1299,18 @@ TEST(GroupSpans, FlatParamsWalksEveryParameterFromAnyIndex) {
 
 // An optimizer with an option of its own that decides how check_entries
 // judges the step (as a per-group master_weights would decide its state's
-// dtypes) says so with plan_key(): a step that finds the key changed starts
+// dtypes) says so with plan_key() (FusedAdagrad's is the SDK's default; the
+// optimizers whose state depends on theirs have it final): a step that finds the key changed starts
 // the plan over, and validation sees the new option before anything is
 // written. Without it, the plan made before the change was reused and the
 // option was never checked (a third-party author's optimizer stepped state
 // of the old layout as the new one).
-class Keyed : public ampfuse::FusedAdam {
+class Keyed : public ampfuse::FusedAdagrad {
  public:
-  using ampfuse::FusedAdam::FusedAdam;
+  using ampfuse::FusedAdagrad::FusedAdagrad;
   std::uint64_t key = 0;
   bool refuse = false;
+  bool key_changes_in_end_step = false;  // a hook that changes the option during a step
   mutable int checks = 0;
 
  protected:
@@ -1316,13 +1318,16 @@ class Keyed : public ampfuse::FusedAdam {
   void check_entries(const std::vector<ampfuse::sdk::Entry>& entries) const override {
     ++checks;
     TORCH_CHECK(!refuse, "Keyed: the option refuses this step");
-    ampfuse::FusedAdam::check_entries(entries);
+    ampfuse::FusedAdagrad::check_entries(entries);
+  }
+  void end_step(const ampfuse::StepSignals* /*signals*/) override {
+    if (key_changes_in_end_step) key += 1;
   }
 };
 
 TEST(StepPlanKey, AChangedPlanKeyStartsThePlanOverAndValidatesAgain) {
   auto p = torch::randn({100}).requires_grad_();
-  Keyed opt({p}, torch::optim::AdamOptions(1e-2));
+  Keyed opt({p}, torch::optim::AdagradOptions(1e-2));
   p.mutable_grad() = torch::ones({100});
   opt.step();
   EXPECT_EQ(opt.last_plan_match(), PlanMatch::kChanged);
@@ -1344,4 +1349,14 @@ TEST(StepPlanKey, AChangedPlanKeyStartsThePlanOverAndValidatesAgain) {
   opt.step();
   EXPECT_EQ(opt.last_plan_match(), PlanMatch::kSame);
   EXPECT_EQ(opt.checks, 3);
+  // Changed during a step (by a hook, after validation): the plan is kept
+  // with the key it was validated with, so the next step sees the change.
+  opt.key_changes_in_end_step = true;
+  opt.step();
+  opt.key_changes_in_end_step = false;
+  EXPECT_EQ(opt.last_plan_match(), PlanMatch::kSame);
+  EXPECT_EQ(opt.checks, 3);
+  opt.step();
+  EXPECT_EQ(opt.last_plan_match(), PlanMatch::kChanged);
+  EXPECT_EQ(opt.checks, 4);
 }

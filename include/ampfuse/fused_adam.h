@@ -171,7 +171,7 @@ class FusedAdamImpl : public sdk::FusedOptimizer<Base, Options, State>, public s
                           std::size_t index) const override;
   void check_entries(const std::vector<sdk::Entry>& entries) const override;
   /// amsgrad, which adds max_exp_avg_sq to a group's state.
-  std::uint64_t plan_key(std::size_t group) const override { return this->options_of(group).amsgrad() ? 1 : 0; }
+  std::uint64_t plan_key(std::size_t group) const final { return this->options_of(group).amsgrad() ? 1 : 0; }
   sdk::Launch prepare_list(const sdk::ParamList& list) override;
   void after_load(const at::Tensor& param, State& state) override;
   /// Master copies that a checkpoint of an earlier ampfuse kept under top-level keys.

@@ -116,7 +116,7 @@ class FusedLAMB : public sdk::FusedOptimizer<torch::optim::Optimizer, FusedLAMBO
   void check_loaded_state(const at::Tensor& param, const FusedLAMBParamState& state, std::size_t group,
                           std::size_t index) const override;
   void check_entries(const std::vector<sdk::Entry>& entries) const override;
-  std::uint64_t plan_key(std::size_t group) const override;
+  std::uint64_t plan_key(std::size_t group) const final;
   void begin_step(const std::vector<const sdk::Entry*>& entries, const StepSignals* signals) override;
   sdk::Launch prepare_list(const sdk::ParamList& list) override;
   void end_step(const StepSignals* signals) override;

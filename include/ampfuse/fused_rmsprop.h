@@ -70,7 +70,7 @@ class FusedRMSprop
   sdk::Launch prepare_list(const sdk::ParamList& list) override;
   /// momentum (> 0, as LibTorch decides it) and centered, which add
   /// momentum_buffer and grad_avg to a group's state.
-  std::uint64_t plan_key(std::size_t group) const override {
+  std::uint64_t plan_key(std::size_t group) const final {
     return (options_of(group).momentum() > 0 ? 1 : 0) | (options_of(group).centered() ? 2 : 0);
   }
   std::vector<std::string> saved_state_keys() const override {

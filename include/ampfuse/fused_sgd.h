@@ -72,7 +72,7 @@ class FusedSGD : public sdk::FusedOptimizer<torch::optim::SGD, torch::optim::SGD
                    std::size_t index) const override;
   sdk::Launch prepare_list(const sdk::ParamList& list) override;
   /// momentum (not 0), which adds momentum_buffer to a group's state.
-  std::uint64_t plan_key(std::size_t group) const override { return options_of(group).momentum() != 0 ? 1 : 0; }
+  std::uint64_t plan_key(std::size_t group) const final { return options_of(group).momentum() != 0 ? 1 : 0; }
   bool takes_sparse_grads() const override { return true; }
   sdk::Launch prepare_sparse(const sdk::Entry& entry) override;
   bool has_saved_state(const FusedSGDParamState& state) const override;

@@ -1188,7 +1188,9 @@ class FusedOptimizer : public Base, public ScalerAware {
   /// the new options before anything is written. The default, 0 for every
   /// group, says no option does (the built-in optimizers' per-group options
   /// are lr, betas, eps and the like, read at every step). Called once per
-  /// group at every step: keep it cheap.
+  /// group at the start of every step: keep it cheap. The built-in
+  /// optimizers' plan_key is final (their state depends on it: a subclass
+  /// that dropped their key would step state of the old layout).
   virtual std::uint64_t plan_key(std::size_t /*group*/) const { return 0; }
   /// Called once per step after validation, before the first prepare_list():
   /// for optimizer-wide work such as a global gradient norm (it may launch
@@ -1420,7 +1422,12 @@ class FusedOptimizer : public Base, public ScalerAware {
     // have recorded moved grads that no list was prepared for) and takes
     // back the state made so far: nothing was written.
     try {
-      if (plan_valid_ && group_keys_match()) {
+      // Every group's plan_key, read once: compared with the plan's, and
+      // recorded with it (an option changed during the step, by a hook,
+      // is seen at the next step, not recorded unvalidated).
+      step_group_keys_.clear();
+      for (std::size_t g = 0; g < this->param_groups().size(); ++g) step_group_keys_.push_back(plan_key(g));
+      if (plan_valid_ && step_group_keys_ == plan_group_keys_) {
         if (signals) check_signals(*signals, name());
         match = match_plan(*this, stamp, name(), signals, plan_keys_, takes_float64(), /*stage_grads=*/true,
                            sizeof(State));
@@ -1499,8 +1506,7 @@ class FusedOptimizer : public Base, public ScalerAware {
     write_back_staged_params(staged_params_, !skip_cpu);
     if (match == PlanMatch::kChanged) {
       record_plan(*this, stamp, plan_keys_);
-      plan_group_keys_.clear();
-      for (std::size_t g = 0; g < this->param_groups().size(); ++g) plan_group_keys_.push_back(plan_key(g));
+      plan_group_keys_.swap(step_group_keys_);
       // What the plan's stamps compare by address stays alive while it holds.
       held_state_.clear();
       {
@@ -1519,14 +1525,6 @@ class FusedOptimizer : public Base, public ScalerAware {
     last_match_ = match;
   }
 
-  // Whether every group's plan_key is the one the step plan was made with.
-  bool group_keys_match() const {
-    if (plan_group_keys_.size() != this->param_groups().size()) return false;
-    for (std::size_t g = 0; g < plan_group_keys_.size(); ++g)
-      if (plan_key(g) != plan_group_keys_[g]) return false;
-    return true;
-  }
-
   std::vector<std::function<void()>> undo_;
   std::vector<std::function<void()>> stale_masters_;  ///< the refreshes prepare_master asked for
   // The step plan (see the top of this file).
@@ -1535,6 +1533,7 @@ class FusedOptimizer : public Base, public ScalerAware {
   PlanMatch last_match_ = PlanMatch::kChanged;
   PlanKeys plan_keys_;
   std::vector<std::uint64_t> plan_group_keys_;  ///< plan_key(g) of every group when the plan was made
+  std::vector<std::uint64_t> step_group_keys_;  ///< the same at the start of this step
   std::vector<Entry> plan_entries_;
   std::vector<const Entry*> plan_entry_ptrs_;  ///< one per plan_entries_ element, in order
   std::vector<Entry> plan_sparse_;  ///< parameters with sparse grads (prepare_sparse), rebuilt every step
