@@ -32,13 +32,13 @@ void register_adagrad_rmsprop(torch::Device device) {
         return Fn([=] {
           OptimizerData& d = data();
           at::_foreach_add_(d.steps, 1);
-          at::_fused_adagrad_(detached(d.params), d.grads, d.exp_avg_sq, d.steps, adagrad_options.lr(),
+          at::_fused_adagrad_(d.detached_params, d.grads, d.exp_avg_sq, d.steps, adagrad_options.lr(),
                               adagrad_options.lr_decay(), 0.0, adagrad_options.eps(), false);
         });
       }, bytes);
     }
     register_ceiling("Adagrad", set, device, 20, [](const TwinPointers& t, const ampfuse::Plan& plan) {
-      sgd_twin(t.p, t.g, t.v, plan);
+      sgd_twin(t.p, t.g, t.m, plan);  // (not v: its buffer goes negative, and v is Adam's sqrt input)
     });
     register_one("RMSprop/ours" + tail, device, [=] {
       auto opt = std::make_shared<ampfuse::FusedRMSprop>(data().params, rmsprop_options);
@@ -49,7 +49,7 @@ void register_adagrad_rmsprop(torch::Device device) {
       return Fn([=] { opt->step(); });
     }, bytes);
     register_ceiling("RMSprop", set, device, 20, [](const TwinPointers& t, const ampfuse::Plan& plan) {
-      sgd_twin(t.p, t.g, t.v, plan);
+      sgd_twin(t.p, t.g, t.m, plan);  // (not v: its buffer goes negative, and v is Adam's sqrt input)
     });
   }
 }

@@ -60,6 +60,7 @@ OptimizerData& optimizer_data(const ParamSet& set, torch::Device device) {
       auto g = torch::randn({n}, opts) * 1e-2;
       p.mutable_grad() = g;
       d.params.push_back(p);
+      d.detached_params.push_back(p.detach());
       d.grads.push_back(g);
       d.exp_avg.push_back(torch::zeros({n}, opts));
       d.exp_avg_sq.push_back(torch::zeros({n}, opts));
@@ -132,7 +133,7 @@ void register_adam(torch::Device device) {
         auto tracker = torch::zeros({}, fopts.dtype(torch::kInt));
         return Fn([=]() mutable {
           OptimizerData& d = data();
-          const auto params = detached(d.params);
+          const auto& params = d.detached_params;
           at::_foreach_add_(d.steps, 1);
           if (!scaled) {
             at::_fused_adam_(params, d.grads, d.exp_avg, d.exp_avg_sq, {}, d.steps, kLr, 0.9, 0.999, 0.0, 1e-8,

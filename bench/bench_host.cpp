@@ -221,7 +221,7 @@ void register_host(torch::Device device) {
     return Fn([=] {
       OptimizerData& d = data();
       at::_foreach_add_(d.steps, 1);
-      at::_fused_adam_(detached(d.params), d.grads, d.exp_avg, d.exp_avg_sq, {}, d.steps, kLr, 0.9, 0.999, 0.0, 1e-8,
+      at::_fused_adam_(d.detached_params, d.grads, d.exp_avg, d.exp_avg_sq, {}, d.steps, kLr, 0.9, 0.999, 0.0, 1e-8,
                        false, false);
     });
   }, bytes);
@@ -256,7 +256,7 @@ void register_host(torch::Device device) {
       found.zero_();
       at::_amp_foreach_non_finite_check_and_unscale_(d.grads, found, scale);
       at::_foreach_add_(d.steps, 1);
-      at::_fused_adam_(detached(d.params), d.grads, d.exp_avg, d.exp_avg_sq, {}, d.steps, kLr, 0.9, 0.999, 0.0, 1e-8,
+      at::_fused_adam_(d.detached_params, d.grads, d.exp_avg, d.exp_avg_sq, {}, d.steps, kLr, 0.9, 0.999, 0.0, 1e-8,
                        false, false, scale, found);
       at::_foreach_sub_(d.steps, std::vector<at::Tensor>(d.steps.size(), found));
       at::_amp_update_scale_(scale, tracker, found, 2.0, 0.5, 1 << 30);

@@ -30,13 +30,11 @@ void register_sgd(torch::Device device) {
     register_one("SGD/aten_fused_sgd" + tail, device, [=] {
       return Fn([=] {
         OptimizerData& d = data();
-        std::vector<torch::Tensor> params;
-        for (const auto& p : d.params) params.push_back(p.detach());
-        at::_fused_sgd_(params, d.grads, d.exp_avg, 0.0, kMomentum, kLr, 0.0, false, false, false);
+        at::_fused_sgd_(d.detached_params, d.grads, d.exp_avg, 0.0, kMomentum, kLr, 0.0, false, false, false);
       });
     }, bytes);
     register_ceiling("SGD", set, device, 20, [](const TwinPointers& t, const ampfuse::Plan& plan) {
-      sgd_twin(t.p, t.g, t.v, plan);
+      sgd_twin(t.p, t.g, t.m, plan);  // (not v: its buffer goes negative, and v is Adam's sqrt input)
     });
   }
 }

@@ -1,6 +1,7 @@
 #include "ceilings.h"
 
 #include <ATen/Parallel.h>
+#include <ampfuse/sdk/cpu.h>
 
 #include <array>
 #include <atomic>
@@ -11,6 +12,7 @@ namespace ampfuse_bench {
 template <class F>
 static void for_chunks(const ampfuse::Plan& plan, F&& f) {
   at::parallel_for(0, plan.num_chunks(), 1, [&](std::int64_t b, std::int64_t e) {
+    const ampfuse::sdk::cpu::FlushSubnormals flush;  // as every kernel's worker runs (the fp64 twin's floats need it)
     for (std::int64_t c = b; c < e; ++c) {
       const ampfuse::Chunk ch = plan.chunk(c);
       f(ch);
@@ -18,6 +20,12 @@ static void for_chunks(const ampfuse::Plan& plan, F&& f) {
   });
 }
 
+// Every twin's workers flush subnormals, as the kernels' do
+// (sdk::cpu::FlushSubnormals): the fp64 twin reads doubles as floats, whose
+// low halves are subnormals, infinities and NaNs as often as not, and
+// without the flush it ran at half its speed on them (its "ceiling" was
+// then 1.8x below the step it bounds).
+//
 // The twins write into the benchmark's shared parameters and buffers, which
 // every contender then steps: their arithmetic keeps the values where they
 // are (moments settle at ~2g and ~2g^2 or ~2p^2, always finite, the squared
@@ -87,6 +95,7 @@ template <std::size_t N, unsigned kWritten, class Update>
 static void twin_walk(const ampfuse::Plan& plan, const std::array<const std::vector<float*>*, N>& lists,
                       Update&& update) {
   at::parallel_for(0, plan.num_chunks(), 1, [&](std::int64_t b, std::int64_t e) {
+    const ampfuse::sdk::cpu::FlushSubnormals flush;  // as every kernel's worker runs (the fp64 twin's floats need it)
     for (std::int64_t c = b; c < e; ++c) {
       const ampfuse::Chunk ch = plan.chunk(c);
       const ampfuse::Chunk nx = c + 1 < e ? plan.chunk(c + 1) : ampfuse::Chunk{};  // size 0: none
@@ -159,6 +168,7 @@ void lamb_twin(const std::vector<float*>& p, const std::vector<float*>& g, const
 
 void adam8_twin(const Twin8Pointers& t, const ampfuse::Plan& plan) {
   at::parallel_for(0, plan.num_chunks(), 1, [&](std::int64_t b, std::int64_t e) {
+    const ampfuse::sdk::cpu::FlushSubnormals flush;  // as every kernel's worker runs (the fp64 twin's floats need it)
     for (std::int64_t c = b; c < e; ++c) {
       const ampfuse::Chunk ch = plan.chunk(c);
       float* p = t.p[ch.tensor] + ch.begin;

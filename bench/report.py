@@ -52,8 +52,8 @@ TARGETS = [
     # fp64 against the bandwidth: its twin moves the same bytes (the fp64
     # arrays read as floats). Against torch::optim no ratio follows from the
     # bytes: its ATen passes run over one 8 MB tensor at a time, and much of
-    # what a pass reads is still in the L3 (32 MB here) from the pass before
-    # (for SGD all of it: p, g and the buffer, 24 MB), so its traffic to memory
+    # what a pass reads is still in the last-level cache from the pass before
+    # (for SGD all of it: p, g and the buffer, 24 MB; this VM reports a 300 MB L3), so its traffic to memory
     # comes near the fused step's. Those rows are reported without a target
     # (SGD measured 1.06-1.27x, Adam 2.6-3.3x, on three days).
     ("AdamF64", "8x1M", "ceiling_twin", 0.90, "of the traffic twin (fp64 params)"),
