@@ -564,3 +564,66 @@ TEST(EngineCudaMetadata, CapturedEntrySurvivesEviction) {
 
 }  // namespace
 #endif
+
+// A ZeroTensor (at::_efficientzerotensor, no memory) crashed the check and
+// unscale_ (a null data pointer); a nested tensor reached an internal error.
+// The check reads a ZeroTensor as its zeros; unscale_ refuses it, as ATen
+// does; both refuse a nested tensor; an optimizer steps a ZeroTensor grad
+// as torch::optim::Adam steps the zeros it stands for.
+TEST(EngineOddTensors, ZeroTensorsAreZerosWhereReadAndRefusedWhereWritten) {
+  const at::Tensor zero = at::_efficientzerotensor({3});
+  auto other = torch::tensor({1.0f, std::numeric_limits<float>::infinity()});
+  auto found = torch::zeros({1});
+  auto sum_sq = torch::zeros({1}, torch::kDouble);
+  ampfuse::check_non_finite({zero}, found, sum_sq);
+  EXPECT_EQ(found.item<float>(), 0.0f);
+  EXPECT_EQ(sum_sq.item<double>(), 0.0);
+  ampfuse::check_non_finite({zero, other}, found);
+  EXPECT_EQ(found.item<float>(), 1.0f);
+  found.zero_();
+  const auto before = other.clone();
+  EXPECT_THAT([&] { ampfuse::unscale_({other, zero}, found, torch::ones({1})); },
+              ::testing::ThrowsMessage<c10::Error>(::testing::HasSubstr("tensors[1] is a ZeroTensor")));
+  EXPECT_TRUE(bitwise_equal(other, before));
+  EXPECT_EQ(found.item<float>(), 0.0f);
+
+  const auto nested = at::_nested_tensor_from_tensor_list({torch::ones({2}), torch::ones({3})});
+  EXPECT_THAT([&] { ampfuse::check_non_finite({nested}, found); },
+              ::testing::ThrowsMessage<c10::Error>(::testing::HasSubstr("is a nested tensor")));
+  EXPECT_THAT([&] { ampfuse::unscale_({nested}, found, torch::ones({1})); },
+              ::testing::ThrowsMessage<c10::Error>(::testing::HasSubstr("is a nested tensor")));
+
+  auto p = torch::randn({3}).requires_grad_();
+  auto q = p.detach().clone().requires_grad_();
+  const auto initial = q.detach().clone();
+  p.mutable_grad() = at::_efficientzerotensor({3});
+  q.mutable_grad() = torch::zeros({3});
+  ampfuse::FusedAdam fused({p}, torch::optim::AdamOptions(0.1).weight_decay(0.1));
+  torch::optim::Adam reference({q}, torch::optim::AdamOptions(0.1).weight_decay(0.1));
+  for (int i = 0; i < 2; ++i) {
+    fused.step();
+    reference.step();
+  }
+  EXPECT_TRUE(torch::allclose(p.detach(), q.detach(), 1e-6, 1e-7));
+  EXPECT_FALSE(torch::equal(p.detach(), initial));  // (weight decay moves it)
+}
+
+// scale_ changes its tensors as mul_ does, and says so as mul_ does: a
+// tensor autograd saved, scaled since, is refused at backward (the gradient
+// was silently computed from the scaled values: w.grad 30 instead of 3).
+TEST(EngineOddTensors, ScaleMovesTheVersionCounterAsMulDoes) {
+  auto w = torch::ones({2}).requires_grad_();
+  auto x = torch::full({2}, 3.0f);
+  auto y = (w * x).sum();
+  const auto version = x._version();
+  ampfuse::scale_({x}, torch::full({1}, 10.0f));
+  EXPECT_GT(x._version(), version);
+  EXPECT_THAT([&] { y.backward(); },
+              ::testing::ThrowsMessage<c10::Error>(::testing::HasSubstr("modified by an inplace operation")));
+  {
+    c10::InferenceMode guard;
+    auto z = torch::ones({2});
+    ampfuse::scale_({z}, torch::full({1}, 2.0f));  // an inference tensor: no counter to move
+    EXPECT_EQ(z[0].item<float>(), 2.0f);
+  }
+}

@@ -137,8 +137,10 @@ class ImplSet {
 // A grad the kernels cannot read in place: laid out otherwise than its
 // parameter's dense layout (other strides, or a view with gaps), read
 // through a copy in that layout.
+// A grad laid out otherwise than its parameter, or a ZeroTensor (no memory:
+// its dense copy holds the zeros it stands for, as torch::optim reads it).
 bool grad_needs_staging(const at::Tensor& p, const at::Tensor& grad) {
-  return grad.defined() && !in_kernel_layout(grad, p);
+  return grad.defined() && (!in_kernel_layout(grad, p) || grad._is_zerotensor());
 }
 
 enum class GradKind { kNone, kInPlace, kStaged, kSparse };
@@ -154,8 +156,10 @@ GradKind check_param(const at::Tensor& p, std::size_t g, std::size_t i, const ch
   TORCH_CHECK(supported_dtype(p.scalar_type(), float64), name, ": param group ", g, ", param ", i, ": dtype ",
               p.scalar_type(), " is not supported (expected Float, Half, BFloat16",
               float64 ? " or Double)" : "; this optimizer's kernels have no Double path)");
-  TORCH_CHECK(p.layout() == c10::kStrided, name, ": param group ", g, ", param ", i, " has layout ", p.layout(),
-              "; parameters are strided tensors");
+  TORCH_CHECK(p.layout() == c10::kStrided && !p.is_nested(), name, ": param group ", g, ", param ", i,
+              " has layout ", p.layout(), p.is_nested() ? " (nested)" : "", "; parameters are strided tensors");
+  TORCH_CHECK(!p._is_zerotensor(), name, ": param group ", g, ", param ", i,
+              " is a ZeroTensor, which has no memory to update; materialize it with .clone()");
   if (!p.is_non_overlapping_and_dense()) {
     TORCH_CHECK(at::has_internal_overlap(p) != at::MemOverlap::Yes, name, ": param group ", g, ", param ", i,
                 " overlaps itself (an expanded or broadcast view, strides ", p.strides(),

@@ -56,6 +56,11 @@ enum class Layout { kDense, kStagedRead, kStagedWrite };
 void check_tensor(const at::Tensor& t, const char* op, const std::string& name, std::size_t i,
                   const c10::optional<c10::Device>& device, Layout layout = Layout::kDense) {
   TORCH_CHECK(t.defined(), op, ": ", name, "[", i, "] is undefined");
+  TORCH_CHECK(!t.is_nested(), op, ": ", name, "[", i, "] is a nested tensor; only dense (strided) tensors are supported");
+  // A ZeroTensor (at::_efficientzerotensor) has no memory: read as zeros
+  // through a dense copy; refused where it would be written, as ATen refuses it.
+  TORCH_CHECK(layout == Layout::kStagedRead || !t._is_zerotensor(), op, ": ", name, "[", i,
+              "] is a ZeroTensor, which has no memory to write; materialize it with .clone()");
   TORCH_CHECK(t.layout() == c10::kStrided, op, ": ", name, "[", i, "] has layout ", t.layout(),
               "; only dense (strided) tensors are supported");
   TORCH_CHECK(supported_dtype(t.scalar_type()), op, ": ", name, "[", i, "] has dtype ", t.scalar_type(),
@@ -83,8 +88,8 @@ void check_scalar(const at::Tensor& s, const char* op, const char* name, const c
   const bool dtype_ok = s.scalar_type() == c10::ScalarType::Float ||
                         (allow_double && s.scalar_type() == c10::ScalarType::Double);
   TORCH_CHECK(s.layout() == c10::kStrided && dtype_ok && s.numel() == 1, op, ": ", name, " must be a dense ",
-              allow_double ? "float32 or float64" : "float32", " tensor of one element, got ", s.scalar_type(),
-              " with ", s.numel(), " elements");
+              allow_double ? "float32 or float64" : "float32", " tensor of one element, got a ", s.layout(), " ",
+              s.scalar_type(), " tensor with ", s.numel(), " elements");
   TORCH_CHECK(!device || s.device() == *device, op, ": ", name, " is on ", s.device(), " but the tensors are on ",
               *device);
 }
@@ -196,8 +201,8 @@ void check_and_append(At at, std::size_t n, First first, const char* op, const s
                   first_name, "[", i, "] has strides ", f->strides(),
                   "; tensors updated together must share one memory layout");
     }
-    if (staged != nullptr && !t.is_non_overlapping_and_dense()) {
-      staged->emplace_back(t, t.contiguous());
+    if (staged != nullptr && (!t.is_non_overlapping_and_dense() || t._is_zerotensor())) {
+      staged->emplace_back(t, t._is_zerotensor() ? at::zeros(t.sizes(), t.options()) : t.contiguous());
       out.push_back({staged->back().second.data_ptr(), t.numel(), to_scalar_type(t.scalar_type())});
       continue;
     }
@@ -378,7 +383,13 @@ void scale_impl(const char* op, at::TensorList tensors, const at::Tensor& scale,
 
 }  // namespace
 
-void scale_(at::TensorList tensors, const at::Tensor& scale) { scale_impl("ampfuse::scale_", tensors, scale, nullptr); }
+void scale_(at::TensorList tensors, const at::Tensor& scale) {
+  scale_impl("ampfuse::scale_", tensors, scale, nullptr);
+  // As mul_ would: autograd then sees a tensor it saved changed in place
+  // (an inference tensor has no version counter; mul_ keeps it as it is).
+  for (const at::Tensor& t : tensors)
+    if (!t.is_inference()) t.unsafeGetTensorImpl()->bump_version();
+}
 
 void unscale_(at::TensorList tensors, const at::Tensor& found_inf, const at::Tensor& inv_scale) {
   scale_impl("ampfuse::unscale_", tensors, inv_scale, &found_inf);

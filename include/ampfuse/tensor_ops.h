@@ -2,13 +2,15 @@
 // Multi-tensor operations on lists of LibTorch tensors: the engine's first
 // users, and what GradScaler builds on.
 //
-// Accepted tensors: strided, dtype float32, float16 or bfloat16, all on one
-// device (CPU, or one CUDA device). Dense ones (contiguous, or any
+// Accepted tensors: strided, dtype float32, float16, bfloat16 or float64
+// (computed in fp64), all on one device (CPU, or one CUDA device). Dense ones (contiguous, or any
 // permutation of a contiguous layout, such as a transposed matrix or
 // channels-last) are read and written where they are; a view with gaps
 // (t.slice(1, 0, 5)) goes through a dense copy, written back after an
 // in-place op, as ATen's foreach ops accept it; an in-place op refuses a view
-// whose elements share memory (an expanded view), as ATen does. Anything
+// whose elements share memory (an expanded view), as ATen does. A ZeroTensor
+// is read as the zeros it stands for, and refused where it would be written
+// (as ATen refuses it). Anything
 // else is refused with an error naming the tensor and the problem, before
 // anything is written. Zero-element tensors are allowed and skipped.
 // make_list_views (the lists of an optimizer, updated together) takes dense
@@ -38,7 +40,8 @@ void check_non_finite(at::TensorList tensors, const at::Tensor& found_inf,
 /// In place: every element x becomes x * scale, computed in fp32 and rounded
 /// to the storage type (round to nearest even). `scale` is an fp32 tensor of
 /// one element on the tensors' device; it is read on the device, never
-/// copied to the host.
+/// copied to the host. Moves each tensor's version counter, as mul_ does, so
+/// that autograd refuses a backward through a tensor it saved before.
 void scale_(at::TensorList tensors, const at::Tensor& scale);
 
 /// Checks `lists` (depth lists of equal length; the tensors at one position
@@ -56,12 +59,16 @@ std::int64_t cpu_chunk_size();
 
 /// In place, in one pass: found_inf = 1 when any element is inf or NaN (left
 /// alone otherwise), and every element x becomes x * inv_scale (fp32 math,
-/// round to nearest even). The semantics, and for the same inputs the bits,
-/// of at::_amp_foreach_non_finite_check_and_unscale_, on CPU and CUDA, for
-/// fp32, fp16 and bf16 alike.
+/// round to nearest even; fp64 math for fp64 tensors). The semantics, and
+/// for the same inputs the bits, of
+/// at::_amp_foreach_non_finite_check_and_unscale_, on CPU and CUDA, for
+/// fp32, fp16 and bf16 alike, except two: on CPU subnormal inputs and
+/// results (below 2^-126; fp16's are normal fp32 numbers) are read and written
+/// as zero unless sdk::cpu::keep_subnormals(true) (docs/engine.md), and a
+/// NaN's payload is not kept (a signalling NaN comes out quiet).
 void unscale_(at::TensorList tensors, const at::Tensor& found_inf, const at::Tensor& inv_scale);
 
-/// The dtype ampfuse uses for a torch dtype; throws for anything but fp32/fp16/bf16.
+/// The dtype ampfuse uses for a torch dtype; throws for anything but fp32/fp16/bf16/fp64.
 ScalarType to_scalar_type(c10::ScalarType t);
 
 }  // namespace ampfuse
