@@ -298,6 +298,43 @@ TEST_P(EngineOps, ViewsWithGapsMatchAten) {
   }
 }
 
+// Entries that share memory (one tensor twice, overlapping views, views of
+// one buffer with gaps) are updated one after the other, in list order, as
+// ATen's foreach ops update them on CPU: the reference applies mul_ entry by
+// entry. Together, they raced (x * 3 or x * 9 by the threads' timing), and a
+// view with gaps staged twice kept one update.
+TEST_P(EngineOps, EntriesSharingMemoryAreUpdatedInListOrder) {
+  const std::int64_t chunk = ampfuse::sdk::cpu::kChunkSize;
+  for (int round = 0; round < 3; ++round) {
+    SCOPED_TRACE("round " + std::to_string(round));
+    std::vector<torch::Tensor> bases = {torch::randn({3 * chunk + 5}, opts()), torch::randn({40, 9}, opts()),
+                                        torch::randn({777}, opts())};
+    if (round == 2) bases[1][3][4] = std::numeric_limits<float>::infinity();  // read twice: still found
+    auto entries = [chunk](std::vector<torch::Tensor>& b) {
+      return std::vector<torch::Tensor>{b[0], b[2], b[0], b[0].slice(0, chunk - 3, 2 * chunk + 1),
+                                        b[1].slice(1, 0, 5), b[1].slice(1, 2, 9), b[1].slice(1, 0, 5),
+                                        b[0].slice(0, 1, 3 * chunk, 2)};
+    };
+    auto ref_bases = clone_all(bases);
+    auto list = entries(bases), ref = entries(ref_bases);
+    const float s = round == 0 ? 3.f : 1.f / 3.f;
+    auto found = scalar(0.f);
+    float ref_found = 0.f;
+    if (round == 0) {
+      ampfuse::scale_(list, scalar(s));
+    } else {
+      ampfuse::unscale_(list, found, scalar(s));
+    }
+    for (auto& t : ref) {
+      if (!torch::isfinite(t).all().item<bool>()) ref_found = 1.f;
+      t.mul_(scalar(s));
+    }
+    if (round > 0) EXPECT_EQ(found.item<float>(), ref_found);
+    EXPECT_EQ(ref_found, round == 2 ? 1.f : 0.f);
+    for (std::size_t i = 0; i < bases.size(); ++i) EXPECT_TRUE(bitwise_equal(bases[i], ref_bases[i])) << "base " << i;
+  }
+}
+
 TEST_P(EngineOps, SumOfSquaresInDoubleDoesNotOverflow) {
   // Scaled fp32 gradients can square past fp32's range; an fp64 sum_sq holds them.
   auto list = make_list();

@@ -4,7 +4,11 @@
 // torch::nn::utils::clip_grad_norm_, a training run against PyTorch's
 // algorithm written by hand, misuse errors by message, and the contract path.
 
+#include <ampfuse/fused_adagrad.h>
 #include <ampfuse/fused_adam.h>
+#include <ampfuse/fused_lamb.h>
+#include <ampfuse/fused_rmsprop.h>
+#include <ampfuse/fused_sgd.h>
 #include <ampfuse/grad_scaler.h>
 #include <ampfuse/tensor_ops.h>
 
@@ -865,6 +869,66 @@ TEST(GradScaler, UndefinedGradsAreSkipped) {
     EXPECT_TRUE(torch::equal(frozen, params[1].detach()));
     EXPECT_FALSE(params[1].grad().defined());
   }
+}
+
+// A scale of 2^127, which the scaler reaches when no grad overflows for long
+// enough (bf16 or fp32 grads), has an fp32 inverse of 2^-127: subnormal. The
+// CPU kernels run with subnormals flushed, where that factor read as 0: the
+// step was taken (nothing was inf) on zero grads, and no parameter moved
+// (PyTorch's GradScaler steps them). Each optimizer, on the contract path
+// (FusedX) and the classic one (torch::optim::Adam, unscaled by the engine),
+// on every instruction set, must step as on the unscaled grads: bit for bit,
+// since unscaling by a power of two is exact.
+TEST(GradScalerExtremes, AScaleOfTwoToThe127StepsAsTheUnscaledGrads) {
+  const auto seed = ampfuse_test::seed_for_test();
+  using Make = std::function<std::unique_ptr<torch::optim::Optimizer>(std::vector<torch::Tensor>)>;
+  ampfuse::FusedAdamOptions eight;
+  eight.moments_8bit(true);
+  const std::vector<std::pair<std::string, Make>> optimizers = {
+      {"FusedAdam", [](auto p) { return std::make_unique<ampfuse::FusedAdam>(p, torch::optim::AdamOptions(1e-3)); }},
+      {"FusedAdam 8-bit",
+       [eight](auto p) { return std::make_unique<ampfuse::FusedAdam>(p, torch::optim::AdamOptions(1e-3), eight); }},
+      {"FusedSGD", [](auto p) { return std::make_unique<ampfuse::FusedSGD>(p, torch::optim::SGDOptions(0.1).momentum(0.9)); }},
+      {"FusedAdagrad", [](auto p) { return std::make_unique<ampfuse::FusedAdagrad>(p, torch::optim::AdagradOptions(0.1)); }},
+      {"FusedRMSprop", [](auto p) { return std::make_unique<ampfuse::FusedRMSprop>(p, torch::optim::RMSpropOptions(0.01)); }},
+      {"FusedLAMB", [](auto p) { return std::make_unique<ampfuse::FusedLAMB>(p, ampfuse::FusedLAMBOptions(0.01)); }},
+      {"torch::optim::Adam", [](auto p) { return std::make_unique<torch::optim::Adam>(p, torch::optim::AdamOptions(1e-3)); }},
+  };
+  const double scale = 0x1p127;
+  for (const std::string& isa : ampfuse::cpu::available_isas()) {
+    ampfuse::sdk::cpu::force_isa(isa.c_str());
+    for (const auto& [name, make] : optimizers) {
+      for (auto dtype : {torch::kFloat, torch::kBFloat16}) {
+        SCOPED_TRACE(isa + ", " + name + ", " + ampfuse_test::dtype_name(dtype));
+        torch::manual_seed(seed);
+        std::vector<torch::Tensor> a, b, grads;
+        for (std::int64_t n : {5000, 37}) {
+          const auto w = torch::randn({n}).to(dtype);
+          grads.push_back((torch::randn({n}) * 1e-3).to(dtype));
+          a.push_back(w.clone().requires_grad_());
+          b.push_back(w.clone().requires_grad_());
+        }
+        const auto before = a[0].detach().clone();
+        auto scaled = make(a), plain = make(b);
+        ampfuse::GradScaler scaler(ampfuse::GradScalerOptions().init_scale(scale));
+        for (int step = 0; step < 2; ++step) {
+          for (std::size_t i = 0; i < grads.size(); ++i) {  // (the classic path unscales them in place)
+            a[i].mutable_grad() = grads[i] * scale;  // exact, and finite
+            b[i].mutable_grad() = grads[i].clone();
+          }
+          scaler.scale(torch::ones({}));
+          scaler.step(*scaled);
+          scaler.update();  // (grows after 2000 steps: the scale stays)
+          plain->step();
+        }
+        EXPECT_EQ(scaler.get_scale(), scale);
+        EXPECT_FALSE(scaler.last_step_skipped(*scaled));
+        EXPECT_FALSE(torch::equal(a[0].detach(), before)) << "the parameters did not move";
+        for (std::size_t i = 0; i < a.size(); ++i) EXPECT_TRUE(bitwise_equal(a[i].detach(), b[i].detach())) << "param " << i;
+      }
+    }
+  }
+  ampfuse::sdk::cpu::force_isa("");
 }
 
 }  // namespace

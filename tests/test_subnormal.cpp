@@ -84,6 +84,31 @@ TEST_P(Subnormals, KeptOnRequestAsAtenComputesThem) {
   EXPECT_GT(list[2].abs().max().item<float>(), 0.f);
 }
 
+// An fp64 list's scale is an fp32 tensor: a scale below 2^-126 (subnormal
+// in fp32) is a normal fp64 number, by which ATen multiplies exactly; the
+// flush applies to fp64 values below 2^-1022 only (it read as 0: every
+// element became 0). Unscale alike, with found_inf left alone.
+TEST_P(Subnormals, Fp64ListsTakeASubnormalFp32ScaleAsItsFp64Value) {
+  const KeptSubnormals flush(false);
+  for (const float s : {std::ldexp(1.0f, -130), std::ldexp(1.0f, -149), -std::ldexp(3.0f, -140)}) {
+    SCOPED_TRACE("scale " + std::to_string(std::log2(std::fabs(s))));
+    auto list = std::vector<torch::Tensor>{torch::randn({1000}, torch::kDouble) * 1e30, torch::full({3}, 0x1p100)};
+    auto ref = std::vector<torch::Tensor>{list[0].clone(), list[1].clone()};
+    auto unscaled = std::vector<torch::Tensor>{list[0].clone(), list[1].clone()};
+    const auto factor = torch::full({1}, s);
+    ampfuse::scale_(list, factor);
+    for (auto& t : ref) t.mul_(factor);
+    auto found = torch::zeros({1});
+    ampfuse::unscale_(unscaled, found, factor);
+    EXPECT_EQ(found.item<float>(), 0.f);
+    for (std::size_t i = 0; i < list.size(); ++i) {
+      EXPECT_TRUE(bitwise_equal(list[i], ref[i])) << "scale_, tensor " << i;
+      EXPECT_TRUE(bitwise_equal(unscaled[i], ref[i])) << "unscale_, tensor " << i;
+    }
+    EXPECT_EQ(list[1][0].item<double>(), 0x1p100 * static_cast<double>(s));
+  }
+}
+
 // Adam on moments that decayed into the subnormal range: the parameters
 // take torch::optim::Adam's values, the moments differ from its only below
 // 2^-126.

@@ -11,7 +11,10 @@
 
 #include <algorithm>
 #include <array>
+#include <cstdint>
 #include <cstring>
+#include <utility>
+#include <vector>
 
 #include "contract/cpu/kernels.h"
 #include "contract/torch/tensor_ops_views.h"
@@ -351,7 +354,7 @@ void scale(const CheckedList& list, c10::Device device, const at::Tensor& scale,
     const float s = *scale.data_ptr<float>();
     unsigned char any_non_finite = 0;  // written by the kernels' threads (atomic stores)
     for (const CpuGroups::One& g : cpu_groups(list).groups) {
-      const cpu::ScaleArgs args{sdk::cpu::plan_ref(g.plan), g.ptrs.data(), g.dtype, s,
+      const cpu::ScaleArgs args{sdk::cpu::plan_ref(g.plan), g.ptrs.data(), g.dtype, static_cast<double>(s),
                                 found_inf ? &any_non_finite : nullptr};
       at::parallel_for(0, g.plan.num_chunks(), 1, [&](std::int64_t b, std::int64_t e) {
         const sdk::cpu::FlushSubnormals flush;
@@ -372,12 +375,52 @@ void scale(const CheckedList& list, c10::Device device, const at::Tensor& scale,
 
 namespace {
 
+// Whether two entries of a checked list may share memory: the byte ranges
+// their elements span (from the lowest to the highest element), compared by
+// address, so that views of one storage and tensors made over one buffer
+// alike are seen. Interleaved views (t[::2], t[1::2]) count as overlapping:
+// a false alarm costs only the order below.
+bool entries_may_overlap(at::TensorList tensors) {
+  std::vector<std::pair<std::uintptr_t, std::uintptr_t>> ranges;
+  ranges.reserve(tensors.size());
+  for (const at::Tensor& t : tensors) {
+    if (t.numel() == 0) continue;
+    std::int64_t low = 0, high = 0;  // in elements, from data_ptr()
+    for (std::int64_t d = 0; d < t.dim(); ++d) {
+      const std::int64_t extent = (t.size(d) - 1) * t.stride(d);
+      (extent < 0 ? low : high) += extent;
+    }
+    const auto base = reinterpret_cast<std::uintptr_t>(t.data_ptr());
+    const auto item = static_cast<std::intptr_t>(t.element_size());
+    ranges.emplace_back(base + static_cast<std::uintptr_t>(low * item), base + static_cast<std::uintptr_t>((high + 1) * item));
+  }
+  std::sort(ranges.begin(), ranges.end());
+  for (std::size_t i = 1; i < ranges.size(); ++i) {
+    if (ranges[i].first < ranges[i - 1].second) return true;
+    ranges[i].second = std::max(ranges[i].second, ranges[i - 1].second);  // the furthest end so far
+  }
+  return false;
+}
+
 void scale_impl(const char* op, at::TensorList tensors, const at::Tensor& scale, const at::Tensor* found_inf) {
   const auto device = common_device(tensors);
   check_scalar(scale, op, "scale", device);
   if (found_inf) check_scalar(*found_inf, op, "found_inf", device);
   const detail::CheckedList list = detail::make_views(pointers(tensors), "tensors", op, /*in_place=*/true);
   if (!device) return;
+  if (tensors.size() > 1 && entries_may_overlap(tensors)) {
+    // Entries that share memory (the same tensor twice, overlapping views)
+    // are updated one after the other, in list order, as ATen's foreach ops
+    // update them on CPU: updated together, two threads would read and
+    // write the same elements, and a view with gaps staged twice would keep
+    // one update of the two. Each entry is staged and written back in turn.
+    for (const at::Tensor& t : tensors) {
+      const detail::CheckedList one = detail::make_views({&t}, "tensors", op, /*in_place=*/true);
+      detail::scale(one, *device, scale, found_inf);
+      one.write_back();
+    }
+    return;
+  }
   detail::scale(list, *device, scale, found_inf);
   list.write_back();
 }
