@@ -1191,11 +1191,13 @@ TEST(Adam8Refusals, NameTheGroupTheParameterAndTheProblemAndChangeNothing) {
   };
   const std::vector<std::pair<std::function<void(ampfuse::FusedAdamParamState&)>, std::string>> cases = {
       {[](auto& s) { s.exp_avg_sq_absmax()[3] = -1.0f; }, "exp_avg_sq_absmax holds -1 at block 3; an absmax is never negative"},
-      // NaN decoded all 256 moments of its block, and then their parameters, to NaN; a step never keeps inf.
-      {[](auto& s) { s.exp_avg_sq_absmax()[3] = std::numeric_limits<float>::quiet_NaN(); },
-       "exp_avg_sq_absmax holds nan at block 3; an absmax is finite"},
+      // A step never keeps inf (a NaN absmax is what a NaN grad makes: NaNGradStateSavesAndLoads).
       {[](auto& s) { s.exp_avg_absmax()[7] = std::numeric_limits<float>::infinity(); },
-       "exp_avg_absmax holds inf at block 7; an absmax is finite"},
+       "exp_avg_absmax holds inf at block 7; an absmax is never inf"},
+      // Bytes above the maps' codes decoded above the block's absmax.
+      {[](auto& s) { s.exp_avg_8bit()[4321] = 0x7F; }, "exp_avg_8bit holds the byte 127 at element 4321"},
+      {[](auto& s) { s.exp_avg_8bit()[17] = 0xFF; }, "exp_avg_8bit holds the byte 255 at element 17"},
+      {[](auto& s) { s.exp_avg_sq_8bit()[4999] = 0xFF; }, "exp_avg_sq_8bit holds the byte 255 at element 4999"},
       {[](auto& s) { s.exp_avg_absmax(s.exp_avg_absmax().narrow(0, 0, 5).clone()); }, "exp_avg_absmax has shape [5]"},
       {[](auto& s) { s.exp_avg_sq_absmax(at::Tensor()); }, "exp_avg_sq_absmax is missing"},
       {[](auto& s) { s.exp_avg_8bit(s.exp_avg_8bit().to(torch::kFloat)); }, "exp_avg_8bit has shape [5000], dtype Float"},
@@ -1209,6 +1211,40 @@ TEST(Adam8Refusals, NameTheGroupTheParameterAndTheProblemAndChangeNothing) {
     EXPECT_TRUE(bitwise_equal(adam_state(opt, p).exp_avg_8bit(), codes));
     EXPECT_TRUE(bitwise_equal(adam_state(opt, p).exp_avg_absmax(), absmax));
   }
+}
+
+// One NaN grad (no GradScaler to skip the step) makes its block's absmax
+// NaN, as fp32 Adam makes its element's moments NaN. That state is what the
+// step produced: it saves, and loads as saved into an 8-bit FusedAdam (bit
+// for bit) and into a 32-bit one (decoded: that block's moments NaN, the
+// others as coded). It was refused at load ("an absmax is finite").
+TEST(Adam8Checkpoints, NaNGradStateSavesAndLoads) {
+  ampfuse_test::seed_for_test();
+  auto p = torch::randn({5000}).requires_grad_();
+  ampfuse::FusedAdamOptions opts8;
+  opts8.moments_8bit(true);
+  ampfuse::FusedAdam opt({p}, torch::optim::AdamOptions(1e-2), opts8);
+  p.mutable_grad() = torch::randn({5000});
+  opt.step();
+  p.mutable_grad()[300] = std::numeric_limits<float>::quiet_NaN();  // block 1
+  opt.step();
+  const auto& st = adam_state(opt, p);
+  ASSERT_TRUE(std::isnan(st.exp_avg_sq_absmax()[1].item<float>()));
+  ASSERT_TRUE(torch::isfinite(st.exp_avg_sq_absmax().narrow(0, 2, 18)).all().item<bool>());
+  const std::string bytes = saved(opt);
+
+  ampfuse::FusedAdam again({p}, torch::optim::AdamOptions(1e-2), opts8);
+  EXPECT_EQ(error_of([&] { load_into(again, bytes); }), "(no error)");
+  EXPECT_EQ(saved(again), bytes);
+
+  ampfuse::FusedAdam wide({p}, torch::optim::AdamOptions(1e-2));
+  EXPECT_EQ(error_of([&] { load_into(wide, bytes); }), "(no error)");
+  p.mutable_grad() = torch::randn({5000});
+  wide.step();  // decoded at its first step
+  const auto& ws = adam_state(wide, p);
+  ASSERT_TRUE(ws.exp_avg_sq().defined());
+  EXPECT_TRUE(torch::isnan(ws.exp_avg_sq().narrow(0, 256, 256)).all().item<bool>());
+  EXPECT_TRUE(torch::isfinite(ws.exp_avg_sq().narrow(0, 512, 4488)).all().item<bool>());
 }
 
 }  // namespace

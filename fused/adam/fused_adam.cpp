@@ -13,6 +13,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <memory>
 #include <tuple>
 
@@ -56,7 +58,8 @@ void recode_version1(at::Tensor& codes, at::Tensor& absmax, Moment8 which) {
     return;
   const bool is_signed = which == Moment8::kExpAvg;
   const at::Tensor c = codes.cpu(), a = absmax.cpu().contiguous();
-  if (!(a >= 0).all().item<bool>() || !a.isfinite().all().item<bool>()) return;  // damaged: check_codes refuses it
+  // damaged (check_codes refuses it); a NaN absmax, which a step on a NaN grad makes, stays NaN
+  if ((a < 0).any().item<bool>() || a.isinf().any().item<bool>()) return;
   at::Tensor values = at::empty_like(c, c.options().dtype(at::kFloat), at::MemoryFormat::Preserve);
   const std::uint8_t* cp = c.data_ptr<std::uint8_t>();
   const float* ap = a.data_ptr<float>();
@@ -178,19 +181,39 @@ void check_codes(const at::Tensor& codes, const at::Tensor& absmax, const at::Te
               absmax.scalar_type(), " on ", absmax.device(), " but ", name, " keeps it contiguous with shape [", blocks,
               "], dtype Float on ", p.device(), " (one per 256 elements)");
   // A negative absmax would decode a negative second moment (and its sqrt to
-  // NaN). A loaded one must also be finite: a step keeps the largest finite
-  // fp32 value for an inf (fused/adam/adam8_math.h), and a NaN one decodes
-  // its 256 moments, and then their parameters, to NaN (read at load only,
-  // where waiting for a CUDA tensor costs nothing).
+  // NaN). A loaded one is never inf either: a step keeps the largest finite
+  // fp32 value for an inf (fused/adam/adam8_math.h). A NaN one is what a
+  // step on a NaN grad makes (its block's moments are NaN): it loads as
+  // saved, as fp32 Adam's NaN moments do. Read at load only on CUDA, where
+  // waiting for the tensor costs nothing.
   if (absmax.is_cpu() || loading) {
     const at::Tensor host = absmax.cpu();
     const float* a = host.data_ptr<float>();
     for (std::int64_t b = 0; b < blocks; ++b) {
       TORCH_CHECK(!(a[b] < 0.0f), name, ": param group ", g, ", param ", i, ": state ", absmax_key, " holds ", a[b],
                   " at block ", b, "; an absmax is never negative (a damaged checkpoint?)");
-      TORCH_CHECK(!loading || std::isfinite(a[b]), name, ": param group ", g, ", param ", i, ": state ", absmax_key,
+      TORCH_CHECK(!loading || !std::isinf(a[b]), name, ": param group ", g, ", param ", i, ": state ", absmax_key,
                   " holds ", a[b], " at block ", b,
-                  "; an absmax is finite (a damaged checkpoint, or moments made NaN by NaN grads?)");
+                  "; an absmax is never inf (a step keeps the largest finite value; a damaged checkpoint?)");
+    }
+  }
+  // A loaded byte is one of the map's codes: exp_avg's magnitudes run to 126
+  // (a sign bit above them), exp_avg_sq's to 254; 127 or 255 would decode
+  // above the block's absmax.
+  if (loading) {
+    const bool is_signed = std::strcmp(codes_key, "exp_avg_8bit") == 0;
+    const std::uint32_t top = is_signed ? fused::SignedMap8::kOne : fused::UnsignedMap8::kOne;
+    const at::Tensor host = codes.cpu().contiguous();
+    const std::uint8_t* c = host.data_ptr<std::uint8_t>();
+    const std::int64_t n = host.numel();
+    std::uint32_t worst = 0;
+    for (std::int64_t k = 0; k < n; ++k) worst = std::max(worst, is_signed ? c[k] & 0x7Fu : std::uint32_t{c[k]});
+    if (worst > top) {
+      std::int64_t k = 0;
+      while ((is_signed ? c[k] & 0x7Fu : std::uint32_t{c[k]}) <= top) ++k;
+      TORCH_CHECK(false, name, ": param group ", g, ", param ", i, ": state ", codes_key, " holds the byte ",
+                  static_cast<int>(c[k]), " at element ", k, " (in storage order); its codes run to ", top,
+                  is_signed ? " in magnitude" : "", " (a damaged checkpoint?)");
     }
   }
 }

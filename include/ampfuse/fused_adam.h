@@ -56,9 +56,10 @@ struct FusedAdamOptions {
   /// fp32 absmax per 256 elements, 2.03 bytes of state per parameter against
   /// 8 (see docs/optimizers.md, "8-bit moments", for the code down to the
   /// bit). Smaller parameters keep 32-bit moments. The block's moments are
-  /// decoded, updated and coded again in the step's one pass. CPU, fp32 /
-  /// fp16 / bf16 parameters (with or without master_weights), amsgrad off;
-  /// anything else is refused. The state keeps the codes under
+  /// decoded, updated and coded again in the step's one pass. CPU and CUDA
+  /// (the CUDA kernel has not run on a GPU yet), fp32 / fp16 / bf16
+  /// parameters (with or without master_weights); amsgrad, bf16_moments
+  /// and fp64 parameters are refused at the step, naming the group. The state keeps the codes under
   /// exp_avg_8bit / exp_avg_sq_8bit and the absmax under exp_avg_absmax /
   /// exp_avg_sq_absmax, in place of exp_avg / exp_avg_sq; a checkpoint of
   /// either kind loads into either optimizer (coded or decoded on load).
