@@ -83,7 +83,7 @@ ampfuse::sdk::Launch FusedLion::prepare_list(const ampfuse::sdk::ParamList& list
 
   if (list.device.is_cpu()) {
     auto plan = std::make_shared<const ampfuse::Plan>(numel, ampfuse::sdk::cpu::kChunkSize);
-    const float grad_factor = ampfuse::sdk::cpu_grad_factor(list.signal);
+    const double grad_factor = ampfuse::sdk::cpu_grad_factor(list.signal);
     // The launch: everything that could throw is done; it only writes.
     return [=] {
       const cpu::LionCpuArgs args{ampfuse::sdk::cpu::plan_ref(*plan), param.data(), grad.data(), exp_avg.data(),

@@ -18,7 +18,7 @@ struct LionCpuArgs {
   void* const* exp_avg;
   ampfuse::ScalarType dtype;  ///< of all three lists
   LionHyper hyper;
-  float grad_factor;  ///< inv_scale * clip_coef (1 without a scaler)
+  double grad_factor;  ///< inv_scale * clip_coef (1 without a scaler), as sdk::cpu_grad_factor gives it
 };
 
 /// Updates chunks [chunk_begin, chunk_end) of args.plan.

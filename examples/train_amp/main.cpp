@@ -29,6 +29,8 @@
 #include <memory>
 #include <string>
 
+#include "examples/flags.h"
+
 namespace {
 
 constexpr int64_t kIn = 32, kHidden = 256, kOut = 8;
@@ -217,19 +219,22 @@ double train_and_resume(torch::Device device, const Data& data, int64_t steps, b
 }  // namespace
 
 int main(int argc, char** argv) {
+  using ampfuse_examples::number;
+  using ampfuse_examples::whole_number;
   int64_t steps = 1000;
   double check = -1;        // < 0: no check
   double compare_8bit = -1;  // < 0: train once
   bool moments_8bit = false;
+  bool usage = false;  // an unknown flag, a missing or malformed number
   for (int i = 1; i < argc; ++i) {
     std::string arg = argv[i];
-    if (arg == "--steps" && i + 1 < argc) steps = std::stoll(argv[++i]);
-    else if (arg == "--check" && i + 1 < argc) check = std::stod(argv[++i]);
+    if (arg == "--steps" && i + 1 < argc) usage |= !whole_number(argv[++i], steps);
+    else if (arg == "--check" && i + 1 < argc) usage |= !number(argv[++i], check);
     else if (arg == "--moments-8bit") moments_8bit = true;
-    else if (arg == "--compare-8bit" && i + 1 < argc) compare_8bit = std::stod(argv[++i]);
-    else steps = 0;  // unknown flag: print the usage below
+    else if (arg == "--compare-8bit" && i + 1 < argc) usage |= !number(argv[++i], compare_8bit);
+    else usage = true;
   }
-  if (steps < 2) {
+  if (usage || steps < 2) {
     std::fprintf(stderr, "usage: %s [--steps N>=2] [--check MAX_FINAL_LOSS] [--moments-8bit | --compare-8bit MAX_REL]\n",
                  argv[0]);
     return 2;

@@ -9,6 +9,10 @@
 # took the port meanwhile; they fail or time out, and the retry replaces them.
 # Usage: launch.sh <N> <program> [arguments...]
 set -uo pipefail
+if [ $# -lt 2 ] || ! [[ $1 =~ ^[1-9][0-9]*$ ]]; then
+  echo "usage: launch.sh <N >= 1> <program> [arguments...]" >&2
+  exit 2
+fi
 world=$1
 program=$2
 shift 2

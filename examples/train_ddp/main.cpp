@@ -24,6 +24,8 @@
 #include <memory>
 #include <string>
 
+#include "examples/flags.h"
+
 namespace {
 
 constexpr int64_t kIn = 32, kHidden = 256, kOut = 8;
@@ -142,15 +144,18 @@ bool ranks_agree(Trainer& t, const Group& group) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  using ampfuse_examples::number;
+  using ampfuse_examples::whole_number;
   int64_t steps = 600;
   double check = -1;  // < 0: no check
+  bool usage = false;  // an unknown flag, a missing or malformed number
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
-    if (arg == "--steps" && i + 1 < argc) steps = std::stoll(argv[++i]);
-    else if (arg == "--check" && i + 1 < argc) check = std::stod(argv[++i]);
-    else steps = 0;
+    if (arg == "--steps" && i + 1 < argc) usage |= !whole_number(argv[++i], steps);
+    else if (arg == "--check" && i + 1 < argc) usage |= !number(argv[++i], check);
+    else usage = true;
   }
-  if (steps < 2) {
+  if (usage || steps < 2) {
     std::fprintf(stderr, "usage: launch.sh N %s [--steps N>=2] [--check MAX_FINAL_LOSS]\n", argv[0]);
     return 2;
   }
@@ -194,6 +199,9 @@ int main(int argc, char** argv) {
       return 1;
     }
     return 0;
+  } catch (const c10::Error& e) {
+    std::fprintf(stderr, "%s\n", e.what_without_backtrace());  // the message, not LibTorch's stack
+    return 2;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "%s\n", e.what());
     return 2;
