@@ -28,7 +28,7 @@ int main() {
     scaler.update();                         // back off on inf, grow after 2000 clean steps
     if (scaler.last_step_skipped(optimizer)) { /* e.g. hold the lr scheduler */ }
   }
-  torch::save(scaler, "scaler.pt");          // PyTorch's state_dict keys
+  torch::save(scaler, "scaler.pt");          // state_dict keys named as PyTorch names them
   torch::save(optimizer, "adam.pt");         // loads into torch::optim::Adam too
   // --- README example ends ---
 

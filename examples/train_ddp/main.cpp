@@ -126,8 +126,8 @@ void train(Trainer& t, const Data& d, int64_t until, int rank, int world) {
     t.scaler.update();
     if (t.scaler.last_step_skipped(*t.optimizer)) ++t.skipped;
     if (rank == 0 && ((t.step + 1) % 50 == 0 || t.step + 1 == until))
-      std::printf("step %4lld  loss %.4f  scale %-8g skipped %lld\n", (long long)(t.step + 1), loss.item<double>(),
-                  t.scaler.get_scale(), (long long)t.skipped);
+      std::printf("step %4lld  rank 0 batch loss %.4f  scale %-8g skipped %lld\n", (long long)(t.step + 1),
+                  loss.item<double>(), t.scaler.get_scale(), (long long)t.skipped);
   }
 }
 
