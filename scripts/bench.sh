@@ -3,7 +3,7 @@
 # the comparison, prints the ratio table and regenerates bench/RESULTS.md,
 # bench/results.png and the ratios block of README.md (with the CUDA results
 # of the last GPU check, bench/gpu/*.json, as their second part). Extra arguments go to the benchmark binary
-# (e.g. --benchmark_filter=Check). AMPFUSE_BENCH_THREADS sets the thread
+# (e.g. --benchmark_filter=Check: then the table goes to build/bench-filtered.md only). AMPFUSE_BENCH_THREADS sets the thread
 # count for every contender (default: all cores).
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
@@ -39,5 +39,13 @@ fi
 # GPU machine), committed under bench/gpu/: this machine has no GPU.
 gpu_json=("$AMPFUSE_ROOT"/bench/gpu/*.json)
 [ -e "${gpu_json[0]}" ] || gpu_json=()
-"$python" "$AMPFUSE_ROOT/bench/report.py" "${outs[@]}" --md "$AMPFUSE_ROOT/bench/RESULTS.md" \
-  --png "$AMPFUSE_ROOT/bench/results.png" --readme "$AMPFUSE_ROOT/README.md" ${gpu_json[@]:+--gpu "${gpu_json[@]}"}
+# A filtered run is a part of the record: its table goes to the build
+# folder, and the committed record (RESULTS.md, results.png, README) stays.
+if [ ${#outs[@]} -eq 1 ]; then
+  "$python" "$AMPFUSE_ROOT/bench/report.py" "${outs[@]}" --md "$AMPFUSE_BUILD_DIR/bench-filtered.md" \
+    ${gpu_json[@]:+--gpu "${gpu_json[@]}"}
+  log "a filtered run: its table is in $AMPFUSE_BUILD_DIR/bench-filtered.md; bench/RESULTS.md and README.md are left as they were"
+else
+  "$python" "$AMPFUSE_ROOT/bench/report.py" "${outs[@]}" --md "$AMPFUSE_ROOT/bench/RESULTS.md" \
+    --png "$AMPFUSE_ROOT/bench/results.png" --readme "$AMPFUSE_ROOT/README.md" ${gpu_json[@]:+--gpu "${gpu_json[@]}"}
+fi
