@@ -674,7 +674,7 @@ void GradScaler::remember_grads_id(const torch::optim::Optimizer& optimizer, con
 // Multiplies the optimizer's grads by the factors the step deferred: the
 // inverse scale (unless unscale_ unscaled them in place) and the clip
 // coefficient, computed as the contract path's kernels compute them
-// (inv_scale * clip_coef in fp32). With `unless_found`, by 1 where a device's
+// (inv_scale * clip_coef rounded once to fp32; on CPU in the kernel). With `unless_found`, by 1 where a device's
 // found_inf is set, decided on the device (no sync).
 void GradScaler::apply_deferred_factors(torch::optim::Optimizer& optimizer, const OptimizerState& state,
                                         bool unless_found) {
@@ -685,7 +685,13 @@ void GradScaler::apply_deferred_factors(torch::optim::Optimizer& optimizer, cons
                                  [&](const DeviceState& d) { return d.device == grads[i].first; });
     if (ds == state.devices.end()) continue;
     at::Tensor factor = ds->inv_scale;
-    if (ds->clip_coef.defined()) factor = factor.defined() ? factor * ds->clip_coef : ds->clip_coef;
+    if (ds->clip_coef.defined()) {
+      // On CPU the product stays in fp64, rounded once in the kernel, as the
+      // contract path's CPU kernels round it (sdk::cpu::GradFactor: to 24
+      // bits also below 2^-126, where an fp32 product would keep fewer).
+      if (factor.defined() && ds->device.is_cpu()) factor = factor.to(at::kDouble) * ds->clip_coef.to(at::kDouble);
+      else factor = factor.defined() ? factor * ds->clip_coef : ds->clip_coef;
+    }
     if (!factor.defined()) continue;
     if (unless_found) {
       const at::Tensor found = combined_found_inf(state, ds->device);

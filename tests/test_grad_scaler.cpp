@@ -892,39 +892,56 @@ TEST(GradScalerExtremes, AScaleOfTwoToThe127StepsAsTheUnscaledGrads) {
       {"FusedAdagrad", [](auto p) { return std::make_unique<ampfuse::FusedAdagrad>(p, torch::optim::AdagradOptions(0.1)); }},
       {"FusedRMSprop", [](auto p) { return std::make_unique<ampfuse::FusedRMSprop>(p, torch::optim::RMSpropOptions(0.01)); }},
       {"FusedLAMB", [](auto p) { return std::make_unique<ampfuse::FusedLAMB>(p, ampfuse::FusedLAMBOptions(0.01)); }},
+      // The global norm of the scaled grads overflows fp32 at this scale (3.2e35 and more): it is unscaled in
+      // double before its clip factor is taken (max_grad_norm / inf zeroed every grad).
+      {"FusedLAMB max_grad_norm",
+       [](auto p) { return std::make_unique<ampfuse::FusedLAMB>(p, ampfuse::FusedLAMBOptions(0.01).max_grad_norm(10.0)); }},
+      {"FusedLAMB max_grad_norm clipping",
+       [](auto p) { return std::make_unique<ampfuse::FusedLAMB>(p, ampfuse::FusedLAMBOptions(0.01).max_grad_norm(0.01)); }},
       {"torch::optim::Adam", [](auto p) { return std::make_unique<torch::optim::Adam>(p, torch::optim::AdamOptions(1e-3)); }},
   };
   const double scale = 0x1p127;
   for (const std::string& isa : ampfuse::cpu::available_isas()) {
     ampfuse::sdk::cpu::force_isa(isa.c_str());
     for (const auto& [name, make] : optimizers) {
-      for (auto dtype : {torch::kFloat, torch::kBFloat16}) {
-        SCOPED_TRACE(isa + ", " + name + ", " + ampfuse_test::dtype_name(dtype));
-        torch::manual_seed(seed);
-        std::vector<torch::Tensor> a, b, grads;
-        for (std::int64_t n : {5000, 37}) {
-          const auto w = torch::randn({n}).to(dtype);
-          grads.push_back((torch::randn({n}) * 1e-3).to(dtype));
-          a.push_back(w.clone().requires_grad_());
-          b.push_back(w.clone().requires_grad_());
-        }
-        const auto before = a[0].detach().clone();
-        auto scaled = make(a), plain = make(b);
-        ampfuse::GradScaler scaler(ampfuse::GradScalerOptions().init_scale(scale));
-        for (int step = 0; step < 2; ++step) {
-          for (std::size_t i = 0; i < grads.size(); ++i) {  // (the classic path unscales them in place)
-            a[i].mutable_grad() = grads[i] * scale;  // exact, and finite
-            b[i].mutable_grad() = grads[i].clone();
+      // clip: the scaler's clip_grad_norm_ as well (a clip coefficient of about 0.01, folded into a factor
+      // of about 2^-134, rounded to 24 bits as a normal factor is: the same bits as the unscaled grads'
+      // clip). The unscaled side steps under a scaler of scale 1, clipped alike.
+      for (bool clip : {false, true}) {
+        for (auto dtype : {torch::kFloat, torch::kBFloat16}) {
+          SCOPED_TRACE(isa + ", " + name + ", " + ampfuse_test::dtype_name(dtype) + (clip ? ", clipped" : ""));
+          torch::manual_seed(seed);
+          std::vector<torch::Tensor> a, b, grads;
+          for (std::int64_t n : {5000, 37}) {
+            const auto w = torch::randn({n}).to(dtype);
+            grads.push_back((torch::randn({n}) * 1e-3).to(dtype));
+            a.push_back(w.clone().requires_grad_());
+            b.push_back(w.clone().requires_grad_());
           }
-          scaler.scale(torch::ones({}));
-          scaler.step(*scaled);
-          scaler.update();  // (grows after 2000 steps: the scale stays)
-          plain->step();
+          const auto before = a[0].detach().clone();
+          auto scaled = make(a), plain = make(b);
+          ampfuse::GradScaler scaler(ampfuse::GradScalerOptions().init_scale(scale));
+          ampfuse::GradScaler unit(ampfuse::GradScalerOptions().init_scale(1.0));
+          for (int step = 0; step < 2; ++step) {
+            for (std::size_t i = 0; i < grads.size(); ++i) {  // (the classic path unscales them in place)
+              a[i].mutable_grad() = grads[i] * scale;  // exact, and finite
+              b[i].mutable_grad() = grads[i].clone();
+            }
+            using Pair = std::pair<ampfuse::GradScaler*, torch::optim::Optimizer*>;
+            for (const auto& [s, opt] : {Pair{&scaler, scaled.get()}, Pair{&unit, plain.get()}}) {
+              s->scale(torch::ones({}));
+              if (clip) s->clip_grad_norm_(*opt, 7e-4);
+              s->step(*opt);
+              s->update();  // (grows after 2000 steps: the scales stay)
+            }
+          }
+          EXPECT_EQ(scaler.get_scale(), scale);
+          EXPECT_FALSE(scaler.last_step_skipped(*scaled));
+          // (bf16 parameters of about 1 do not move by a clipped SGD step of 1e-6.)
+          if (dtype == torch::kFloat) EXPECT_FALSE(torch::equal(a[0].detach(), before)) << "the parameters did not move";
+          for (std::size_t i = 0; i < a.size(); ++i)
+            EXPECT_TRUE(bitwise_equal(a[i].detach(), b[i].detach())) << "param " << i;
         }
-        EXPECT_EQ(scaler.get_scale(), scale);
-        EXPECT_FALSE(scaler.last_step_skipped(*scaled));
-        EXPECT_FALSE(torch::equal(a[0].detach(), before)) << "the parameters did not move";
-        for (std::size_t i = 0; i < a.size(); ++i) EXPECT_TRUE(bitwise_equal(a[i].detach(), b[i].detach())) << "param " << i;
       }
     }
   }

@@ -27,7 +27,7 @@ struct ScaleArgs {
   sdk::cpu::PlanRef plan;
   void* const* data;
   ScalarType dtype;
-  /// The fp32 scale tensor's value, widened to fp64 on the caller's thread:
+  /// The scale tensor's value (fp32, or fp64 from the GradScaler), widened to fp64 on the caller's thread:
   /// widened inside a kernel (subnormals read as zero there) a scale below
   /// 2^-126 would read as 0, where ATen multiplies by its exact value (fp32
   /// lists: sdk::cpu::GradFactor; fp64 lists multiply by it in fp64).

@@ -351,10 +351,12 @@ void check_non_finite(const CheckedList& list, c10::Device device, const at::Ten
 void scale(const CheckedList& list, c10::Device device, const at::Tensor& scale, const at::Tensor* found_inf) {
   if (device.is_cpu()) {
     const cpu::Kernels& k = cpu::kernels();
-    const float s = *scale.data_ptr<float>();
+    // fp32 (the public ops), or fp64 (the GradScaler's deferred inv_scale * clip_coef on CPU).
+    const double s = scale.scalar_type() == c10::ScalarType::Double ? *scale.data_ptr<double>()
+                                                                     : static_cast<double>(*scale.data_ptr<float>());
     unsigned char any_non_finite = 0;  // written by the kernels' threads (atomic stores)
     for (const CpuGroups::One& g : cpu_groups(list).groups) {
-      const cpu::ScaleArgs args{sdk::cpu::plan_ref(g.plan), g.ptrs.data(), g.dtype, static_cast<double>(s),
+      const cpu::ScaleArgs args{sdk::cpu::plan_ref(g.plan), g.ptrs.data(), g.dtype, s,
                                 found_inf ? &any_non_finite : nullptr};
       at::parallel_for(0, g.plan.num_chunks(), 1, [&](std::int64_t b, std::int64_t e) {
         const sdk::cpu::FlushSubnormals flush;

@@ -48,7 +48,8 @@ void views_moved(const CheckedList& list);
 void check_non_finite(const CheckedList& list, c10::Device device, const at::Tensor& found_inf,
                       const c10::optional<at::Tensor>& sum_sq = c10::nullopt);
 
-/// ampfuse::scale_ (found_inf null) or ampfuse::unscale_ on a checked list of one device.
+/// ampfuse::scale_ (found_inf null) or ampfuse::unscale_ on a checked list of one device. `scale`
+/// is fp32 of one element, or on CPU fp64 too (the GradScaler's deferred factors).
 void scale(const CheckedList& list, c10::Device device, const at::Tensor& scale, const at::Tensor* found_inf);
 
 }  // namespace ampfuse::detail

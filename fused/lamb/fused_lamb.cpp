@@ -123,14 +123,21 @@ c10::ScalarType lamb_state_dtype(const at::Tensor& p) {
 
 // inv_scale * clip_coef * the max_grad_norm factor, in opmath T (as the
 // kernels compute it), from the global sum of squares of the scaled grads.
+// Below 2^-126 (a scale near 2^127, the scaler's clip coefficient with it)
+// an fp32 factor would keep fewer than 24 bits: there the factor stays in
+// double, and the kernel rounds the product once (sdk::cpu::GradFactor).
 template <class T>
 double lamb_factor(const fused::LambHyper& hyper, double grad_factor, const at::Tensor& grad_sum_sq) {
-  T factor = static_cast<T>(grad_factor);
+  const bool subnormal = sizeof(T) == 4 && grad_factor != 0.0 && std::fabs(grad_factor) < 0x1p-126;
+  const double factor = subnormal ? grad_factor : static_cast<double>(static_cast<T>(grad_factor));
   if (grad_sum_sq.defined()) {
-    const T global_norm = static_cast<T>(std::sqrt(*grad_sum_sq.data_ptr<double>()));
-    factor *= fused::lamb_clip_factor(hyper.as<T>(), global_norm * factor);
+    // The unscaled norm, rounded once from double: the scaled norm alone
+    // overflows fp32 under a large scale (above 2 at 2^127), and its clip
+    // factor max_grad_norm / inf zeroed every grad.
+    const T global_norm = static_cast<T>(std::sqrt(*grad_sum_sq.data_ptr<double>()) * factor);
+    return factor * static_cast<double>(fused::lamb_clip_factor(hyper.as<T>(), global_norm));
   }
-  return static_cast<double>(factor);
+  return factor;
 }
 
 void check_options(const FusedLAMBOptions& o, std::size_t g) {

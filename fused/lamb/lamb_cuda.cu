@@ -18,8 +18,10 @@ template <class T>
 __device__ __forceinline__ T lamb_grad_factor(const LambCudaArgs& args, const LambHyperT<T>& h) {
   T f = signal_grad_factor<T>(args.inv_scale, args.clip_coef);
   if (args.grad_sum_sq != nullptr) {
-    // The global norm of the unscaled grads: sqrt of the scaled sum, times f.
-    const T global_norm = static_cast<T>(sqrt(*args.grad_sum_sq)) * f;
+    // The global norm of the unscaled grads: sqrt of the scaled sum, times f,
+    // in double and rounded once (the scaled norm overflows fp32 under a
+    // large scale), as the CPU computes it.
+    const T global_norm = static_cast<T>(sqrt(*args.grad_sum_sq) * static_cast<double>(f));
     f *= lamb_clip_factor(h, global_norm);
   }
   return f;

@@ -976,15 +976,17 @@ template <ScalarType ST>
 using opmath_t = typename OpmathOf<ST>::scalar;
 
 /// Grads times a factor (inv_scale * clip_coef, sdk::cpu_grad_factor(), in
-/// double): the factor rounded once to opmath_t<ST>, as static_cast rounds it
-/// with subnormals kept, and each block of grads multiplied by it. Made and
-/// used inside the kernel, under FlushSubnormals: there a float factor below
-/// 2^-126 (the inverse of a scale of 2^127, which GradScaler reaches when no
-/// grad overflows for long enough) would read as 0 and zero every grad. Such
-/// a factor f is applied as two normal ones, (g * (f * 2^64)) * 2^-64, which
-/// rounds as g * f wherever that product is normal (a subnormal product is
-/// flushed, as every subnormal result is; with subnormals kept, it may be
-/// rounded twice). Take the factor as the adapter's
+/// double): the factor rounded once to opmath_t<ST> (24 significant bits for
+/// fp32), and each block of grads multiplied by it. Made and used inside the
+/// kernel, under FlushSubnormals: there a float factor below 2^-126 (the
+/// inverse of a scale of 2^127, which GradScaler reaches when no grad
+/// overflows for long enough; or a smaller scale's inverse times a clip
+/// coefficient) would read as 0 and zero every grad. Such a factor f is
+/// applied as two normal ones, (g * fl(f * 2^64)) * 2^-64: rounded to 24 bits
+/// as a normal factor is (not to fp32's subnormal grid), and the product
+/// rounded once, wherever it is normal (a subnormal product is flushed, as
+/// every subnormal result is). For an f that is an fp32 value (an inverse
+/// scale alone), that is the bits of g * f. Take the factor as the adapter's
 /// double: a float argument rounded on the host keeps a subnormal, but the
 /// kernel's first use of it reads 0.
 ///   const GradFactor<ST> factor(a.grad_factor);  ...  g = factor(load_block<ST>(grad));
@@ -996,9 +998,7 @@ class GradFactor {
     using T = opmath_t<ST>;
     if constexpr (sizeof(T) == 4) {
       if (f != 0.0 && std::fabs(f) < 0x1p-126) {  // (NaN compares false: taken as it is)
-        // f rounded to fp32's subnormal grid (multiples of 2^-149, ties to
-        // even) in double, where it is normal, then scaled by 2^64: exact.
-        hi_ = OpsOf<ST>::splat(static_cast<float>(std::nearbyint(f * 0x1p149) * 0x1p-85));
+        hi_ = OpsOf<ST>::splat(static_cast<float>(f * 0x1p64));  // normal down to f = 2^-190 (smaller: 0)
         lo_ = OpsOf<ST>::splat(0x1p-64f);
         split_ = true;
         one_ = false;
