@@ -203,18 +203,15 @@ void check_codes(const at::Tensor& codes, const at::Tensor& absmax, const at::Te
   if (loading) {
     const bool is_signed = std::strcmp(codes_key, "exp_avg_8bit") == 0;
     const std::uint32_t top = is_signed ? fused::SignedMap8::kOne : fused::UnsignedMap8::kOne;
-    const at::Tensor host = codes.cpu().contiguous();
+    const at::Tensor host = codes.cpu().contiguous();  // in the parameter's logical order
     const std::uint8_t* c = host.data_ptr<std::uint8_t>();
-    const std::int64_t n = host.numel();
-    std::uint32_t worst = 0;
-    for (std::int64_t k = 0; k < n; ++k) worst = std::max(worst, is_signed ? c[k] & 0x7Fu : std::uint32_t{c[k]});
-    if (worst > top) {
-      std::int64_t k = 0;
-      while ((is_signed ? c[k] & 0x7Fu : std::uint32_t{c[k]}) <= top) ++k;
-      TORCH_CHECK(false, name, ": param group ", g, ", param ", i, ": state ", codes_key, " holds the byte ",
-                  static_cast<int>(c[k]), " at element ", k, " (in storage order); its codes run to ", top,
-                  is_signed ? " in magnitude" : "", " (a damaged checkpoint?)");
-    }
+    const std::uint8_t* bad = std::find_if(c, c + host.numel(), [&](std::uint8_t byte) {
+      return (is_signed ? byte & 0x7Fu : std::uint32_t{byte}) > top;
+    });
+    TORCH_CHECK(bad == c + host.numel(), name, ": param group ", g, ", param ", i, ": state ", codes_key,
+                " holds the byte ", static_cast<int>(*bad), " at element ", bad - c,
+                " (in the parameter's logical order); its codes run to ", top, is_signed ? " in magnitude" : "",
+                " (a damaged checkpoint?)");
   }
 }
 
