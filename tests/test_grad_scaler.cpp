@@ -879,8 +879,10 @@ TEST(GradScaler, UndefinedGradsAreSkipped) {
 // (FusedX) and the classic one (torch::optim::Adam, unscaled by the engine),
 // on every instruction set, must step as on the unscaled grads: bit for bit,
 // since unscaling by a power of two is exact.
-TEST(GradScalerExtremes, AScaleOfTwoToThe127StepsAsTheUnscaledGrads) {
-  const auto seed = ampfuse_test::seed_for_test();
+// On CUDA, where subnormals are kept, an fp32 factor of 2^-127 times a clip
+// coefficient was subnormal too, with fewer than 24 bits: the clipped step
+// differed from the unscaled one (sdk::ScalarGradFactor splits it now).
+void check_scale_of_two_to_the_127(const torch::Device& device, const std::string& where, std::uint64_t seed) {
   using Make = std::function<std::unique_ptr<torch::optim::Optimizer>(std::vector<torch::Tensor>)>;
   ampfuse::FusedAdamOptions eight;
   eight.moments_8bit(true);
@@ -901,51 +903,61 @@ TEST(GradScalerExtremes, AScaleOfTwoToThe127StepsAsTheUnscaledGrads) {
       {"torch::optim::Adam", [](auto p) { return std::make_unique<torch::optim::Adam>(p, torch::optim::AdamOptions(1e-3)); }},
   };
   const double scale = 0x1p127;
-  for (const std::string& isa : ampfuse::cpu::available_isas()) {
-    ampfuse::sdk::cpu::force_isa(isa.c_str());
-    for (const auto& [name, make] : optimizers) {
-      // clip: the scaler's clip_grad_norm_ as well (a clip coefficient of about 0.01, folded into a factor
-      // of about 2^-134, rounded to 24 bits as a normal factor is: the same bits as the unscaled grads'
-      // clip). The unscaled side steps under a scaler of scale 1, clipped alike.
-      for (bool clip : {false, true}) {
-        for (auto dtype : {torch::kFloat, torch::kBFloat16}) {
-          SCOPED_TRACE(isa + ", " + name + ", " + ampfuse_test::dtype_name(dtype) + (clip ? ", clipped" : ""));
-          torch::manual_seed(seed);
-          std::vector<torch::Tensor> a, b, grads;
-          for (std::int64_t n : {5000, 37}) {
-            const auto w = torch::randn({n}).to(dtype);
-            grads.push_back((torch::randn({n}) * 1e-3).to(dtype));
-            a.push_back(w.clone().requires_grad_());
-            b.push_back(w.clone().requires_grad_());
-          }
-          const auto before = a[0].detach().clone();
-          auto scaled = make(a), plain = make(b);
-          ampfuse::GradScaler scaler(ampfuse::GradScalerOptions().init_scale(scale));
-          ampfuse::GradScaler unit(ampfuse::GradScalerOptions().init_scale(1.0));
-          for (int step = 0; step < 2; ++step) {
-            for (std::size_t i = 0; i < grads.size(); ++i) {  // (the classic path unscales them in place)
-              a[i].mutable_grad() = grads[i] * scale;  // exact, and finite
-              b[i].mutable_grad() = grads[i].clone();
-            }
-            using Pair = std::pair<ampfuse::GradScaler*, torch::optim::Optimizer*>;
-            for (const auto& [s, opt] : {Pair{&scaler, scaled.get()}, Pair{&unit, plain.get()}}) {
-              s->scale(torch::ones({}));
-              if (clip) s->clip_grad_norm_(*opt, 7e-4);
-              s->step(*opt);
-              s->update();  // (grows after 2000 steps: the scales stay)
-            }
-          }
-          EXPECT_EQ(scaler.get_scale(), scale);
-          EXPECT_FALSE(scaler.last_step_skipped(*scaled));
-          // (bf16 parameters of about 1 do not move by a clipped SGD step of 1e-6.)
-          if (dtype == torch::kFloat) EXPECT_FALSE(torch::equal(a[0].detach(), before)) << "the parameters did not move";
-          for (std::size_t i = 0; i < a.size(); ++i)
-            EXPECT_TRUE(bitwise_equal(a[i].detach(), b[i].detach())) << "param " << i;
+  for (const auto& [name, make] : optimizers) {
+    // clip: the scaler's clip_grad_norm_ as well (a clip coefficient of about 0.01, folded into a factor
+    // of about 2^-134, rounded to 24 bits as a normal factor is: the same bits as the unscaled grads'
+    // clip). The unscaled side steps under a scaler of scale 1, clipped alike.
+    for (bool clip : {false, true}) {
+      for (auto dtype : {torch::kFloat, torch::kBFloat16}) {
+        SCOPED_TRACE(where + ", " + name + ", " + ampfuse_test::dtype_name(dtype) + (clip ? ", clipped" : ""));
+        torch::manual_seed(seed);
+        std::vector<torch::Tensor> a, b, grads;
+        for (std::int64_t n : {5000, 37}) {
+          const auto w = torch::randn({n}).to(device, dtype);
+          grads.push_back((torch::randn({n}) * 1e-3).to(device, dtype));
+          a.push_back(w.clone().requires_grad_());
+          b.push_back(w.clone().requires_grad_());
         }
+        const auto before = a[0].detach().clone();
+        auto scaled = make(a), plain = make(b);
+        ampfuse::GradScaler scaler(ampfuse::GradScalerOptions().init_scale(scale));
+        ampfuse::GradScaler unit(ampfuse::GradScalerOptions().init_scale(1.0));
+        for (int step = 0; step < 2; ++step) {
+          for (std::size_t i = 0; i < grads.size(); ++i) {  // (the classic path unscales them in place)
+            a[i].mutable_grad() = grads[i] * scale;  // exact, and finite
+            b[i].mutable_grad() = grads[i].clone();
+          }
+          using Pair = std::pair<ampfuse::GradScaler*, torch::optim::Optimizer*>;
+          for (const auto& [s, opt] : {Pair{&scaler, scaled.get()}, Pair{&unit, plain.get()}}) {
+            s->scale(torch::ones({}, device));
+            if (clip) s->clip_grad_norm_(*opt, 7e-4);
+            s->step(*opt);
+            s->update();  // (grows after 2000 steps: the scales stay)
+          }
+        }
+        EXPECT_EQ(scaler.get_scale(), scale);
+        EXPECT_FALSE(scaler.last_step_skipped(*scaled));
+        // (bf16 parameters of about 1 do not move by a clipped SGD step of 1e-6.)
+        if (dtype == torch::kFloat) EXPECT_FALSE(torch::equal(a[0].detach(), before)) << "the parameters did not move";
+        for (std::size_t i = 0; i < a.size(); ++i)
+          EXPECT_TRUE(bitwise_equal(a[i].detach(), b[i].detach())) << "param " << i;
       }
     }
   }
+}
+
+TEST(GradScalerExtremes, AScaleOfTwoToThe127StepsAsTheUnscaledGrads) {
+  const auto seed = ampfuse_test::seed_for_test();
+  for (const std::string& isa : ampfuse::cpu::available_isas()) {
+    ampfuse::sdk::cpu::force_isa(isa.c_str());
+    check_scale_of_two_to_the_127(torch::kCPU, isa, seed);
+  }
   ampfuse::sdk::cpu::force_isa("");
+}
+
+TEST(GradScalerExtremes, AScaleOfTwoToThe127StepsAsTheUnscaledGradsOnCuda) {
+  if (!ampfuse_test::cuda_available()) GTEST_SKIP() << "no CUDA device here; this test runs on a GPU machine";
+  check_scale_of_two_to_the_127(torch::kCUDA, "cuda", ampfuse_test::seed_for_test());
 }
 
 }  // namespace

@@ -7,12 +7,16 @@
 #include <ampfuse/fused_sgd.h>
 #include <ampfuse/tensor_ops.h>
 
+#include <algorithm>
 #include <cfloat>
 #include <cmath>
+#include <random>
 
 #if defined(__SSE__)
 #include <xmmintrin.h>
 #endif
+
+#include <ampfuse/sdk/math.h>
 
 #include "contract/cpu/kernels.h"
 #include "tests/common.h"
@@ -196,5 +200,58 @@ TEST(SpecialValues, TinyTensorLaunchesTakeAvx2OnAvx512UnlessASetIsNamed) {
 
 INSTANTIATE_TEST_SUITE_P(All, Subnormals, ::testing::ValuesIn(ampfuse::cpu::available_isas()),
                          [](const auto& info) { return info.param; });
+
+}  // namespace
+
+namespace {
+
+// f rounded to 24 significant bits, ties to even, with an unbounded exponent
+// (what an fp32 factor would be if fp32 had no subnormals), in double.
+double round_to_24_bits(double f) {
+  if (f == 0.0) return f;
+  int e = 0;
+  const double m = std::frexp(f, &e);  // [0.5, 1)
+  return std::ldexp(std::nearbyint(std::ldexp(m, 24)), e - 24);
+}
+
+// sdk::ScalarGradFactor (the CUDA kernels' grad factor, host and device
+// code): a factor below 2^-126, an inverse scale of 2^127 times a clip
+// coefficient, keeps 24 significant bits as a normal one does, so g times it
+// is g times f rounded to 24 bits, rounded once; fl32(f), subnormal, keeps
+// fewer (13 at 2^-137) and misses that by up to 2^-14 of the product.
+TEST(ScalarGradFactor, KeepsTwentyFourBitsBelowTwoToTheMinus126) {
+  const auto seed = ampfuse_test::seed_for_test();
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<double> unit(0.5, 1.0);
+  // Down to 2^-190 (ScalarGradFactor's range: a scale of 2^127 times a clip coefficient of 2^-63).
+  std::uniform_int_distribution<int> exponent(-189, 20);
+  int split = 0, fp32_off = 0;
+  for (int k = 0; k < 20000; ++k) {
+    const double f = std::ldexp(unit(rng), exponent(rng)) * (k % 7 == 0 ? -1.0 : 1.0);
+    const double q = round_to_24_bits(f);
+    const ampfuse::sdk::ScalarGradFactor<float> factor(f);
+    EXPECT_EQ(ampfuse::sdk::grad_factor_is_split(f), std::fabs(f) < 0x1p-126) << "f " << f;
+    split += ampfuse::sdk::grad_factor_is_split(f) ? 1 : 0;
+    // g such that g * f is normal and finite in fp32.
+    const int ge = std::max(-100, -126 - std::ilogb(f) + 2);
+    const float g = static_cast<float>(std::ldexp(unit(rng), std::min(ge, 100)));
+    const double exact = static_cast<double>(g) * q;  // exact in double (24 x 24 bits)
+    if (!(std::fabs(exact) >= 0x1p-126 && std::fabs(exact) < 0x1p127)) continue;
+    const float expected = static_cast<float>(exact);
+    const float got = factor(g);
+    ASSERT_EQ(got, expected) << "f " << f << ", g " << g << ", seed " << seed;
+    if (static_cast<float>(g * static_cast<float>(f)) != expected) ++fp32_off;
+    // fp64: the factor as it is.
+    EXPECT_EQ(ampfuse::sdk::ScalarGradFactor<double>(f)(static_cast<double>(g)), static_cast<double>(g) * f);
+  }
+  EXPECT_GT(split, 1000);
+  EXPECT_GT(fp32_off, 100) << "the case this guards is not exercised: fl32(f) would have passed";
+  // The edges: 0 and 1 stay one factor; 2^-127 alone gives g * 2^-127's bits; NaN passes through.
+  EXPECT_FALSE(ampfuse::sdk::grad_factor_is_split(0.0));
+  EXPECT_FALSE(ampfuse::sdk::grad_factor_is_split(std::nan("")));
+  EXPECT_EQ(ampfuse::sdk::ScalarGradFactor<float>(1.0)(3.5f), 3.5f);
+  EXPECT_EQ(ampfuse::sdk::ScalarGradFactor<float>(0x1p-127)(0x1p127f), 1.0f);
+  EXPECT_TRUE(std::isnan(ampfuse::sdk::ScalarGradFactor<float>(std::nan(""))(1.0f)));
+}
 
 }  // namespace

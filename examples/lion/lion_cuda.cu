@@ -15,8 +15,9 @@ __global__ void __launch_bounds__(kBlockSize) lion_kernel(Meta meta, LionCudaArg
   // Contract rule 1: found_inf is final before the launch and the same for
   // every block, so a skipped step returns before any write.
   if (step_skipped(args.found_inf)) return;
-  // Rule 2: the gradient is g * inv_scale * clip_coef, in fp32.
-  const float grad_factor = signal_grad_factor(args.inv_scale, args.clip_coef);
+  // Rule 2: the gradient is g * inv_scale * clip_coef, in fp32 (a factor
+  // below 2^-126 applied as two, so that it keeps 24 bits).
+  const auto grad_factor = signal_factor(args.inv_scale, args.clip_coef);
 
   const BlockChunk c = locate_chunk(meta, blockIdx.x);
   T* p = static_cast<T*>(meta.data(kParam, c.slot)) + c.begin;
@@ -24,7 +25,7 @@ __global__ void __launch_bounds__(kBlockSize) lion_kernel(Meta meta, LionCudaArg
   T* m = static_cast<T*>(meta.data(kExpAvg, c.slot)) + c.begin;
   for_each_element(c, [&](std::int64_t i) {
     float pf = to_float(p[i]), mf = to_float(m[i]);
-    lion_update<float, ampfuse::sdk::ScalarOps>(pf, to_float(g[i]) * grad_factor, mf, args.hyper);
+    lion_update<float, ampfuse::sdk::ScalarOps>(pf, grad_factor(to_float(g[i])), mf, args.hyper);
     p[i] = from_float<T>(pf);
     m[i] = from_float<T>(mf);
   });

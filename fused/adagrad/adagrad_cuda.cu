@@ -12,7 +12,7 @@ template <class T, class Meta>
 __global__ void __launch_bounds__(kBlockSize) adagrad_kernel(Meta meta, AdagradCudaArgs args) {
   using Op = opmath_t<T>;
   if (step_skipped(args.found_inf)) return;  // contract rule 1: before any write
-  const Op grad_factor = signal_grad_factor<Op>(args.inv_scale, args.clip_coef);
+  const auto grad_factor = signal_factor<Op>(args.inv_scale, args.clip_coef);
   const AdagradHyperT<Op> hyper = args.hyper.as<Op>();
   const BlockChunk c = locate_chunk(meta, blockIdx.x);
   const double* step = static_cast<const double*>(meta.data(list_index(AdagradList::kStep), c.slot));
@@ -22,7 +22,7 @@ __global__ void __launch_bounds__(kBlockSize) adagrad_kernel(Meta meta, AdagradC
   T* sum = static_cast<T*>(meta.data(list_index(AdagradList::kSum), c.slot)) + c.begin;
   for_each_element(c, [&](std::int64_t i) {
     Op pf = to_opmath(p[i]), sf = to_opmath(sum[i]);
-    adagrad_update<Op, sdk::ScalarOpsT<Op>>(pf, to_opmath(g[i]) * grad_factor, sf, neg_clr, hyper);
+    adagrad_update<Op, sdk::ScalarOpsT<Op>>(pf, grad_factor(to_opmath(g[i])), sf, neg_clr, hyper);
     p[i] = from_opmath<T>(pf);
     sum[i] = from_opmath<T>(sf);
   });

@@ -30,7 +30,7 @@ __global__ void __launch_bounds__(kThreads) adam8_kernel(Meta meta, Adam8CudaArg
   const AdamStepScalars s = adam_step_scalars<double>(lr, args.beta1, args.beta2, step);
   const float neg_step_size = static_cast<float>(s.neg_step_size);
   const float inv_bc2_sqrt = adam8_inv_bc2_sqrt(s.bias_correction2_sqrt);
-  const float grad_factor = signal_grad_factor<float>(args.inv_scale, args.clip_coef);
+  const auto grad_factor = signal_factor<float>(args.inv_scale, args.clip_coef);
 
   P* p = static_cast<P*>(list(Adam8List::kParam)) + c.begin;
   const P* g = static_cast<const P*>(list(Adam8List::kGrad)) + c.begin;
@@ -51,7 +51,7 @@ __global__ void __launch_bounds__(kThreads) adam8_kernel(Meta meta, Adam8CudaArg
     else pf = to_float(p[t]);
     m = decode8<SignedMap8>(m_codes[t], m_old);
     v = decode8<UnsignedMap8>(v_codes[t], v_old);
-    adam8_update<float, ScalarOpsT<float>>(pf, to_float(g[t]) * grad_factor, m, v, hyper, neg_step_size,
+    adam8_update<float, ScalarOpsT<float>>(pf, grad_factor(to_float(g[t])), m, v, hyper, neg_step_size,
                                            inv_bc2_sqrt);
     if constexpr (kWithMaster) master[t] = pf;
     p[t] = from_float<P>(pf);

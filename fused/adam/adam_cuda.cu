@@ -26,7 +26,7 @@ __global__ void __launch_bounds__(kBlockSize) adam_kernel(Meta meta, AdamCudaArg
   AdamHyperT<Op> hyper = args.hyper.as<Op>();
   if (args.lr_device != nullptr) set_device_lr(hyper, lr, args.weight_decay);
   const AdamStepScalarsT<Op> s = adam_step_scalars<Op>(lr, args.beta1, args.beta2, step);
-  const Op grad_factor = signal_grad_factor<Op>(args.inv_scale, args.clip_coef);
+  const auto grad_factor = signal_factor<Op>(args.inv_scale, args.clip_coef);
 
   P* p = static_cast<P*>(meta.data(list_index(AdamList::kParam), c.slot)) + c.begin;
   const P* g = static_cast<const P*>(meta.data(list_index(AdamList::kGrad), c.slot)) + c.begin;
@@ -42,7 +42,7 @@ __global__ void __launch_bounds__(kBlockSize) adam_kernel(Meta meta, AdamCudaArg
     else pf = to_opmath(pe);
     Op mf = to_opmath(me), vf = to_opmath(ve);
     Op vmaxf = kAmsgrad ? to_opmath(*vmaxe) : Op(0);
-    adam_update<Op, ScalarOpsT<Op>>(pf, to_opmath(ge) * grad_factor, mf, vf, &vmaxf, hyper, s);
+    adam_update<Op, ScalarOpsT<Op>>(pf, grad_factor(to_opmath(ge)), mf, vf, &vmaxf, hyper, s);
     if constexpr (kWithMaster) master[i] = pf;
     pe = from_opmath<P>(pf);
     me = from_opmath<S>(mf);

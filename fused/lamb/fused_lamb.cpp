@@ -121,25 +121,6 @@ c10::ScalarType lamb_state_dtype(const at::Tensor& p) {
   return p.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
 }
 
-// inv_scale * clip_coef * the max_grad_norm factor, in opmath T (as the
-// kernels compute it), from the global sum of squares of the scaled grads.
-// Below 2^-126 (a scale near 2^127, the scaler's clip coefficient with it)
-// an fp32 factor would keep fewer than 24 bits: there the factor stays in
-// double, and the kernel rounds the product once (sdk::cpu::GradFactor).
-template <class T>
-double lamb_factor(const fused::LambHyper& hyper, double grad_factor, const at::Tensor& grad_sum_sq) {
-  const bool subnormal = sizeof(T) == 4 && grad_factor != 0.0 && std::fabs(grad_factor) < 0x1p-126;
-  const double factor = subnormal ? grad_factor : static_cast<double>(static_cast<T>(grad_factor));
-  if (grad_sum_sq.defined()) {
-    // The unscaled norm, rounded once from double: the scaled norm alone
-    // overflows fp32 under a large scale (above 2 at 2^127), and its clip
-    // factor max_grad_norm / inf zeroed every grad.
-    const T global_norm = static_cast<T>(std::sqrt(*grad_sum_sq.data_ptr<double>()) * factor);
-    return factor * static_cast<double>(fused::lamb_clip_factor(hyper.as<T>(), global_norm));
-  }
-  return factor;
-}
-
 void check_options(const FusedLAMBOptions& o, std::size_t g) {
   const double b1 = std::get<0>(o.betas()), b2 = std::get<1>(o.betas());
   TORCH_CHECK(o.lr() >= 0, "FusedLAMB: param group ", g, ": invalid lr ", o.lr());
@@ -382,8 +363,10 @@ sdk::Launch FusedLAMB::prepare_list(const sdk::ParamList& pl) {
     if (fresh) pl.slot.keep(kept);
     return [=] {
       const std::vector<FusedLAMBParamState*>& states = kept->states;
-      const double factor = f64 ? lamb_factor<double>(hyper, grad_factor, grad_sum_sq)
-                                : lamb_factor<float>(hyper, grad_factor, grad_sum_sq);
+      // inv_scale * clip_coef * the max_grad_norm factor (lamb_math.h), as the CUDA kernels compute it.
+      const double* sum_sq = grad_sum_sq.defined() ? grad_sum_sq.const_data_ptr<double>() : nullptr;
+      const double factor = f64 ? fused::lamb_total_grad_factor(hyper, grad_factor, sum_sq)
+                                : fused::lamb_total_grad_factor(hyper.as<float>(), grad_factor, sum_sq);
       std::vector<double> chunk_param_sq(static_cast<std::size_t>(plan->num_chunks()));
       std::vector<double> chunk_update_sq(chunk_param_sq.size());
       std::vector<double> neg_step(states.size(), 0.0);

@@ -11,20 +11,15 @@ namespace ampfuse::fused::cuda {
 namespace {
 
 using namespace ampfuse::sdk::cuda;
+using sdk::ScalarGradFactor;
 using sdk::ScalarOpsT;
 
-// inv_scale * clip_coef * the max_grad_norm factor, read on the device, in opmath T.
+// inv_scale * clip_coef * the max_grad_norm factor, read on the device and
+// applied in opmath T, as the CPU computes it (lamb_total_grad_factor).
 template <class T>
-__device__ __forceinline__ T lamb_grad_factor(const LambCudaArgs& args, const LambHyperT<T>& h) {
-  T f = signal_grad_factor<T>(args.inv_scale, args.clip_coef);
-  if (args.grad_sum_sq != nullptr) {
-    // The global norm of the unscaled grads: sqrt of the scaled sum, times f,
-    // in double and rounded once (the scaled norm overflows fp32 under a
-    // large scale), as the CPU computes it.
-    const T global_norm = static_cast<T>(sqrt(*args.grad_sum_sq) * static_cast<double>(f));
-    f *= lamb_clip_factor(h, global_norm);
-  }
-  return f;
+__device__ __forceinline__ ScalarGradFactor<T> lamb_grad_factor(const LambCudaArgs& args, const LambHyperT<T>& h) {
+  return ScalarGradFactor<T>(
+      lamb_total_grad_factor(h, signal_factor_value(args.inv_scale, args.clip_coef), args.grad_sum_sq));
 }
 
 // The state's storage type: float, or double for double params.
@@ -40,7 +35,7 @@ __global__ void __launch_bounds__(kBlockSize) lamb_moments_kernel(Meta meta, Lam
   const LambHyperT<Op> hyper = args.hyper.as<Op>();
   const auto* step = static_cast<const double*>(meta.data(list_index(LambList::kStep), c.slot));
   const LambStepScalarsT<Op> s = lamb_step_scalars<Op>(args.hyper, block_broadcast(step) + 1.0);
-  const Op factor = lamb_grad_factor(args, hyper);
+  const ScalarGradFactor<Op> factor = lamb_grad_factor(args, hyper);
   const P* p = static_cast<const P*>(meta.data(list_index(LambList::kParam), c.slot)) + c.begin;
   const P* g = static_cast<const P*>(meta.data(list_index(LambList::kGrad), c.slot)) + c.begin;
   S* m = static_cast<S*>(meta.data(list_index(LambList::kExpAvg), c.slot)) + c.begin;
@@ -54,7 +49,7 @@ __global__ void __launch_bounds__(kBlockSize) lamb_moments_kernel(Meta meta, Lam
     if constexpr (kMaster) pf = master[i];
     else pf = to_opmath(p[i]);
     Op mf = m[i], vf = v[i];
-    lamb_moments<Op, ScalarOpsT<Op>>(to_opmath(g[i]) * factor, mf, vf, hyper);
+    lamb_moments<Op, ScalarOpsT<Op>>(factor(to_opmath(g[i])), mf, vf, hyper);
     const Op u = lamb_direction<Op, ScalarOpsT<Op>>(pf, mf, vf, hyper, s);
     m[i] = mf;
     v[i] = vf;

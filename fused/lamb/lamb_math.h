@@ -100,6 +100,25 @@ AMPFUSE_HOST_DEVICE T lamb_clip_factor(const LambHyperT<T>& h, T global_norm) {
   return h.max_grad_norm > T(0) && global_norm > h.max_grad_norm ? h.max_grad_norm / global_norm : T(1);
 }
 
+/// What LAMB's grads are multiplied by, in double (the kernels apply it as
+/// sdk::ScalarGradFactor<T> / sdk::cpu::GradFactor: rounded once to T):
+/// grad_factor (inv_scale * clip_coef, exact in double) rounded to T, times
+/// the max_grad_norm factor of the global norm of the unscaled grads, where
+/// grad_sum_sq (the scaled grads' sum of squares; null: no max_grad_norm
+/// pass) gives it: that norm is unscaled in double and rounded once (the
+/// scaled norm alone overflows fp32 under a large scale: above 2 at 2^127).
+/// A float grad_factor below 2^-126 (sdk::grad_factor_is_split) stays in
+/// double, where fp32 would keep fewer than 24 bits.
+template <class T>
+AMPFUSE_HOST_DEVICE double lamb_total_grad_factor(const LambHyperT<T>& h, double grad_factor,
+                                                  const double* grad_sum_sq) {
+  const bool split = sizeof(T) == sizeof(float) && sdk::grad_factor_is_split(grad_factor);
+  const double factor = split ? grad_factor : static_cast<double>(static_cast<T>(grad_factor));
+  if (grad_sum_sq == nullptr) return factor;
+  const T global_norm = static_cast<T>(sdk::ScalarOpsT<double>::sqrt(*grad_sum_sq) * factor);
+  return factor * static_cast<double>(lamb_clip_factor(h, global_norm));
+}
+
 /// First pass: the moments.
 template <class V, class Ops, class T>
 AMPFUSE_HOST_DEVICE void lamb_moments(V g, V& m, V& v, const LambHyperT<T>& h) {

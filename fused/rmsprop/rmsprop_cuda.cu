@@ -12,7 +12,7 @@ template <class T, bool kMomentum, bool kCentered, class Meta>
 __global__ void __launch_bounds__(kBlockSize) rmsprop_kernel(Meta meta, RmspropCudaArgs args) {
   using Op = opmath_t<T>;
   if (step_skipped(args.found_inf)) return;  // contract rule 1: before any write
-  const Op grad_factor = signal_grad_factor<Op>(args.inv_scale, args.clip_coef);
+  const auto grad_factor = signal_factor<Op>(args.inv_scale, args.clip_coef);
   const RmspropHyperT<Op> hyper = args.hyper.as<Op>();
   const BlockChunk c = locate_chunk(meta, blockIdx.x);
   auto at = [&](RmspropList l) { return static_cast<T*>(meta.data(list_index(l), c.slot)) + c.begin; };
@@ -24,7 +24,7 @@ __global__ void __launch_bounds__(kBlockSize) rmsprop_kernel(Meta meta, RmspropC
   for_each_element(c, [&](std::int64_t i) {
     Op pf = to_opmath(p[i]), sf = to_opmath(square_avg[i]);
     Op bf = kMomentum ? to_opmath(buf[i]) : Op(0), af = kCentered ? to_opmath(grad_avg[i]) : Op(0);
-    rmsprop_update<Op, sdk::ScalarOpsT<Op>>(pf, to_opmath(g[i]) * grad_factor, sf, &bf, &af, hyper);
+    rmsprop_update<Op, sdk::ScalarOpsT<Op>>(pf, grad_factor(to_opmath(g[i])), sf, &bf, &af, hyper);
     p[i] = from_opmath<T>(pf);
     square_avg[i] = from_opmath<T>(sf);
     if (kMomentum) buf[i] = from_opmath<T>(bf);

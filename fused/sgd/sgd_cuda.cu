@@ -15,7 +15,7 @@ __global__ void __launch_bounds__(kBlockSize) sgd_kernel(Meta meta, SgdCudaArgs 
   const BlockChunk c = locate_chunk(meta, blockIdx.x);
   float* flag = kMomentum ? static_cast<float*>(meta.data(kSgdInitialized, c.slot)) : nullptr;
   const bool is_first = kMomentum && block_broadcast(flag) == 0.f;
-  const Op grad_factor = signal_grad_factor<Op>(args.inv_scale, args.clip_coef);
+  const auto grad_factor = signal_factor<Op>(args.inv_scale, args.clip_coef);
   const SgdHyperT<Op> hyper = args.hyper.as<Op>();
 
   T* p = static_cast<T*>(meta.data(kSgdParam, c.slot)) + c.begin;
@@ -25,7 +25,7 @@ __global__ void __launch_bounds__(kBlockSize) sgd_kernel(Meta meta, SgdCudaArgs 
   auto update = [&](T& pe, T ge, T* bufe) {
     Op pf = to_opmath(pe);
     Op bf = kMomentum && !is_first ? to_opmath(*bufe) : Op(0);
-    sgd_update<Op, ScalarOpsT<Op>>(pf, to_opmath(ge) * grad_factor, &bf, is_first, hyper);
+    sgd_update<Op, ScalarOpsT<Op>>(pf, grad_factor(to_opmath(ge)), &bf, is_first, hyper);
     pe = from_opmath<T>(pf);
     if (kMomentum) *bufe = from_opmath<T>(bf);
   };

@@ -38,6 +38,7 @@
 
 #include "ampfuse/multi_tensor.h"
 #include "ampfuse/sdk/cpu.h"
+#include "ampfuse/sdk/math.h"
 
 namespace ampfuse::sdk::cpu::AMPFUSE_CPU_ISA {
 namespace {
@@ -997,7 +998,7 @@ class GradFactor {
   explicit GradFactor(double f) {
     using T = opmath_t<ST>;
     if constexpr (sizeof(T) == 4) {
-      if (f != 0.0 && std::fabs(f) < 0x1p-126) {  // (NaN compares false: taken as it is)
+      if (grad_factor_is_split(f)) {  // ampfuse/sdk/math.h (NaN: taken as it is)
         hi_ = OpsOf<ST>::splat(static_cast<float>(f * 0x1p64));  // normal down to f = 2^-190 (smaller: 0)
         lo_ = OpsOf<ST>::splat(0x1p-64f);
         split_ = true;

@@ -13,7 +13,7 @@
 // for a kernel that wants 16-byte loads, as FusedAdam's does; the index math
 // lives in ampfuse/sdk/chunk_math.h, host-and-device, so that tests can run
 // it on the CPU); block_broadcast hands a per-tensor value read once to the
-// whole block; step_skipped and signal_grad_factor apply the scaler contract.
+// whole block; step_skipped and signal_factor apply the scaler contract.
 // to_float / from_float convert storage to opmath and back; block_sum reduces
 // across a block (CUB); once_per_tensor_after_reads updates per-tensor
 // values (step counters) after every block of the tensor has read them.
@@ -31,6 +31,7 @@
 
 #include "ampfuse/sdk/chunk_math.h"
 #include "ampfuse/sdk/cuda.h"
+#include "ampfuse/sdk/math.h"
 
 namespace ampfuse::sdk::cuda {
 
@@ -207,15 +208,33 @@ __device__ __forceinline__ bool step_skipped(const float* found_inf) {
   return found_inf != nullptr && *found_inf != 0.f;
 }
 
-/// Contract rule 2 on the device: the factor grads are multiplied by,
-/// inv_scale * clip_coef, each 1 when null, in T (the kernel's opmath: fp32,
-/// or fp64 for fp64 storage, where the product is exact).
+/// inv_scale * clip_coef, each 1 when null, in double (exact: two fp32 values).
+__device__ __forceinline__ double signal_factor_value(const float* inv_scale, const float* clip_coef) {
+  double f = 1.0;
+  if (inv_scale != nullptr) f *= static_cast<double>(*inv_scale);
+  if (clip_coef != nullptr) f *= static_cast<double>(*clip_coef);
+  return f;
+}
+
+/// Contract rule 2 on the device: what grads are multiplied by, inv_scale *
+/// clip_coef (each 1 when null), applied in T (the kernel's opmath: fp32, or
+/// fp64 for fp64 storage) with T's full precision (ScalarGradFactor,
+/// ampfuse/sdk/math.h: below 2^-126, a scale near 2^127 times a clip
+/// coefficient, an fp32 factor is split in two normal ones), the same bits
+/// as the CPU kernels' sdk::cpu::GradFactor:
+///   const ScalarGradFactor<float> factor = signal_factor<float>(args.inv_scale, args.clip_coef);
+///   ... update(p[i], factor(to_float(g[i])), ...);
+template <class T = float>
+__device__ __forceinline__ ScalarGradFactor<T> signal_factor(const float* inv_scale, const float* clip_coef) {
+  return ScalarGradFactor<T>(signal_factor_value(inv_scale, clip_coef));
+}
+
+/// The same factor as one T: fl(inv_scale * clip_coef). Kept for kernels
+/// written against it; below 2^-126 an fp32 factor is subnormal and keeps
+/// fewer than 24 significant bits, where signal_factor keeps them all.
 template <class T = float>
 __device__ __forceinline__ T signal_grad_factor(const float* inv_scale, const float* clip_coef) {
-  T f = T(1);
-  if (inv_scale != nullptr) f *= static_cast<T>(*inv_scale);
-  if (clip_coef != nullptr) f *= static_cast<T>(*clip_coef);
-  return f;
+  return static_cast<T>(signal_factor_value(inv_scale, clip_coef));
 }
 
 /// *p read once by the block (thread 0) and handed to every thread: a

@@ -50,4 +50,39 @@ struct ScalarOpsT {
 /// Ops for plain floats.
 using ScalarOps = ScalarOpsT<float>;
 
+/// Whether a grad factor f (inv_scale * clip_coef, in double) is applied to
+/// fp32 grads as two factors: f is not 0 and |f| is below 2^-126, where fp32
+/// is subnormal (an inverse scale of 2^127, which GradScaler reaches when no
+/// grad overflows for long enough, times a clip coefficient; or 2^-127
+/// itself). There fl32(f) keeps fewer than 24 significant bits, and reads as
+/// 0 where subnormals are flushed (CPU kernels). NaN compares false.
+AMPFUSE_HOST_DEVICE constexpr bool grad_factor_is_split(double f) {
+  return f != 0.0 && (f < 0.0 ? -f : f) < 0x1p-126;
+}
+
+/// Grads times a factor f given in double, in opmath T, with T's full
+/// precision: f rounded once to T, and for T = float and an f below 2^-126
+/// (grad_factor_is_split) applied as two normal factors, (g * fl(f * 2^64))
+/// * 2^-64, rounded to 24 bits as a normal factor is. For an f that is an
+/// fp32 value (an inverse scale alone), that is the bits of g * f. Below
+/// 2^-190 (a scale of 2^127 times a clip coefficient below 2^-63) fl(f *
+/// 2^64) is subnormal in turn, and keeps fewer bits. The CPU
+/// lanes' sdk::cpu::GradFactor computes the same, and CUDA kernels take it
+/// from sdk::cuda::signal_factor.
+///   const ScalarGradFactor<float> factor(f);  ...  g = factor(g);
+template <class T>
+struct ScalarGradFactor {
+  T hi = T(1), lo = T(1);  ///< g * hi * lo; lo is 1 or 2^-64
+  AMPFUSE_HOST_DEVICE explicit ScalarGradFactor(double f) {
+    if (sizeof(T) == sizeof(float) && grad_factor_is_split(f)) {
+      hi = static_cast<T>(f * 0x1p64);  // normal down to f = 2^-190 (smaller: 0)
+      lo = static_cast<T>(0x1p-64);
+    } else {
+      hi = static_cast<T>(f);
+    }
+  }
+  /// (g * hi) * lo: lo = 1 leaves g * hi as it is.
+  AMPFUSE_HOST_DEVICE T operator()(T g) const { return (g * hi) * lo; }
+};
+
 }  // namespace ampfuse::sdk
