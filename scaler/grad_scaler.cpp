@@ -686,11 +686,11 @@ void GradScaler::apply_deferred_factors(torch::optim::Optimizer& optimizer, cons
     if (ds == state.devices.end()) continue;
     at::Tensor factor = ds->inv_scale;
     if (ds->clip_coef.defined()) {
-      // On CPU the product stays in fp64, rounded once in the kernel, as the
-      // contract path's CPU kernels round it (sdk::cpu::GradFactor: to 24
-      // bits also below 2^-126, where an fp32 product would keep fewer).
-      if (factor.defined() && ds->device.is_cpu()) factor = factor.to(at::kDouble) * ds->clip_coef.to(at::kDouble);
-      else factor = factor.defined() ? factor * ds->clip_coef : ds->clip_coef;
+      // The product stays in fp64 (exact), rounded once in the kernel, as the
+      // contract path's kernels round it (sdk::cpu::GradFactor, and
+      // sdk::ScalarGradFactor on CUDA: to 24 bits also below 2^-126, where
+      // an fp32 product would keep fewer). On the device: no host sync.
+      factor = factor.defined() ? factor.to(at::kDouble) * ds->clip_coef.to(at::kDouble) : ds->clip_coef;
     }
     if (!factor.defined()) continue;
     if (unless_found) {

@@ -920,8 +920,9 @@ void check_scale_of_two_to_the_127(const torch::Device& device, const std::strin
         }
         const auto before = a[0].detach().clone();
         auto scaled = make(a), plain = make(b);
-        ampfuse::GradScaler scaler(ampfuse::GradScalerOptions().init_scale(scale));
-        ampfuse::GradScaler unit(ampfuse::GradScalerOptions().init_scale(1.0));
+        // unscaled_grads_after_step: the grads left after the step are what the update used, on both sides.
+        ampfuse::GradScaler scaler(ampfuse::GradScalerOptions().init_scale(scale).unscaled_grads_after_step(true));
+        ampfuse::GradScaler unit(ampfuse::GradScalerOptions().init_scale(1.0).unscaled_grads_after_step(true));
         for (int step = 0; step < 2; ++step) {
           for (std::size_t i = 0; i < grads.size(); ++i) {  // (the classic path unscales them in place)
             a[i].mutable_grad() = grads[i] * scale;  // exact, and finite
@@ -939,8 +940,10 @@ void check_scale_of_two_to_the_127(const torch::Device& device, const std::strin
         EXPECT_FALSE(scaler.last_step_skipped(*scaled));
         // (bf16 parameters of about 1 do not move by a clipped SGD step of 1e-6.)
         if (dtype == torch::kFloat) EXPECT_FALSE(torch::equal(a[0].detach(), before)) << "the parameters did not move";
-        for (std::size_t i = 0; i < a.size(); ++i)
+        for (std::size_t i = 0; i < a.size(); ++i) {
           EXPECT_TRUE(bitwise_equal(a[i].detach(), b[i].detach())) << "param " << i;
+          EXPECT_TRUE(bitwise_equal(a[i].grad(), b[i].grad())) << "grad " << i;
+        }
       }
     }
   }

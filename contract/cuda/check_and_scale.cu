@@ -76,15 +76,23 @@ __global__ void __launch_bounds__(kBlockSize)
 }
 
 template <class T, bool kCheck, class Meta>
-__global__ void __launch_bounds__(kBlockSize) scale_kernel(Meta meta, const float* scale, float* found_inf) {
+__global__ void __launch_bounds__(kBlockSize) scale_kernel(Meta meta, const float* scale, const double* scale_f64,
+                                                           float* found_inf) {
   const BlockChunk c = locate_chunk(meta, blockIdx.x);
   T* p = static_cast<T*>(meta.data(0, c.slot)) + c.begin;
-  const opmath_t<T> s = *scale;  // for double storage, the float scale in double (as ATen)
+  // An fp32 scale as ATen applies it (for double storage, the float scale in
+  // double). An fp64 one (the GradScaler's deferred inv_scale * clip_coef) as
+  // the optimizers' kernels apply their grad factor (ScalarGradFactor: 24
+  // bits also below 2^-126), so that the grads left after the step are what
+  // the update used.
+  const bool f32 = scale != nullptr;
+  const opmath_t<T> s = f32 ? static_cast<opmath_t<T>>(*scale) : opmath_t<T>(1);
+  const sdk::ScalarGradFactor<opmath_t<T>> factor(f32 ? 1.0 : *scale_f64);
   bool non_finite = false;
   auto scaled = [&](T v) {
     const opmath_t<T> x = to_opmath(v);
     if (kCheck) non_finite |= !isfinite(x);
-    return from_opmath<T>(x * s);
+    return from_opmath<T>(f32 ? x * s : factor(x));
   };
   using V = Vec16<T>;
   std::int64_t i = threadIdx.x;
@@ -140,16 +148,16 @@ void check_non_finite(const sdk::cuda::LaunchMeta& meta, ScalarType dtype, float
   });
 }
 
-void scale(const sdk::cuda::LaunchMeta& meta, ScalarType dtype, const float* scale, float* found_inf,
-           sdk::cuda::Stream stream) {
+void scale(const sdk::cuda::LaunchMeta& meta, ScalarType dtype, const float* scale, const double* scale_f64,
+           float* found_inf, sdk::cuda::Stream stream) {
   using namespace detail;
   dispatch_dtype<true>(dtype, [&](auto tag) {
     using T = decltype(tag);
     launch_with_meta<1>(meta, [&](auto m, dim3 grid) {
       if (found_inf != nullptr)
-        scale_kernel<T, true><<<grid, kBlockSize, 0, stream>>>(m, scale, found_inf);
+        scale_kernel<T, true><<<grid, kBlockSize, 0, stream>>>(m, scale, scale_f64, found_inf);
       else
-        scale_kernel<T, false><<<grid, kBlockSize, 0, stream>>>(m, scale, found_inf);
+        scale_kernel<T, false><<<grid, kBlockSize, 0, stream>>>(m, scale, scale_f64, found_inf);
     });
   });
 }

@@ -33,10 +33,12 @@ struct SumSq {
 void check_non_finite(const sdk::cuda::LaunchMeta& meta, ScalarType dtype, float* found_inf, SumSq sum_sq,
                       void* workspace, sdk::cuda::Stream stream);
 
-/// In place: x = x * (*scale), computed in fp32, rounded to the storage type.
-/// When found_inf is not null, also *found_inf = 1 if any value (before
-/// scaling) is inf or NaN, in the same pass.
-void scale(const sdk::cuda::LaunchMeta& meta, ScalarType dtype, const float* scale, float* found_inf,
-           sdk::cuda::Stream stream);
+/// In place: x = x * (*scale), computed in fp32, rounded to the storage type;
+/// or, where scale is null, x times *scale_f64 as the optimizers' kernels
+/// apply a grad factor (sdk::ScalarGradFactor). When found_inf is not null,
+/// also *found_inf = 1 if any value (before scaling) is inf or NaN, in the
+/// same pass.
+void scale(const sdk::cuda::LaunchMeta& meta, ScalarType dtype, const float* scale, const double* scale_f64,
+           float* found_inf, sdk::cuda::Stream stream);
 
 }  // namespace ampfuse::cuda

@@ -351,7 +351,7 @@ void check_non_finite(const CheckedList& list, c10::Device device, const at::Ten
 void scale(const CheckedList& list, c10::Device device, const at::Tensor& scale, const at::Tensor* found_inf) {
   if (device.is_cpu()) {
     const cpu::Kernels& k = cpu::kernels();
-    // fp32 (the public ops), or fp64 (the GradScaler's deferred inv_scale * clip_coef on CPU).
+    // fp32 (the public ops), or fp64 (the GradScaler's deferred inv_scale * clip_coef).
     const double s = scale.scalar_type() == c10::ScalarType::Double ? *scale.data_ptr<double>()
                                                                      : static_cast<double>(*scale.data_ptr<float>());
     unsigned char any_non_finite = 0;  // written by the kernels' threads (atomic stores)
@@ -368,7 +368,9 @@ void scale(const CheckedList& list, c10::Device device, const at::Tensor& scale,
   }
 #if defined(AMPFUSE_WITH_CUDA)
   for_each_cuda_group(list.views, device, [&](const Group& g, const sdk::cuda::LaunchMeta& meta, sdk::cuda::Stream stream) {
-    cuda::scale(meta, g.dtype, scale.data_ptr<float>(), found_inf ? found_inf->data_ptr<float>() : nullptr, stream);
+    const bool f64 = scale.scalar_type() == c10::ScalarType::Double;
+    cuda::scale(meta, g.dtype, f64 ? nullptr : scale.data_ptr<float>(), f64 ? scale.data_ptr<double>() : nullptr,
+                found_inf ? found_inf->data_ptr<float>() : nullptr, stream);
   });
 #endif
 }
