@@ -5,6 +5,7 @@
 #include "ampfuse/zero.h"
 
 #include "ampfuse/sdk/optimizer.h"
+#include "contract/torch/tensor_ops_views.h"
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
@@ -12,8 +13,10 @@
 #include <torch/serialize/archive.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstring>
 #include <map>
+#include <random>
 #include <regex>
 #include <sstream>
 #include <string>
@@ -123,6 +126,7 @@ struct ZeroOptimizer::Layout {
   std::vector<Bucket> buckets;
   std::vector<Piece> pieces;
   std::int64_t layout_hash = 0;
+  std::int64_t run_id = 0;
   std::vector<std::size_t> group_sizes;
   std::vector<std::size_t> param_bucket;
   std::vector<std::int64_t> param_offset;
@@ -423,10 +427,22 @@ std::shared_ptr<ZeroOptimizer::Layout> ZeroOptimizer::build(std::vector<torch::o
   } catch (const std::exception& e) {
     refused = message_of(e);
   }
-  // (A failed construction on every rank, before any parameter moves.)
-  agree_across(*process_group, has_cpu_backend(*process_group), check_device, refused, nullptr,
+  // (A failed construction on every rank, before any parameter moves.) The
+  // same all-reduce hands every rank rank 0's run id (the others add 0),
+  // which stamps this run's sharded checkpoints: two 31-bit halves, the
+  // high one odd, so that a stamp is never 0.
+  std::vector<std::int32_t> run(2, 0);
+  if (rank == 0) {
+    std::random_device device;
+    std::mt19937_64 bits((static_cast<std::uint64_t>(device()) << 32) ^ device() ^
+                         static_cast<std::uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count()));
+    run[0] = static_cast<std::int32_t>(bits() & 0x7FFFFFFFu) | 1;
+    run[1] = static_cast<std::int32_t>(bits() & 0x7FFFFFFFu);
+  }
+  agree_across(*process_group, has_cpu_backend(*process_group), check_device, refused, &run,
                "agreeing that every rank has made its optimizer",
                "could not make its optimizer (its error says why); the parameters were not moved on any rank");
+  layout->run_id = (static_cast<std::int64_t>(run[0]) << 32) | run[1];
   // Nothing can fail from here: each parameter becomes a view of its bucket
   // (same TensorImpl, autograd identity and version counter).
   if (!sharing.empty())
@@ -463,6 +479,7 @@ ZeroOptimizer::ZeroOptimizer(std::shared_ptr<Layout> layout)
       buckets_(std::move(layout->buckets)),
       pieces_(std::move(layout->pieces)),
       layout_hash_(layout->layout_hash),
+      run_id_(layout->run_id),
       group_sizes_(std::move(layout->group_sizes)),
       param_bucket_(std::move(layout->param_bucket)),
       param_offset_(std::move(layout->param_offset)) {
@@ -571,15 +588,15 @@ std::string ZeroOptimizer::refusal() const {
 // enters the collectives of the step: a refusal on one rank alone would
 // otherwise leave the others waiting in them until the timeout, or pair
 // their collectives with that rank's next step (agree_across).
-void ZeroOptimizer::agree(const std::string& refusal, std::vector<std::int32_t>* flags, const char* what) {
+void ZeroOptimizer::agree(const std::string& refusal, std::vector<std::int32_t>* flags, const char* what,
+                          const char* doing) const {
   // No bucket (no parameter on any rank: they have the same parameters):
   // nothing to agree with the others about but this rank's own refusal.
   if (buckets_.empty()) {
     TORCH_CHECK(refusal.empty(), refusal);
     return;
   }
-  agree_across(*process_group_, agree_on_cpu_, buckets_.front().flat_grad.device(), refusal, flags,
-               "agreeing that every rank can step",
+  agree_across(*process_group_, agree_on_cpu_, buckets_.front().flat_grad.device(), refusal, flags, doing,
                std::string("refused ") + (what ? what : "the step (its error says why); nothing was written on any rank"));
 }
 
@@ -752,8 +769,8 @@ void ZeroOptimizer::record_versions() {
   for (std::size_t i = 0; i < params_.size(); ++i) versions_[i] = static_cast<std::int64_t>(params_[i]._version());
 }
 
-void ZeroOptimizer::copy_options_to_inner() {
-  auto& mine = param_groups();
+void ZeroOptimizer::copy_options_to_inner() const {
+  const auto& mine = param_groups();
   auto& theirs = inner_->param_groups();
   for (std::size_t g = 0; g < mine.size(); ++g) {
     if (copy_options_) copy_options_(mine[g].options(), theirs[g].options());
@@ -780,6 +797,7 @@ void ZeroOptimizer::gather_params() {
   }
   record_versions();
   grads_reduced_ = false;
+  ++steps_;  // (every step ends here, on every rank: a skipped one too)
 }
 
 at::Tensor ZeroOptimizer::step(LossClosure closure) {
@@ -839,19 +857,38 @@ void ZeroOptimizer::step_with_signals(const StepSignals& signals) {
     step_inner(&signals);
   } else {
     agree({}, nullptr);
-    // PyTorch's classic path on the shard: one host read, unscale in place, step.
+    // PyTorch's classic path on the shard: one host read, unscale, step.
+    // The GradScaler takes this optimizer for a ScalerAware one, which
+    // leaves the grads it read as they were (and unscales them after the
+    // step itself, with unscaled_grads_after_step): the shard's grads are
+    // unscaled for the wrapped optimizer's step and given back after it.
     double found = 0.0;
     for (const auto& [device, signal] : signals.all()) found += signal.found_inf.item<float>();
     if (found == 0.0) {
       const at::NoGradGuard no_grad;
-      for (Bucket& b : buckets_) {
-        if (!signals.contains(b.shard_grad.device())) continue;
-        const ScaleSignal& s = signals.at(b.shard_grad.device());
-        at::Tensor factor = s.inv_scale.defined() ? s.inv_scale : at::ones({}, s.found_inf.options());
-        if (s.clip_coef.defined()) factor = factor * s.clip_coef;
-        b.shard_grad.mul_(factor);
+      std::vector<std::pair<at::Tensor*, at::Tensor>> scaled;  // (shard grad, its values before)
+      try {
+        for (Bucket& b : buckets_) {
+          if (!signals.contains(b.shard_grad.device())) continue;
+          const ScaleSignal& s = signals.at(b.shard_grad.device());
+          if (!s.inv_scale.defined() && !s.clip_coef.defined()) continue;
+          // inv_scale * clip_coef in fp64 (exact), rounded once by the
+          // kernel, as GradScaler's classic path and the contract kernels
+          // apply it (24 bits also below 2^-126).
+          at::Tensor factor = s.inv_scale.defined() ? s.inv_scale.to(at::kDouble) : s.clip_coef.to(at::kDouble);
+          if (s.inv_scale.defined() && s.clip_coef.defined()) factor = factor * s.clip_coef.to(at::kDouble);
+          scaled.emplace_back(&b.shard_grad, b.shard_grad.clone());
+          const detail::CheckedList list =
+              detail::make_views({&b.shard_grad}, "grad", "ZeroOptimizer::step_with_signals", /*in_place=*/true);
+          detail::scale(list, b.shard_grad.device(), factor.reshape({1}), nullptr);
+          list.write_back();
+        }
+        inner_->step();
+      } catch (...) {
+        for (auto& [grad, before] : scaled) grad->copy_(before);
+        throw;
       }
-      inner_->step();
+      for (auto& [grad, before] : scaled) grad->copy_(before);
     }
   }
   gather_params();
@@ -861,6 +898,11 @@ void ZeroOptimizer::save(torch::serialize::OutputArchive& archive) const {
   archive.write("ampfuse_zero/world_size", c10::IValue(static_cast<std::int64_t>(process_group_->getSize())));
   archive.write("ampfuse_zero/rank", c10::IValue(static_cast<std::int64_t>(process_group_->getRank())));
   archive.write("ampfuse_zero/layout", c10::IValue(layout_hash_));
+  archive.write("ampfuse_zero/run", c10::IValue(run_id_));
+  archive.write("ampfuse_zero/steps", c10::IValue(steps_));
+  // The options as set on this optimizer's groups since the last step (an
+  // lr scheduler's), which the wrapped optimizer takes at the next step.
+  copy_options_to_inner();
   torch::serialize::OutputArchive inner;
   inner_->save(inner);
   archive.write("ampfuse_zero/inner", inner);
@@ -873,10 +915,32 @@ void ZeroOptimizer::save(torch::serialize::OutputArchive& archive) const {
 // not built on the SDK, which may have loaded part before refusing). Every
 // rank reaches the agreement whatever this rank's load throws. The options
 // follow the wrapped optimizer's.
+namespace {
+
+// A sharded checkpoint part's stamp ({run, steps}; empty for a part saved
+// before parts were stamped), and how errors name it.
+std::vector<std::int64_t> read_stamp(torch::serialize::InputArchive& archive, const std::string& which) {
+  c10::IValue run, steps;
+  const bool has_run = archive.try_read("ampfuse_zero/run", run), has_steps = archive.try_read("ampfuse_zero/steps", steps);
+  if (!has_run && !has_steps) return {};
+  TORCH_CHECK(has_run && has_steps && run.isInt() && steps.isInt() && run.toInt() != 0 && steps.toInt() >= 0, kWhere,
+              which, ": its save stamp (ampfuse_zero/run, ampfuse_zero/steps) is damaged");
+  return {run.toInt(), steps.toInt()};
+}
+std::string stamp_name(const std::vector<std::int64_t>& stamp) {
+  if (stamp.empty()) return "has no save stamp (saved by an older ampfuse)";
+  std::ostringstream run;
+  run << std::hex << stamp[0];
+  return c10::str("was saved after step ", stamp[1], " of run ", run.str());
+}
+
+}  // namespace
+
 void ZeroOptimizer::load_agreed(const std::function<void()>& load) {
   std::stringstream before;
   bool saved = false;
   std::string refused;
+  loaded_stamp_.clear();
   try {
     torch::serialize::OutputArchive archive;
     inner_->save(archive);
@@ -889,8 +953,30 @@ void ZeroOptimizer::load_agreed(const std::function<void()>& load) {
   } catch (...) {
     refused = "the load failed";
   }
+  // Every rank's part's stamp (load_here's; load_sharded compares its parts
+  // itself), in the same all-reduce: rank r's in values 3r to 3r + 2.
+  const int world = process_group_->getSize(), rank = process_group_->getRank();
+  std::vector<std::int32_t> stamps(3 * static_cast<std::size_t>(world), 0);
+  if (loaded_stamp_.size() == 2) {
+    stamps[3 * rank] = static_cast<std::int32_t>(loaded_stamp_[0] >> 32);
+    stamps[3 * rank + 1] = static_cast<std::int32_t>(loaded_stamp_[0] & 0xFFFFFFFF);
+    stamps[3 * rank + 2] = static_cast<std::int32_t>(loaded_stamp_[1] & 0x7FFFFFFF);
+  }
   try {
-    agree(refused, nullptr, "the load (its error says why); every rank keeps the optimizer state it had");
+    agree(refused, &stamps, "the load (its error says why); every rank keeps the optimizer state it had",
+          "agreeing that every rank could load");
+    // (Every rank sees the same stamps, and refuses together.)
+    const auto stamp_of = [&](int r) -> std::vector<std::int64_t> {
+      if (stamps[3 * r] == 0) return {};
+      return {(static_cast<std::int64_t>(stamps[3 * r]) << 32) | static_cast<std::uint32_t>(stamps[3 * r + 1]),
+              stamps[3 * r + 2]};
+    };
+    for (int r = 1; r < world && !buckets_.empty(); ++r)
+      TORCH_CHECK(std::equal(stamps.begin() + 3 * r, stamps.begin() + 3 * r + 3, stamps.begin()), kWhere,
+                  "load: the ranks' parts are of different saves: rank 0's ", stamp_name(stamp_of(0)), ", rank ", r,
+                  "'s ", stamp_name(stamp_of(r)),
+                  " (load every rank's part of one save: a part left from an earlier save, where a save failed on "
+                  "some ranks, or from another run, is refused); every rank keeps the optimizer state it had");
   } catch (const std::exception& e) {
     if (!saved) throw;
     try {
@@ -950,6 +1036,7 @@ void ZeroOptimizer::load_here(torch::serialize::InputArchive& archive) {
               " (a sharded checkpoint loads at the same world size and rank)");
   TORCH_CHECK(hash == layout_hash_, kWhere,
               "load: the checkpoint was saved for other parameters (groups, shapes, dtypes or devices differ)");
+  loaded_stamp_ = read_stamp(archive, "load: the checkpoint");
   torch::serialize::InputArchive inner;
   TORCH_CHECK(archive.try_read("ampfuse_zero/inner", inner), kWhere, "load: the archive has no ampfuse_zero/inner");
   sdk::check_saved_tensors(inner, "ZeroOptimizer::load");  // the wrapped optimizer may be LibTorch's, which does not
@@ -977,9 +1064,13 @@ std::vector<std::vector<ZeroOptimizer::Span>> ZeroOptimizer::spans_of_rank(int r
 
 namespace {
 
-std::vector<std::size_t> sizes_of(const std::vector<std::vector<ZeroOptimizer::Span>>& spans) {
+// The wrapped optimizer's group sizes on a rank of these spans: a group with
+// no piece there holds one empty tensor, unless it was given empty (build()).
+std::vector<std::size_t> sizes_of(const std::vector<std::vector<ZeroOptimizer::Span>>& spans,
+                                  const std::vector<std::size_t>& group_sizes) {
   std::vector<std::size_t> sizes;
-  for (const auto& g : spans) sizes.push_back(std::max<std::size_t>(g.size(), 1));  // the empty tensor
+  for (std::size_t g = 0; g < spans.size(); ++g)
+    sizes.push_back(group_sizes[g] == 0 ? 0 : std::max<std::size_t>(spans[g].size(), 1));
   return sizes;
 }
 
@@ -998,6 +1089,33 @@ bool per_element(const std::string& key, const c10::IValue& v, std::int64_t nume
 }
 
 std::string key_of(const void* p) { return std::to_string(reinterpret_cast<std::size_t>(p)); }
+
+// Whether two saved values are the same, bit for bit (a NaN equals itself);
+// values of other kinds than tensors and numbers are not compared.
+bool same_value(const c10::IValue& a, const c10::IValue& b) {
+  if (a.isTensor() && b.isTensor()) {
+    const at::Tensor x = a.toTensor(), y = b.toTensor();
+    if (!x.defined() || !y.defined()) return x.defined() == y.defined();
+    if (x.scalar_type() != y.scalar_type() || x.sizes() != y.sizes()) return false;
+    const at::Tensor cx = x.cpu().contiguous(), cy = y.cpu().contiguous();
+    return std::memcmp(cx.const_data_ptr(), cy.const_data_ptr(), cx.nbytes()) == 0;
+  }
+  if (a.isInt() && b.isInt()) return a.toInt() == b.toInt();
+  if (a.isDouble() && b.isDouble()) {
+    const double x = a.toDouble(), y = b.toDouble();
+    return std::memcmp(&x, &y, sizeof x) == 0;
+  }
+  if (a.isBool() && b.isBool()) return a.toBool() == b.toBool();
+  return a.tagKind() == b.tagKind();
+}
+
+std::string value_name(const c10::IValue& v) {
+  if (v.isTensor() && v.toTensor().defined() && v.toTensor().numel() == 1)
+    return c10::str(v.toTensor().cpu().to(at::kDouble).item<double>());
+  if (v.isInt()) return c10::str(v.toInt());
+  if (v.isDouble()) return c10::str(v.toDouble());
+  return c10::str("a ", v.tagKind());
+}
 
 // LibTorch's optimizer format around `states` (key -> archive) and groups of
 // `keys` with their options.
@@ -1029,6 +1147,7 @@ void ZeroOptimizer::save_consolidated(torch::serialize::OutputArchive& archive, 
   const int world = process_group_->getSize(), rank = process_group_->getRank();
   TORCH_CHECK(root >= 0 && root < world, kWhere, "save_consolidated: root ", root, " is not a rank of ", world);
   // Every rank's own checkpoint of its pieces, as bytes, gathered to root.
+  copy_options_to_inner();  // (as save())
   std::string bytes;
   {
     torch::serialize::OutputArchive mine;
@@ -1052,14 +1171,24 @@ void ZeroOptimizer::save_consolidated(torch::serialize::OutputArchive& archive, 
   c10d::GatherOptions gather;
   gather.rootRank = root;
   collective(*process_group_, "save_consolidated", [&] { return process_group_->gather(outputs, inputs, gather); });
-  if (rank != root) return;
-  std::vector<torch::serialize::InputArchive> parts(world);
-  for (int r = 0; r < world; ++r) {
-    std::istringstream in(std::string(static_cast<const char*>(outputs[0][r].data_ptr()),
-                                      static_cast<std::size_t>(sizes[r].item<std::int64_t>())));
-    parts[r].load_from(in);
+  // Root consolidates; every rank learns whether that failed, and throws with it.
+  std::string refused;
+  if (rank == root) {
+    try {
+      std::vector<torch::serialize::InputArchive> parts(world);
+      for (int r = 0; r < world; ++r) {
+        std::istringstream in(std::string(static_cast<const char*>(outputs[0][r].data_ptr()),
+                                          static_cast<std::size_t>(sizes[r].item<std::int64_t>())));
+        parts[r].load_from(in);
+      }
+      consolidate(parts, archive);
+    } catch (const std::exception& e) {
+      refused = message_of(e);
+      if (refused.empty()) refused = "save_consolidated failed";
+    }
   }
-  consolidate(parts, archive);
+  agree(refused, nullptr, "save_consolidated (its error says why); nothing was saved",
+        "agreeing that the consolidated checkpoint was made");
 }
 
 // Elements per entry of a saved per-block state tensor (the wrapped
@@ -1085,8 +1214,22 @@ void ZeroOptimizer::consolidate(std::vector<torch::serialize::InputArchive>& par
   for (int r = 0; r < world; ++r) {
     torch::serialize::InputArchive& theirs = parts[r];
     const auto spans = spans_of_rank(r, world);
-    sdk::CheckpointLayout layout = sdk::read_checkpoint_layout(theirs, "ZeroOptimizer: consolidating", sizes_of(spans));
-    if (r == 0) options = std::move(layout.options);
+    sdk::CheckpointLayout layout = sdk::read_checkpoint_layout(theirs, "ZeroOptimizer: consolidating", sizes_of(spans, group_sizes_));
+    if (r == 0) {
+      options = std::move(layout.options);
+    } else {
+      // Every part holds the same options (one save writes them on every
+      // rank alike): another is a part of another save, or damaged.
+      for (std::size_t g = 0; g < options.size() && g < layout.options.size(); ++g)
+        for (const std::string& key : options[g].keys()) {
+          c10::IValue first, theirs;
+          options[g].read(key, first);
+          TORCH_CHECK(layout.options[g].try_read(key, theirs) && same_value(first, theirs), kWhere,
+                      "consolidating: param group ", g, ": part ", r, "'s option ", key, " is ",
+                      layout.options[g].try_read(key, theirs) ? value_name(theirs) : std::string("missing"),
+                      ", part 0's ", value_name(first), ": the parts are of different saves, or damaged");
+        }
+    }
     for (auto& saved : layout.states) {
       if (spans[saved.group].empty()) continue;  // the empty tensor's (it has none)
       const Span& span = spans[saved.group].at(saved.index);
@@ -1105,12 +1248,28 @@ void ZeroOptimizer::consolidate(std::vector<torch::serialize::InputArchive>& par
     copy_fields(pieces.front().archive, whole, [&](const std::string& key, c10::IValue v) -> c10::IValue {
       const std::int64_t block = saved_per_block(key, v);
       const bool per_block = block > 0;
-      if (!per_block && !per_element(key, v, pieces.front().hi - pieces.front().lo)) return v;
+      if (!per_block && !per_element(key, v, pieces.front().hi - pieces.front().lo)) {
+        // Per parameter (its "step"): every piece holds the same, unless the
+        // parts are of different saves (or damaged).
+        for (auto& piece : pieces) {
+          c10::IValue other;
+          TORCH_CHECK(piece.archive.try_read(key, other), kWhere, "consolidating: ", name, ": a piece has no ", key);
+          TORCH_CHECK(same_value(v, other), kWhere, "consolidating: ", name, ": its pieces hold different ", key, " (",
+                      value_name(v), " on elements [", pieces.front().lo, ", ", pieces.front().hi, "), ",
+                      value_name(other), " on [", piece.lo, ", ", piece.hi,
+                      ")): the parts are of different saves, or damaged");
+        }
+        return v;
+      }
       std::vector<at::Tensor> parts;
       for (auto& piece : pieces) {
         c10::IValue part;
         TORCH_CHECK(piece.archive.try_read(key, part) && part.isTensor(), kWhere, "consolidating: ", name,
                     ": a piece has no ", key);
+        TORCH_CHECK(part.toTensor().scalar_type() == v.toTensor().scalar_type(), kWhere, "consolidating: ", name,
+                    ": the piece of elements [", piece.lo, ", ", piece.hi, ") holds ", key, " as ",
+                    part.toTensor().scalar_type(), ", the first piece as ", v.toTensor().scalar_type(),
+                    " (a damaged part?)");
         const std::int64_t entries = per_block ? (piece.hi - piece.lo + block - 1) / block : piece.hi - piece.lo;
         TORCH_CHECK(part.toTensor().numel() == entries, kWhere, "consolidating: ", name, ": the piece of elements [",
                     piece.lo, ", ", piece.hi, ") holds ", part.toTensor().numel(), " entries of ", key, ", expected ",
@@ -1207,7 +1366,14 @@ void ZeroOptimizer::load_sharded(std::vector<torch::serialize::InputArchive>& pa
     TORCH_CHECK(world > 0, kWhere, "load_sharded: no parts");
     std::vector<torch::serialize::InputArchive> inner(parts.size());
     std::vector<bool> seen(parts.size(), false);
+    std::vector<std::int64_t> first_stamp;
     for (std::size_t i = 0; i < parts.size(); ++i) {
+      const std::vector<std::int64_t> stamp = read_stamp(parts[i], c10::str("load_sharded: part ", i));
+      if (i == 0) first_stamp = stamp;
+      TORCH_CHECK(stamp == first_stamp, kWhere, "load_sharded: the parts are of different saves: part 0 ",
+                  stamp_name(first_stamp), ", part ", i, " ", stamp_name(stamp),
+                  " (pass every rank's part of one save: a part left from an earlier save, where a save failed on "
+                  "some ranks, or from another run, is refused)");
       const std::int64_t their_world = read_int(parts[i], "ampfuse_zero/world_size", i);
       const std::int64_t rank = read_int(parts[i], "ampfuse_zero/rank", i);
       TORCH_CHECK(their_world == world, kWhere, "load_sharded: part ", i, " is one of ", their_world,

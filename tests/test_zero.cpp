@@ -1084,6 +1084,207 @@ TEST(ZeroOptimizer, ShardedCheckpointResumesBitForBit) {
   });
 }
 
+// A sharded checkpoint part is stamped with its save (the run, agreed at
+// construction, and its steps): parts of different saves, as a crash in the
+// middle of writing a checkpoint leaves them (rank 0's file from step 3,
+// rank 1's from step 5), or of another run, are refused by load() and
+// load_sharded() on every rank, and every rank keeps its state (before, each
+// rank loaded its own, and a parameter split across them resumed with two
+// step counts). Parts of one save whose options differ (a damaged part) are
+// refused by load_sharded too.
+TEST(ZeroOptimizer, PartsOfDifferentSavesAreRefused) {
+  std::mutex mutex;
+  std::vector<std::string> at3(2), at5(2), other_run(2), lr_on_rank1(2);
+  const auto train = [](ZeroOptimizer& opt, torch::Tensor& p, int steps) {
+    for (int step = 0; step < steps; ++step) {
+      p.mutable_grad() = torch::full({100}, 0.5f);
+      opt.step();
+    }
+  };
+  for (int run = 0; run < 2; ++run) {
+    on_ranks(2, [&](int rank, const Group& pg) {
+      auto p = torch::zeros({100}).requires_grad_();
+      auto opt = ZeroOptimizer::make<ampfuse::FusedAdam>({p}, torch::optim::AdamOptions(1e-2), pg);
+      train(*opt, p, 3);
+      const std::string part = to_bytes([&](auto& archive) { opt->save(archive); });
+      train(*opt, p, 2);
+      const std::string later = to_bytes([&](auto& archive) { opt->save(archive); });
+      if (rank == 1) opt->param_groups()[0].options().set_lr(0.5);  // on one rank only: parts that disagree
+      const std::string disagreeing = to_bytes([&](auto& archive) { opt->save(archive); });
+      const std::lock_guard<std::mutex> lock(mutex);
+      if (run == 0) {
+        at3[rank] = part;
+        at5[rank] = later;
+        lr_on_rank1[rank] = disagreeing;
+      } else {
+        other_run[rank] = part;
+      }
+    });
+  }
+  on_ranks(2, [&](int rank, const Group& pg) {
+    auto p = torch::zeros({100}).requires_grad_();
+    auto opt = ZeroOptimizer::make<ampfuse::FusedAdam>({p}, torch::optim::AdamOptions(1e-2), pg);
+    train(*opt, p, 1);
+    const auto state_bytes = [&] { return to_bytes([&](auto& archive) { opt->save(archive); }); };
+    const std::string before = state_bytes();
+    // Each rank its own file, from different saves.
+    auto mine = from_bytes(rank == 0 ? at3[0] : at5[1]);
+    const std::string error = error_of([&] { opt->load(mine); });
+    EXPECT_THAT(error, ::testing::HasSubstr("the ranks' parts are of different saves: rank 0's was saved after step 3"));
+    EXPECT_THAT(error, ::testing::HasSubstr("rank 1's was saved after step 5"));
+    // load_sharded: mixed steps, and another run at the same step.
+    std::vector<torch::serialize::InputArchive> mixed;
+    mixed.push_back(from_bytes(at3[0]));
+    mixed.push_back(from_bytes(at5[1]));
+    EXPECT_THAT(error_of([&] { opt->load_sharded(mixed); }),
+                ::testing::HasSubstr("the parts are of different saves: part 0 was saved after step 3"));
+    std::vector<torch::serialize::InputArchive> runs;
+    runs.push_back(from_bytes(at3[0]));
+    runs.push_back(from_bytes(other_run[1]));
+    const std::string run_error = error_of([&] { opt->load_sharded(runs); });
+    EXPECT_THAT(run_error, ::testing::HasSubstr("the parts are of different saves"));
+    EXPECT_THAT(run_error, ::testing::HasSubstr("part 1 was saved after step 3 of run"));
+    std::vector<torch::serialize::InputArchive> disagreeing;
+    disagreeing.push_back(from_bytes(lr_on_rank1[0]));
+    disagreeing.push_back(from_bytes(lr_on_rank1[1]));
+    EXPECT_THAT(error_of([&] { opt->load_sharded(disagreeing); }),
+                ::testing::HasSubstr("param group 0: part 1's option lr is 0.5, part 0's 0.01"));
+    EXPECT_EQ(state_bytes(), before) << "rank " << rank;
+    // One save's parts load, by load() and by load_sharded().
+    auto own = from_bytes(at5[rank]);
+    opt->load(own);
+    std::vector<torch::serialize::InputArchive> parts;
+    parts.push_back(from_bytes(at5[1]));
+    parts.push_back(from_bytes(at5[0]));
+    opt->load_sharded(parts);
+    train(*opt, p, 1);  // both ranks step together again
+  });
+}
+
+// An lr set on the ZeroOptimizer's groups after a step (a scheduler's) is
+// saved, as a one-process optimizer saves it: save() and save_consolidated()
+// took the wrapped optimizer's options, which follow only at the next step.
+TEST(ZeroOptimizer, OptionsSetAfterTheLastStepAreSaved) {
+  std::mutex mutex;
+  std::string consolidated;
+  std::vector<std::string> parts(2);
+  on_ranks(2, [&](int rank, const Group& pg) {
+    auto p = torch::zeros({40}).requires_grad_();
+    auto opt = ZeroOptimizer::make<ampfuse::FusedAdam>({p}, torch::optim::AdamOptions(1e-2), pg);
+    p.mutable_grad() = torch::ones({40});
+    opt->step();
+    opt->param_groups()[0].options().set_lr(0.5);
+    const std::string part = to_bytes([&](auto& archive) { opt->save(archive); });
+    torch::serialize::OutputArchive whole;
+    opt->save_consolidated(whole);
+    const std::lock_guard<std::mutex> lock(mutex);
+    parts[rank] = part;
+    if (rank == 0) {
+      std::ostringstream out;
+      whole.save_to(out);
+      consolidated = out.str();
+    }
+  });
+  auto q = torch::zeros({40}).requires_grad_();
+  ampfuse::FusedAdam one(std::vector<torch::Tensor>{q}, torch::optim::AdamOptions(1e-2));
+  auto in = from_bytes(consolidated);
+  one.load(in);
+  EXPECT_EQ(one.param_groups()[0].options().get_lr(), 0.5);
+  on_ranks(2, [&](int rank, const Group& pg) {
+    auto p = torch::zeros({40}).requires_grad_();
+    auto opt = ZeroOptimizer::make<ampfuse::FusedAdam>({p}, torch::optim::AdamOptions(1e-2), pg);
+    auto mine = from_bytes(parts[rank]);
+    opt->load(mine);
+    EXPECT_EQ(opt->param_groups()[0].options().get_lr(), 0.5);
+    EXPECT_EQ(opt->inner().param_groups()[0].options().get_lr(), 0.5);
+  });
+}
+
+// A group given empty (as a one-process optimizer takes it) saves and loads
+// through every checkpoint path; save_consolidated and load_sharded refused
+// it ("the checkpoint has 0 params but the optimizer's group has 1").
+TEST(ZeroOptimizer, AnEmptyGroupSavesAndLoadsThroughEveryPath) {
+  std::mutex mutex;
+  std::vector<std::string> parts(2);
+  std::string consolidated;
+  const auto make = [](torch::Tensor& a, torch::Tensor& b, const Group& pg, bool empty_first) {
+    Groups groups;
+    if (empty_first) groups.emplace_back(std::vector<torch::Tensor>{});
+    groups.emplace_back(std::vector<torch::Tensor>{a, b});
+    if (!empty_first) groups.emplace_back(std::vector<torch::Tensor>{});
+    return ZeroOptimizer::make<ampfuse::FusedAdam>(std::move(groups), torch::optim::AdamOptions(1e-2), pg);
+  };
+  for (bool empty_first : {false, true}) {
+    SCOPED_TRACE(empty_first ? "the empty group first" : "the empty group last");
+    on_ranks(2, [&](int rank, const Group& pg) {
+      auto a = torch::zeros({30}).requires_grad_(), b = torch::zeros({50}).requires_grad_();
+      auto opt = make(a, b, pg, empty_first);
+      a.mutable_grad() = torch::ones({30});
+      b.mutable_grad() = torch::ones({50});
+      opt->step();
+      const std::string part = to_bytes([&](auto& archive) { opt->save(archive); });
+      torch::serialize::OutputArchive whole;
+      opt->save_consolidated(whole);
+      const std::lock_guard<std::mutex> lock(mutex);
+      parts[rank] = part;
+      if (rank == 0) {
+        std::ostringstream out;
+        whole.save_to(out);
+        consolidated = out.str();
+      }
+    });
+    on_ranks(2, [&](int rank, const Group& pg) {
+      auto a = torch::zeros({30}).requires_grad_(), b = torch::zeros({50}).requires_grad_();
+      auto opt = make(a, b, pg, empty_first);
+      std::vector<torch::serialize::InputArchive> all;
+      all.push_back(from_bytes(parts[0]));
+      all.push_back(from_bytes(parts[1]));
+      opt->load_sharded(all);
+      auto whole = from_bytes(consolidated);
+      opt->load_consolidated(whole);
+      auto mine = from_bytes(parts[rank]);
+      opt->load(mine);
+      a.mutable_grad() = torch::ones({30});
+      b.mutable_grad() = torch::ones({50});
+      opt->step();
+    });
+  }
+}
+
+// A wrapped optimizer that is not ScalerAware (torch::optim::Adam) steps on
+// the shard's grads unscaled, which were then left unscaled: GradScaler,
+// which takes a ZeroOptimizer for a ScalerAware one that leaves them as they
+// were, unscaled them a second time with unscaled_grads_after_step (and
+// clipped twice). Now the grads after the step are once unscaled, as with
+// a wrapped FusedAdam.
+TEST(ZeroOptimizer, AWrappedLibTorchOptimizersGradsAreUnscaledOnceAfterTheStep) {
+  for (bool clip : {false, true}) {
+    std::mutex mutex;
+    std::vector<std::vector<torch::Tensor>> grads(2, std::vector<torch::Tensor>(2));  // [classic, fused][rank]
+    for (bool classic : {true, false}) {
+      on_ranks(2, [&](int rank, const Group& pg) {
+        std::vector<torch::Tensor> ps{torch::ones({64}).requires_grad_()};
+        std::unique_ptr<ZeroOptimizer> opt;
+        if (classic) opt = ZeroOptimizer::make<torch::optim::Adam>(ps, torch::optim::AdamOptions(1e-2), pg);
+        else opt = ZeroOptimizer::make<ampfuse::FusedAdam>(ps, torch::optim::AdamOptions(1e-2), pg);
+        ampfuse::GradScaler scaler(ampfuse::GradScalerOptions().init_scale(1024).unscaled_grads_after_step(true));
+        scaler.scale(torch::ones({}));
+        ps[0].mutable_grad() = torch::arange(64, torch::kFloat) * 1024;
+        if (clip) scaler.clip_grad_norm_(*opt, 10.0);
+        scaler.step(*opt);
+        scaler.update();
+        const std::lock_guard<std::mutex> lock(mutex);
+        grads[classic ? 0 : 1][rank] = ps[0].grad().clone();
+      });
+    }
+    for (std::size_t r = 0; r < grads[0].size(); ++r)
+      EXPECT_TRUE(bitwise_equal(grads[0][r], grads[1][r])) << (clip ? "clipped, " : "") << "rank " << r;
+    // Rank 0's shard, the first 32 elements, holds them unscaled (and clipped) once.
+    const auto once = grads[1][0].narrow(0, 0, 32);
+    if (!clip) EXPECT_TRUE(bitwise_equal(once, torch::arange(32, torch::kFloat)));
+  }
+}
+
 // A checkpoint that one rank's pieces refuse (here a one-process
 // checkpoint over [64] and [63] loaded over [64] and [64]: only rank 1
 // holds the second parameter) is refused on every rank, and every rank keeps

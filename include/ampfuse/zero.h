@@ -174,17 +174,23 @@ class ZeroOptimizer : public torch::optim::Optimizer, public ScalerAware {
   void add_param_group(const torch::optim::OptimizerParamGroup& param_group);
 
   /// A sharded checkpoint: this rank's part (the wrapped optimizer's state
-  /// of its pieces) and the layout it belongs to. load() takes it into a
-  /// ZeroOptimizer with the same world size, rank and parameters; anything
-  /// else is refused, naming what differs, before anything changes. At
+  /// of its pieces, with the options set on this optimizer's groups) and
+  /// the layout it belongs to, stamped with the save it is part of (this
+  /// run, and its steps so far). load() takes it into a ZeroOptimizer with
+  /// the same world size, rank and parameters, where every rank's part is
+  /// of the same save; anything else is refused, naming what differs,
+  /// before anything changes (a part left from an earlier save, by a save
+  /// that failed on some ranks, is refused). At
   /// another world size, load_sharded() takes every rank's part.
   void save(torch::serialize::OutputArchive& archive) const override;
   void load(torch::serialize::InputArchive& archive) override;
   /// Every rank's sharded checkpoint (save()) from a run at any world size,
   /// all of them, in any order: each rank of this one keeps its pieces' part
   /// (as load_consolidated does with the checkpoint they make together).
-  /// Refused, naming the part, when a part is missing or given twice, or was
-  /// saved for other parameters. Every rank calls it (one small all-reduce,
+  /// Refused, naming the part, when a part is missing or given twice, was
+  /// saved for other parameters, or comes from another save (another step,
+  /// or another run) than the others: parts of one save() call on every
+  /// rank load together, as load() takes them. Every rank calls it (one small all-reduce,
   /// as load() and load_consolidated()).
   void load_sharded(std::vector<torch::serialize::InputArchive>& parts);
 
@@ -237,7 +243,7 @@ class ZeroOptimizer : public torch::optim::Optimizer, public ScalerAware {
                                        c10::intrusive_ptr<c10d::ProcessGroup> process_group, const Factory& make_inner,
                                        CopyOptions copy_options, ZeroOptions options);
   explicit ZeroOptimizer(std::shared_ptr<Layout> layout);
-  void copy_options_to_inner();
+  void copy_options_to_inner() const;
   void gather_params();
   void set_piece_grads(const std::vector<std::int32_t>& has_grad);
   void note_writes_from_outside();
@@ -245,7 +251,8 @@ class ZeroOptimizer : public torch::optim::Optimizer, public ScalerAware {
   std::string refusal() const;
   /// `what`: what was refused and what that leaves, for the other ranks'
   /// error (null: the step, which wrote nothing).
-  void agree(const std::string& refusal, std::vector<std::int32_t>* flags, const char* what = nullptr);
+  void agree(const std::string& refusal, std::vector<std::int32_t>* flags, const char* what = nullptr,
+             const char* doing = "agreeing that every rank can step") const;
   bool grads_replaced_since_reduced() const;
   void step_inner(const StepSignals* signals);
   void record_versions();
@@ -268,6 +275,13 @@ class ZeroOptimizer : public torch::optim::Optimizer, public ScalerAware {
   std::vector<std::int64_t> versions_;  // each parameter's version counter after the last step
   std::unordered_map<const c10::TensorImpl*, std::size_t> piece_param_;  // piece -> params_ index
   std::int64_t layout_hash_ = 0;  // the parameters' groups, shapes, dtypes and devices
+  /// Which save a sharded checkpoint part comes from: this run (an id agreed
+  /// by the ranks at construction) and its steps so far. load() and
+  /// load_sharded() take only parts of one save together.
+  std::int64_t run_id_ = 0;
+  std::int64_t steps_ = 0;
+  /// The save of the part load_here last read: {run, steps}, or empty (a part saved before stamps).
+  std::vector<std::int64_t> loaded_stamp_;
   std::vector<std::size_t> group_sizes_;    // parameters per group, as given
   std::vector<std::size_t> param_bucket_;   // params_ index -> bucket
   std::vector<std::int64_t> param_offset_;  // params_ index -> first element in its bucket
