@@ -423,6 +423,74 @@ TEST_P(SparseGradTest, SgdNesterovRefusesASparseGradOnADenseBufferAndChangesNoth
   EXPECT_TRUE(bitwise_equal(buffer(table), table_buf));
 }
 
+// Sparse grads that ATen cannot add to a sparse momentum buffer (fp16 on
+// CPU: no sparse + sparse add; a grad whose sparse dims differ from the
+// buffer's) made torch::optim::SGD, and FusedSGD, fail in the middle of the
+// step, after the dense parameter beside them had moved and the buffer had
+// been scaled (with nesterov, a first step also left a new buffer): refused
+// now before anything is written, naming the group and parameter. A CSR
+// grad is refused as clearly (it failed on "do not have strides").
+TEST_P(SparseGradTest, SgdRefusesSparseGradsItCannotAddToItsBufferAndChangesNothing) {
+  const auto opts = torch::TensorOptions().device(device_);
+  const auto expect_nothing_changed = [&](ampfuse::FusedSGD& opt, const std::vector<torch::Tensor>& params,
+                                          const std::string& error) {
+    std::vector<torch::Tensor> before, buffers;
+    for (const auto& p : params) before.push_back(p.detach().clone());
+    const auto states = opt.state().size();
+    for (const auto& p : params) {
+      const auto it = opt.state().find(p.unsafeGetTensorImpl());
+      buffers.push_back(it == opt.state().end()
+                            ? torch::Tensor()
+                            : static_cast<const torch::optim::SGDParamState&>(*it->second).momentum_buffer().clone());
+    }
+    ampfuse_test::expect_step_refused(opt, error);
+    EXPECT_EQ(opt.state().size(), states);
+    for (std::size_t i = 0; i < params.size(); ++i) {
+      EXPECT_TRUE(bitwise_equal(params[i].detach(), before[i])) << "param " << i;
+      if (!buffers[i].defined()) continue;
+      const auto& now = static_cast<const torch::optim::SGDParamState&>(*opt.state().at(params[i].unsafeGetTensorImpl()))
+                            .momentum_buffer();
+      EXPECT_TRUE(bitwise_equal(now.is_sparse() ? now.to_dense() : now,
+                                buffers[i].is_sparse() ? buffers[i].to_dense() : buffers[i]))
+          << "buffer " << i;
+    }
+  };
+  if (device_.is_cpu()) {
+    for (const bool nesterov : {false, true}) {
+      SCOPED_TRACE(nesterov ? "nesterov" : "momentum");
+      auto dense = torch::randn({9}, opts.dtype(torch::kHalf)).requires_grad_();
+      auto table = torch::randn({10, 2}, opts.dtype(torch::kHalf)).requires_grad_();
+      ampfuse::FusedSGD opt({dense, table}, torch::optim::SGDOptions(0.1).momentum(0.9).nesterov(nesterov));
+      dense.mutable_grad() = torch::randn_like(dense);
+      table.mutable_grad() = sparse_grad(table, 3, torch::kHalf);
+      if (!nesterov) opt.step();  // the first step keeps a clone of the grad: no add yet
+      dense.mutable_grad() = torch::randn_like(dense);
+      table.mutable_grad() = sparse_grad(table, 3, torch::kHalf);
+      expect_nothing_changed(opt, {dense, table},
+                             "FusedSGD: param group 0, param 1: the grad is a sparse fp16 tensor on CPU, and momentum "
+                             "adds it to a sparse buffer");
+    }
+  }
+  // A buffer of 1 sparse dim, then a grad of 2.
+  auto dense = torch::randn({9}, opts).requires_grad_(), table = torch::randn({10, 2}, opts).requires_grad_();
+  ampfuse::FusedSGD opt({dense, table}, torch::optim::SGDOptions(0.1).momentum(0.9));
+  dense.mutable_grad() = torch::randn_like(dense);
+  table.mutable_grad() = sparse_grad(table, 3, torch::kFloat);
+  opt.step();
+  dense.mutable_grad() = torch::randn_like(dense);
+  table.mutable_grad() = torch::randn({10, 2}, opts).to_sparse(2);
+  expect_nothing_changed(opt, {dense, table},
+                         "FusedSGD: param group 0, param 1: the grad is sparse with 2 sparse and 0 dense dims, but "
+                         "the momentum buffer (kept from earlier sparse grads) has 1 and 1");
+  // CSR.
+  if (device_.is_cpu()) {
+    table.mutable_grad() = torch::randn({10, 2}, opts).to_sparse_csr();
+    expect_nothing_changed(opt, {dense, table},
+                           "FusedSGD: param group 0, param 1: the grad has layout SparseCsr; optimizers take strided "
+                           "grads, and sparse COO ones");
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(All, SparseGradTest, ::testing::Values(SparseCase{"cpu", ""}, SparseCase{"cuda", ""}),
                          [](const ::testing::TestParamInfo<SparseCase>& info) { return info.param.device; });
 

@@ -169,9 +169,13 @@ GradKind check_param(const at::Tensor& p, std::size_t g, std::size_t i, const ch
   }
   const at::Tensor& grad = p.grad();
   if (!grad.defined()) return GradKind::kNone;
+  TORCH_CHECK((grad.layout() == c10::kStrided && !grad.is_nested()) || grad.layout() == c10::kSparse, name,
+              ": param group ", g, ", param ", i, ": the grad has layout ", grad.layout(),
+              grad.is_nested() ? " (nested)" : "", "; optimizers take strided grads, and sparse COO ones where they "
+              "step them (FusedSGD, FusedAdagrad): convert it with .to_dense() or .to_sparse()");
   TORCH_CHECK(!grad.is_sparse() || sparse_grads, name, ": param group ", g, ", param ", i,
               ": the grad is sparse; sparse gradients are not supported by this optimizer (as by "
-              "torch::optim::Adam); FusedAdagrad takes them");
+              "torch::optim::Adam); FusedSGD and FusedAdagrad take them");
   TORCH_CHECK(grad.scalar_type() == p.scalar_type(), name, ": param group ", g, ", param ", i, ": grad dtype ",
               grad.scalar_type(), " differs from the parameter's ", p.scalar_type());
   TORCH_CHECK(grad.device() == p.device(), name, ": param group ", g, ", param ", i, ": grad is on ", grad.device(),

@@ -199,6 +199,24 @@ sdk::Launch FusedSGD::prepare_sparse(const sdk::Entry& e) {
                 ", param ", e.index,
                 ": the grad is sparse, nesterov is on and the momentum buffer is dense (kept by earlier dense "
                 "grads); torch::optim::SGD cannot add a dense buffer to a sparse grad either (sparse + dense)");
+    // The launch adds sparse tensors to each other: the grad to a sparse
+    // buffer (kept from earlier sparse grads), and with nesterov the buffer
+    // to the grad. Where ATen cannot, torch::optim::SGD fails in the middle
+    // of its step; refused here, before anything is written.
+    const at::Tensor& buf = state->momentum_buffer();
+    const bool sparse_buffer = !first && buf.is_sparse();
+    TORCH_CHECK(!sparse_buffer || (buf.sparse_dim() == e.grad.sparse_dim() && buf.dense_dim() == e.grad.dense_dim()),
+                name(), ": param group ", e.group, ", param ", e.index, ": the grad is sparse with ",
+                e.grad.sparse_dim(), " sparse and ", e.grad.dense_dim(),
+                " dense dims, but the momentum buffer (kept from earlier sparse grads) has ", buf.sparse_dim(),
+                " and ", buf.dense_dim(), "; ATen cannot add the two (torch::optim::SGD fails on them too)");
+    TORCH_CHECK(!(sparse_buffer || o.nesterov()) || !e.grad.device().is_cpu() ||
+                    e.grad.scalar_type() != at::kHalf,
+                name(), ": param group ", e.group, ", param ", e.index,
+                ": the grad is a sparse fp16 tensor on CPU, and momentum adds it to a sparse buffer",
+                o.nesterov() ? " (nesterov)" : "",
+                "; ATen has no sparse + sparse add for fp16 on CPU (torch::optim::SGD fails on it too): use "
+                "bf16 or fp32, or a dense grad");
   }
   const sdk::Entry* entry = &e;  // the step's entries outlive its launches
   return [entry, state, first, lr = o.lr(), momentum = o.momentum(), dampening = o.dampening(),
