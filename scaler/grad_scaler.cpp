@@ -19,6 +19,7 @@
 #include <iterator>
 #include <cmath>
 #include <limits>
+#include <regex>
 #include <string>
 
 #include "ampfuse/sdk/optimizer.h"
@@ -96,10 +97,34 @@ CollectedGrads grads_by_device(torch::optim::Optimizer& optimizer, Coalesce coal
 // The grads of every device checked before anything is written, as views
 // that the engine ops then take without checking again (views with gaps
 // staged through dense copies: write_back() after an in-place op).
-std::vector<detail::CheckedList> checked_views(const DeviceGrads& grads, const char* op, bool in_place) {
+// The engine's errors name a grad by its place in its device's list
+// ("grad[3]", counting the grads on that device): the error names the
+// optimizer's parameter it belongs to instead.
+std::vector<detail::CheckedList> checked_views(const torch::optim::Optimizer& optimizer, const DeviceGrads& grads,
+                                               const char* op, bool in_place) {
   std::vector<detail::CheckedList> views;
   views.reserve(grads.size());
-  for (const auto& [device, list] : grads) views.push_back(detail::make_views(list, "grad", op, in_place));
+  for (const auto& [device, list] : grads) {
+    try {
+      views.push_back(detail::make_views(list, "grad", op, in_place));
+    } catch (const c10::Error& e) {
+      const std::string message = e.msg();
+      static const std::regex place("grad\\[([0-9]+)\\]");
+      std::smatch m;
+      if (!std::regex_search(message, m, place)) throw;
+      const auto wanted = static_cast<std::int64_t>(std::stoll(m[1].str()));
+      std::int64_t seen = 0;
+      const auto& groups = optimizer.param_groups();
+      for (std::size_t g = 0; g < groups.size(); ++g)
+        for (std::size_t i = 0; i < groups[g].params().size(); ++i) {
+          const at::Tensor& grad = groups[g].params()[i].grad();
+          if (!grad.defined() || grad.device() != device || seen++ != wanted) continue;
+          TORCH_CHECK(false, m.prefix().str(), "param group ", g, ", param ", i, "'s grad",
+                      grad.is_sparse() ? " (its values: the grad is sparse)" : "", m.suffix().str());
+        }
+      throw;
+    }
+  }
   return views;
 }
 
@@ -294,7 +319,7 @@ const GradScaler::GradsPlan& GradScaler::grads_plan(torch::optim::Optimizer& opt
   auto plan = std::make_shared<GradsPlan>();
   plan->collected =
       grads_by_device(optimizer, for_norm ? Coalesce::kAll : in_place ? Coalesce::kHalf : Coalesce::kNone);
-  plan->views = checked_views(plan->collected.grads, op, in_place);  // throws before anything is written
+  plan->views = checked_views(optimizer, plan->collected.grads, op, in_place);  // throws before anything is written
   plan->collected.commit();  // coalesced sparse grads take their places
   plan->reusable = !plan->collected.any_sparse &&
                    std::all_of(plan->views.begin(), plan->views.end(),
@@ -374,11 +399,11 @@ at::Tensor GradScaler::inv_scale_on(c10::Device device) const {
   return to_device(scale_.to(at::kDouble).reciprocal().to(at::kFloat), device);
 }
 
-void GradScaler::check_grads(torch::optim::Optimizer& optimizer, OptimizerState& state, bool unscale_in_place) {
+void GradScaler::check_grads(torch::optim::Optimizer& optimizer, OptimizerState& state, bool unscale_in_place,
+                             const char* op) {
   // Validate every device's grads before the first write (ampfuse::unscale_
   // validates its own list first; this covers the lists after it).
-  const GradsPlan& plan = grads_plan(optimizer, unscale_in_place ? "GradScaler::unscale_" : "GradScaler::step",
-                                     unscale_in_place, /*for_norm=*/false);
+  const GradsPlan& plan = grads_plan(optimizer, op, unscale_in_place, /*for_norm=*/false);
   const DeviceGrads& grads = plan.grads();
   std::vector<DeviceState> devices;
   for (const auto& [device, list] : grads)
@@ -448,7 +473,7 @@ void GradScaler::unscale_(torch::optim::Optimizer& optimizer) {
   TORCH_CHECK(!state.clipped, "unscale_() is being called after clip_grad_norm_(); call it before, or not at all "
                               "(clip_grad_norm_ does not need it)");
   prepare(optimizer, state);
-  check_grads(optimizer, state, /*unscale_in_place=*/true);
+  check_grads(optimizer, state, /*unscale_in_place=*/true, "GradScaler::unscale_");
   state.stage = Stage::kUnscaled;
 }
 
@@ -567,7 +592,7 @@ void GradScaler::step(torch::optim::Optimizer& optimizer) {
   if (aware) {
     if (!one_pass) {
       const bool checked_here = !state.checked;
-      if (checked_here) check_grads(optimizer, state, /*unscale_in_place=*/false);
+      if (checked_here) check_grads(optimizer, state, /*unscale_in_place=*/false, "GradScaler::step");
       if (state.devices.empty()) {
         // No grads at all (every parameter frozen for now): as PyTorch's
         // path for optimizers that take the scale (fused=True), found_inf
@@ -589,7 +614,7 @@ void GradScaler::step(torch::optim::Optimizer& optimizer) {
     }
     if (options_.unscaled_grads_after_step()) apply_deferred_factors(optimizer, state, /*unless_found=*/true);
   } else {
-    if (!state.checked) check_grads(optimizer, state, /*unscale_in_place=*/true);
+    if (!state.checked) check_grads(optimizer, state, /*unscale_in_place=*/true, "GradScaler::step");
     TORCH_CHECK(!state.devices.empty(), "No inf checks were recorded for this optimizer.");
     // The grads are unscaled now, as PyTorch's step() marks them (through
     // unscale_): should the optimizer throw, unscale_ is refused until update().

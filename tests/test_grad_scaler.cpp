@@ -379,18 +379,25 @@ TEST(GradScaler, AFusedOptimizerWithoutGradsStepsNothing) {
   EXPECT_FALSE(bitwise_equal(frozen.params[0].detach(), before));
 }
 
+// The error names the parameter by group and index (it named the grad's
+// place among the grads on its device, "grad[1]", which skips parameters
+// without grads and runs across groups), and the call that was made.
 TEST(GradScalerMisuse, BadGradsAreRefusedAndNothingIsWritten) {
-  Model m = make_params({{4}, {6}}, torch::kFloat, 4);
-  torch::optim::SGD opt(m.params, 0.1);
-  m.params[0].mutable_grad() = torch::randn({4});
-  m.params[1].mutable_grad() = torch::ones({6}, torch::kInt);
-  const auto g0 = m.params[0].grad().clone();
+  Model m = make_params({{3}, {4}, {6}}, torch::kFloat, 4);
+  torch::optim::SGD opt({torch::optim::OptimizerParamGroup({m.params[0], m.params[1]}),
+                         torch::optim::OptimizerParamGroup({m.params[2]})},
+                        torch::optim::SGDOptions(0.1));
+  m.params[1].mutable_grad() = torch::randn({4});  // (param 0 has no grad)
+  m.params[2].mutable_grad() = torch::ones({6}, torch::kInt);
+  const auto g1 = m.params[1].grad().clone();
   ampfuse::GradScaler scaler;
   scaler.scale(torch::ones({}));
-  expect_error([&] { scaler.unscale_(opt); }, "grad[1] has dtype Int");
-  EXPECT_TRUE(bitwise_equal(m.params[0].grad(), g0));
-  // Still READY: the refused call did not count.
-  m.params[1].mutable_grad() = torch::randn({6});
+  expect_error([&] { scaler.unscale_(opt); }, "GradScaler::unscale_: param group 1, param 0's grad has dtype Int");
+  EXPECT_TRUE(bitwise_equal(m.params[1].grad(), g1));
+  expect_error([&] { scaler.step(opt); }, "GradScaler::step: param group 1, param 0's grad has dtype Int");
+  EXPECT_TRUE(bitwise_equal(m.params[1].grad(), g1));
+  // Still READY: the refused calls did not count.
+  m.params[2].mutable_grad() = torch::randn({6});
   scaler.unscale_(opt);
 }
 

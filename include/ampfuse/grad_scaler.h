@@ -149,7 +149,7 @@ class GradScaler {
   OptimizerState& state_of(const torch::optim::Optimizer& optimizer);
   void require_scale(const char* what) const;
   void prepare(torch::optim::Optimizer& optimizer, OptimizerState& state);
-  void check_grads(torch::optim::Optimizer& optimizer, OptimizerState& state, bool unscale_in_place);
+  void check_grads(torch::optim::Optimizer& optimizer, OptimizerState& state, bool unscale_in_place, const char* op);
   bool step_in_one_pass(torch::optim::Optimizer& optimizer, ScalerAware& aware, OptimizerState& state);
   void remember_grads_id(const torch::optim::Optimizer& optimizer, const ScalerAware& aware);
   at::Tensor inv_scale_on(c10::Device device) const;
