@@ -256,6 +256,30 @@ void agree_across(c10d::ProcessGroup& group, bool on_cpu, c10::Device device, co
 
 }  // namespace
 
+namespace {
+
+// Whether two strided views of one storage, whose byte ranges interleave
+// (two column slices of one matrix, say), touch no element in common: each
+// one's element offsets, compared. Only for views of one element size whose
+// starts are whole elements apart (anything else counts as sharing).
+bool share_no_element(const at::Tensor& p, const at::Tensor& q) {
+  const std::int64_t es = static_cast<std::int64_t>(p.element_size());
+  const std::int64_t apart = static_cast<const char*>(q.data_ptr()) - static_cast<const char*>(p.data_ptr());
+  if (static_cast<std::int64_t>(q.element_size()) != es || apart % es != 0) return false;
+  const auto offsets = [](const at::Tensor& t, std::int64_t start) {
+    at::Tensor o = at::full({}, start, at::kLong);
+    for (std::int64_t d = 0; d < t.dim(); ++d) {
+      std::vector<std::int64_t> shape(static_cast<std::size_t>(t.dim()), 1);
+      shape[static_cast<std::size_t>(d)] = t.size(d);
+      o = o + at::arange(t.size(d), at::kLong).mul_(t.stride(d)).view(shape);
+    }
+    return o.reshape({-1});
+  };
+  return !at::isin(offsets(p, 0), offsets(q, apart / es)).any().item<bool>();
+}
+
+}  // namespace
+
 std::shared_ptr<ZeroOptimizer::Layout> ZeroOptimizer::build(std::vector<torch::optim::OptimizerParamGroup> param_groups,
                                                             c10::intrusive_ptr<c10d::ProcessGroup> process_group,
                                                             const Factory& make_inner, CopyOptions copy_options,
@@ -299,7 +323,8 @@ std::shared_ptr<ZeroOptimizer::Layout> ZeroOptimizer::build(std::vector<torch::o
           for (std::int64_t d = 0; d < t.dim(); ++d) last += (t.size(d) - 1) * t.stride(d);
           return (last + 1) * static_cast<std::int64_t>(t.element_size());
         };
-        TORCH_CHECK(pb + extent(p) <= qb || qb + extent(q) <= pb, kWhere, name_of(place), " shares memory with ",
+        TORCH_CHECK(pb + extent(p) <= qb || qb + extent(q) <= pb || share_no_element(p, q), kWhere, name_of(place),
+                    " shares memory with ",
                     name_of(places[k]),
                     " (tied or overlapping views): moving each into its bucket would untie them; pass the tied "
                     "tensor once");

@@ -770,6 +770,32 @@ TEST(ZeroOptimizer, AViewOfALargerTensorStepsAndIsToldToLeaveIt) {
   });
 }
 
+// Two views of one tensor that interleave but share no element (the even
+// and the odd columns) are two parameters, as torch::optim takes them (they
+// were refused as tied or overlapping, by their byte ranges); views that
+// share elements (columns 0-2 and 2-4) are still refused.
+TEST(ZeroOptimizer, InterleavedViewsSharingNoElementAreTwoParameters) {
+  struct Quiet : c10::WarningHandler {
+    void process(const c10::Warning&) override {}  // (the "shares its memory" warning, tested above)
+  };
+  on_ranks(2, [&](int, const Group& pg) {
+    Quiet quiet;
+    const c10::WarningUtils::WarningHandlerGuard guard(&quiet);
+    auto base = torch::zeros({4, 10});
+    auto even = base.slice(1, 0, 10, 2).requires_grad_(), odd = base.slice(1, 1, 10, 2).requires_grad_();
+    auto opt = ZeroOptimizer::make<ampfuse::FusedSGD>({even, odd}, torch::optim::SGDOptions(0.5), pg);
+    even.mutable_grad() = torch::ones({4, 5});
+    odd.mutable_grad() = torch::full({4, 5}, 2.f);
+    opt->step();
+    EXPECT_TRUE(bitwise_equal(even.detach(), torch::full({4, 5}, -0.5f)));
+    EXPECT_TRUE(bitwise_equal(odd.detach(), torch::full({4, 5}, -1.f)));
+    auto other = torch::zeros({4, 10});
+    auto a = other.narrow(1, 0, 3).requires_grad_(), b = other.narrow(1, 2, 3).requires_grad_();
+    EXPECT_THAT(error_of([&] { ZeroOptimizer::make<ampfuse::FusedSGD>({a, b}, torch::optim::SGDOptions(0.5), pg); }),
+                ::testing::HasSubstr("group 0, parameter 1 shares memory with group 0, parameter 0"));
+  });
+}
+
 // Gathering the parameters moves their bits (broadcast or all-gather,
 // never a sum), so -0.0 and NaN payloads come back as they were.
 TEST(ZeroOptimizer, GatherKeepsEveryBit) {
