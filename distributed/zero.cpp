@@ -603,7 +603,7 @@ std::string ZeroOptimizer::refusal() const {
       if (p.numel() == 0 || p.data_ptr() == b.param_views[m].data_ptr()) continue;
       if (p.sizes() != b.param_views[m].sizes() || p.scalar_type() != b.param_views[m].scalar_type() ||
           p.device() != b.param_views[m].device())
-        return c10::str(kWhere, "parameter ", b.members[m], " was ", describe(b.param_views[m]), " and is now ",
+        return c10::str(kWhere, param_name(group_sizes_, b.members[m]), " was ", describe(b.param_views[m]), " and is now ",
                         describe(p), ": a parameter may get new values, not another shape, dtype or device");
     }
   return {};
@@ -679,10 +679,10 @@ void ZeroOptimizer::reduce_grads() {
       const at::Tensor& g = p.grad();
       if (!g.defined()) continue;
       if (g.layout() != at::kStrided)
-        refused = c10::str(kWhere, "parameter ", i, ": its grad is ", g.layout(),
+        refused = c10::str(kWhere, param_name(group_sizes_, i), ": its grad is ", g.layout(),
                            "; a sharded optimizer reduces dense grads only");
       else if (g.sizes() != p.sizes() || g.scalar_type() != p.scalar_type() || g.device() != p.device())
-        refused = c10::str(kWhere, "parameter ", i, " is ", describe(p), " but its grad is ", describe(g));
+        refused = c10::str(kWhere, param_name(group_sizes_, i), " is ", describe(p), " but its grad is ", describe(g));
       has_grad[i] = 1;
     }
   // Which parameters have a grad on any rank: the others are skipped. Or,
