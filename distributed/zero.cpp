@@ -258,11 +258,24 @@ void agree_across(c10d::ProcessGroup& group, bool on_cpu, c10::Device device, co
 
 namespace {
 
+// A run id as two 31-bit halves, the high one odd (a stamp is never 0).
+void new_run_id(std::int32_t* halves) {
+  std::random_device device;
+  std::mt19937_64 bits((static_cast<std::uint64_t>(device()) << 32) ^ device() ^
+                       static_cast<std::uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count()));
+  halves[0] = static_cast<std::int32_t>(bits() & 0x7FFFFFFFu) | 1;
+  halves[1] = static_cast<std::int32_t>(bits() & 0x7FFFFFFFu);
+}
+std::int64_t run_id_of(const std::int32_t* halves) { return (static_cast<std::int64_t>(halves[0]) << 32) | halves[1]; }
+
 // Whether two strided views of one storage, whose byte ranges interleave
 // (two column slices of one matrix, say), touch no element in common: each
 // one's element offsets, compared. Only for views of one element size whose
-// starts are whole elements apart (anything else counts as sharing).
+// starts are whole elements apart, of 2^25 elements together at most (the
+// offsets take 8 bytes an element while they are compared; anything else
+// counts as sharing, and is refused as before).
 bool share_no_element(const at::Tensor& p, const at::Tensor& q) {
+  if (p.numel() + q.numel() > (std::int64_t{1} << 25)) return false;
   const std::int64_t es = static_cast<std::int64_t>(p.element_size());
   const std::int64_t apart = static_cast<const char*>(q.data_ptr()) - static_cast<const char*>(p.data_ptr());
   if (static_cast<std::int64_t>(q.element_size()) != es || apart % es != 0) return false;
@@ -457,17 +470,11 @@ std::shared_ptr<ZeroOptimizer::Layout> ZeroOptimizer::build(std::vector<torch::o
   // which stamps this run's sharded checkpoints: two 31-bit halves, the
   // high one odd, so that a stamp is never 0.
   std::vector<std::int32_t> run(2, 0);
-  if (rank == 0) {
-    std::random_device device;
-    std::mt19937_64 bits((static_cast<std::uint64_t>(device()) << 32) ^ device() ^
-                         static_cast<std::uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count()));
-    run[0] = static_cast<std::int32_t>(bits() & 0x7FFFFFFFu) | 1;
-    run[1] = static_cast<std::int32_t>(bits() & 0x7FFFFFFFu);
-  }
+  if (rank == 0) new_run_id(run.data());
   agree_across(*process_group, has_cpu_backend(*process_group), check_device, refused, &run,
                "agreeing that every rank has made its optimizer",
                "could not make its optimizer (its error says why); the parameters were not moved on any rank");
-  layout->run_id = (static_cast<std::int64_t>(run[0]) << 32) | run[1];
+  layout->run_id = run_id_of(run.data());
   // Nothing can fail from here: each parameter becomes a view of its bucket
   // (same TensorImpl, autograd identity and version counter).
   if (!sharing.empty())
@@ -979,9 +986,13 @@ void ZeroOptimizer::load_agreed(const std::function<void()>& load) {
     refused = "the load failed";
   }
   // Every rank's part's stamp (load_here's; load_sharded compares its parts
-  // itself), in the same all-reduce: rank r's in values 3r to 3r + 2.
+  // itself), in the same all-reduce: rank r's in values 3r to 3r + 2; and
+  // rank 0's new run id in the last two. A loaded optimizer saves under a new
+  // run id, so that a save after a load (going back to an earlier step, say)
+  // and one before it never carry the same stamp.
   const int world = process_group_->getSize(), rank = process_group_->getRank();
-  std::vector<std::int32_t> stamps(3 * static_cast<std::size_t>(world), 0);
+  std::vector<std::int32_t> stamps(3 * static_cast<std::size_t>(world) + 2, 0);
+  if (rank == 0) new_run_id(stamps.data() + 3 * world);
   if (loaded_stamp_.size() == 2) {
     stamps[3 * rank] = static_cast<std::int32_t>(loaded_stamp_[0] >> 32);
     stamps[3 * rank + 1] = static_cast<std::int32_t>(loaded_stamp_[0] & 0xFFFFFFFF);
@@ -1018,6 +1029,8 @@ void ZeroOptimizer::load_agreed(const std::function<void()>& load) {
   }
   auto& own = param_groups();
   for (std::size_t g = 0; g < own.size(); ++g) own[g].set_options(inner_->param_groups()[g].options().clone());
+  // (Without buckets nothing was reduced: each rank keeps its own id, as its parts hold no state.)
+  if (!buckets_.empty() || world == 1) run_id_ = run_id_of(stamps.data() + 3 * world);
 }
 
 // The wrapped optimizer's load: its errors name its own group and parameter

@@ -460,10 +460,27 @@ TEST_P(SparseGradTest, SgdRefusesSparseGradsItCannotAddToItsBufferAndChangesNoth
       SCOPED_TRACE(nesterov ? "nesterov" : "momentum");
       auto dense = torch::randn({9}, opts.dtype(torch::kHalf)).requires_grad_();
       auto table = torch::randn({10, 2}, opts.dtype(torch::kHalf)).requires_grad_();
-      ampfuse::FusedSGD opt({dense, table}, torch::optim::SGDOptions(0.1).momentum(0.9).nesterov(nesterov));
-      dense.mutable_grad() = torch::randn_like(dense);
-      table.mutable_grad() = sparse_grad(table, 3, torch::kHalf);
-      if (!nesterov) opt.step();  // the first step keeps a clone of the grad: no add yet
+      auto ref_dense = dense.detach().clone().requires_grad_(), ref_table = table.detach().clone().requires_grad_();
+      const auto options = torch::optim::SGDOptions(0.1).momentum(0.9).nesterov(nesterov);
+      ampfuse::FusedSGD opt({dense, table}, options);
+      torch::optim::SGD ref({ref_dense, ref_table}, options);
+      const auto both_step = [&](const torch::Tensor& dense_grad, const torch::Tensor& table_grad) {
+        dense.mutable_grad() = dense_grad;
+        table.mutable_grad() = table_grad;
+        ref_dense.mutable_grad() = dense_grad.clone();
+        ref_table.mutable_grad() = table_grad.clone();
+        opt.step();
+        ref.step();
+        // (The dense fp16 parameter: fp32 math against ATen's fp16 ops, an ulp apart at most.)
+        EXPECT_TRUE(torch::allclose(dense.detach().to(torch::kFloat), ref_dense.detach().to(torch::kFloat), 2e-3, 1e-3));
+        EXPECT_TRUE(bitwise_equal(table.detach(), ref_table.detach()));
+      };
+      // The first step keeps a clone of the grad: no add yet (without nesterov).
+      if (!nesterov) both_step(torch::randn_like(dense), sparse_grad(table, 3, torch::kHalf));
+      // A grad without nonzeros adds nothing, which ATen does without the kernel it lacks: stepped as torch::optim::SGD.
+      const auto empty = torch::sparse_coo_tensor(torch::zeros({1, 0}, opts.dtype(torch::kLong)),
+                                                  torch::zeros({0, 2}, opts.dtype(torch::kHalf)), {10, 2});
+      both_step(torch::randn_like(dense), empty);
       dense.mutable_grad() = torch::randn_like(dense);
       table.mutable_grad() = sparse_grad(table, 3, torch::kHalf);
       expect_nothing_changed(opt, {dense, table},

@@ -1120,7 +1120,7 @@ TEST(ZeroOptimizer, ShardedCheckpointResumesBitForBit) {
 // refused by load_sharded too.
 TEST(ZeroOptimizer, PartsOfDifferentSavesAreRefused) {
   std::mutex mutex;
-  std::vector<std::string> at3(2), at5(2), other_run(2), lr_on_rank1(2);
+  std::vector<std::string> at3(2), at5(2), other_run(2), lr_on_rank1(2), rolled_back(2);
   const auto train = [](ZeroOptimizer& opt, torch::Tensor& p, int steps) {
     for (int step = 0; step < steps; ++step) {
       p.mutable_grad() = torch::full({100}, 0.5f);
@@ -1137,11 +1137,16 @@ TEST(ZeroOptimizer, PartsOfDifferentSavesAreRefused) {
       const std::string later = to_bytes([&](auto& archive) { opt->save(archive); });
       if (rank == 1) opt->param_groups()[0].options().set_lr(0.5);  // on one rank only: parts that disagree
       const std::string disagreeing = to_bytes([&](auto& archive) { opt->save(archive); });
+      // Back to step 3 and saved again at once: the same steps as `later`, another save.
+      auto back = from_bytes(part);
+      opt->load(back);
+      const std::string again = to_bytes([&](auto& archive) { opt->save(archive); });
       const std::lock_guard<std::mutex> lock(mutex);
       if (run == 0) {
         at3[rank] = part;
         at5[rank] = later;
         lr_on_rank1[rank] = disagreeing;
+        rolled_back[rank] = again;
       } else {
         other_run[rank] = part;
       }
@@ -1158,6 +1163,10 @@ TEST(ZeroOptimizer, PartsOfDifferentSavesAreRefused) {
     const std::string error = error_of([&] { opt->load(mine); });
     EXPECT_THAT(error, ::testing::HasSubstr("the ranks' parts are of different saves: rank 0's was saved after step 3"));
     EXPECT_THAT(error, ::testing::HasSubstr("rank 1's was saved after step 5"));
+    // A save after a load is another save, though no step came between.
+    auto mixed_after_load = from_bytes(rank == 0 ? at5[0] : rolled_back[1]);
+    EXPECT_THAT(error_of([&] { opt->load(mixed_after_load); }),
+                ::testing::HasSubstr("the ranks' parts are of different saves"));
     // load_sharded: mixed steps, and another run at the same step.
     std::vector<torch::serialize::InputArchive> mixed;
     mixed.push_back(from_bytes(at3[0]));

@@ -210,8 +210,10 @@ sdk::Launch FusedSGD::prepare_sparse(const sdk::Entry& e) {
                 e.grad.sparse_dim(), " sparse and ", e.grad.dense_dim(),
                 " dense dims, but the momentum buffer (kept from earlier sparse grads) has ", buf.sparse_dim(),
                 " and ", buf.dense_dim(), "; ATen cannot add the two (torch::optim::SGD fails on them too)");
-    TORCH_CHECK(!(sparse_buffer || o.nesterov()) || !e.grad.device().is_cpu() ||
-                    e.grad.scalar_type() != at::kHalf,
+    // ATen adds without its kernel where either side has no nonzeros: with
+    // nesterov, the grad is added to a buffer that holds its nonzeros.
+    const bool adds_nonzeros = e.grad._nnz() > 0 && (o.nesterov() || (sparse_buffer && buf._nnz() > 0));
+    TORCH_CHECK(!adds_nonzeros || !e.grad.device().is_cpu() || e.grad.scalar_type() != at::kHalf,
                 name(), ": param group ", e.group, ", param ", e.index,
                 ": the grad is a sparse fp16 tensor on CPU, and momentum adds it to a sparse buffer",
                 o.nesterov() ? " (nesterov)" : "",
