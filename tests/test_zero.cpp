@@ -1196,39 +1196,48 @@ TEST(ZeroOptimizer, PartsOfDifferentSavesAreRefused) {
   });
 }
 
+// Every rank's sharded part and root 0's consolidated checkpoint of one save,
+// as bytes (save() and save_consolidated() on every rank).
+struct BothCheckpoints {
+  std::vector<std::string> parts = std::vector<std::string>(2);
+  std::string consolidated;
+  std::mutex mutex;
+  void save(int rank, const ZeroOptimizer& opt) {
+    const std::string part = to_bytes([&](auto& archive) { opt.save(archive); });
+    torch::serialize::OutputArchive whole;
+    opt.save_consolidated(whole);
+    const std::lock_guard<std::mutex> lock(mutex);
+    parts[static_cast<std::size_t>(rank)] = part;
+    if (rank == 0) {
+      std::ostringstream out;
+      whole.save_to(out);
+      consolidated = out.str();
+    }
+  }
+};
+
 // An lr set on the ZeroOptimizer's groups after a step (a scheduler's) is
 // saved, as a one-process optimizer saves it: save() and save_consolidated()
 // took the wrapped optimizer's options, which follow only at the next step.
 TEST(ZeroOptimizer, OptionsSetAfterTheLastStepAreSaved) {
-  std::mutex mutex;
-  std::string consolidated;
-  std::vector<std::string> parts(2);
+  BothCheckpoints saved;
   on_ranks(2, [&](int rank, const Group& pg) {
     auto p = torch::zeros({40}).requires_grad_();
     auto opt = ZeroOptimizer::make<ampfuse::FusedAdam>({p}, torch::optim::AdamOptions(1e-2), pg);
     p.mutable_grad() = torch::ones({40});
     opt->step();
     opt->param_groups()[0].options().set_lr(0.5);
-    const std::string part = to_bytes([&](auto& archive) { opt->save(archive); });
-    torch::serialize::OutputArchive whole;
-    opt->save_consolidated(whole);
-    const std::lock_guard<std::mutex> lock(mutex);
-    parts[rank] = part;
-    if (rank == 0) {
-      std::ostringstream out;
-      whole.save_to(out);
-      consolidated = out.str();
-    }
+    saved.save(rank, *opt);
   });
   auto q = torch::zeros({40}).requires_grad_();
   ampfuse::FusedAdam one(std::vector<torch::Tensor>{q}, torch::optim::AdamOptions(1e-2));
-  auto in = from_bytes(consolidated);
+  auto in = from_bytes(saved.consolidated);
   one.load(in);
   EXPECT_EQ(one.param_groups()[0].options().get_lr(), 0.5);
   on_ranks(2, [&](int rank, const Group& pg) {
     auto p = torch::zeros({40}).requires_grad_();
     auto opt = ZeroOptimizer::make<ampfuse::FusedAdam>({p}, torch::optim::AdamOptions(1e-2), pg);
-    auto mine = from_bytes(parts[rank]);
+    auto mine = from_bytes(saved.parts[rank]);
     opt->load(mine);
     EXPECT_EQ(opt->param_groups()[0].options().get_lr(), 0.5);
     EXPECT_EQ(opt->inner().param_groups()[0].options().get_lr(), 0.5);
@@ -1239,9 +1248,7 @@ TEST(ZeroOptimizer, OptionsSetAfterTheLastStepAreSaved) {
 // through every checkpoint path; save_consolidated and load_sharded refused
 // it ("the checkpoint has 0 params but the optimizer's group has 1").
 TEST(ZeroOptimizer, AnEmptyGroupSavesAndLoadsThroughEveryPath) {
-  std::mutex mutex;
-  std::vector<std::string> parts(2);
-  std::string consolidated;
+  BothCheckpoints saved;
   const auto make = [](torch::Tensor& a, torch::Tensor& b, const Group& pg, bool empty_first) {
     Groups groups;
     if (empty_first) groups.emplace_back(std::vector<torch::Tensor>{});
@@ -1257,27 +1264,18 @@ TEST(ZeroOptimizer, AnEmptyGroupSavesAndLoadsThroughEveryPath) {
       a.mutable_grad() = torch::ones({30});
       b.mutable_grad() = torch::ones({50});
       opt->step();
-      const std::string part = to_bytes([&](auto& archive) { opt->save(archive); });
-      torch::serialize::OutputArchive whole;
-      opt->save_consolidated(whole);
-      const std::lock_guard<std::mutex> lock(mutex);
-      parts[rank] = part;
-      if (rank == 0) {
-        std::ostringstream out;
-        whole.save_to(out);
-        consolidated = out.str();
-      }
+      saved.save(rank, *opt);
     });
     on_ranks(2, [&](int rank, const Group& pg) {
       auto a = torch::zeros({30}).requires_grad_(), b = torch::zeros({50}).requires_grad_();
       auto opt = make(a, b, pg, empty_first);
       std::vector<torch::serialize::InputArchive> all;
-      all.push_back(from_bytes(parts[0]));
-      all.push_back(from_bytes(parts[1]));
+      all.push_back(from_bytes(saved.parts[0]));
+      all.push_back(from_bytes(saved.parts[1]));
       opt->load_sharded(all);
-      auto whole = from_bytes(consolidated);
+      auto whole = from_bytes(saved.consolidated);
       opt->load_consolidated(whole);
-      auto mine = from_bytes(parts[rank]);
+      auto mine = from_bytes(saved.parts[rank]);
       opt->load(mine);
       a.mutable_grad() = torch::ones({30});
       b.mutable_grad() = torch::ones({50});
