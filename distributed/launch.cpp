@@ -10,6 +10,9 @@
 #include <cerrno>
 #include <csignal>
 #include <cstdlib>
+#include <string>
+#include <thread>
+#include <vector>
 
 // Gloo's and NCCL's c10d backends are declared only with these set, and need
 // Gloo's headers (Debian's libgloo-dev; the wheel has Gloo's code, not its
@@ -70,6 +73,49 @@ LaunchEnv launch_env(const std::function<const char*(const char*)>& lookup) {
   return env;
 }
 
+namespace {
+
+// Before the backends, whose rendezvous waits without a timeout for a peer
+// that never comes (a rank given another WORLD_SIZE, a RANK given twice by
+// two runs on one port): every rank claims its rank once and compares its
+// world size with rank 0's, and all wait, up to `timeout`, until every rank
+// has passed or one has failed, whose error every rank then gives.
+void check_rendezvous(c10d::Store& store, const LaunchEnv& env, std::chrono::milliseconds timeout) {
+  const std::string where = c10::str("ampfuse::distributed::init_process_group (", env.master_addr, ":",
+                                     env.master_port, ", RANK=", env.rank, ", WORLD_SIZE=", env.world_size, "): ");
+  std::string failed;
+  const std::int64_t claims = store.add("ampfuse/rank/" + std::to_string(env.rank), 1);
+  if (claims != 1)
+    failed = c10::str("rank ", env.rank, " joined the rendezvous ", claims,
+                      " times: another run on this MASTER_PORT, or a process left from one");
+  if (env.rank == 0 && failed.empty()) store.set("ampfuse/world_size", std::to_string(env.world_size));
+  if (failed.empty()) {
+    const std::vector<std::uint8_t> bytes = store.get("ampfuse/world_size");  // waits for rank 0 (timeout)
+    const std::string theirs(bytes.begin(), bytes.end());
+    if (theirs != std::to_string(env.world_size))
+      failed = c10::str("rank ", env.rank, " was started with WORLD_SIZE=", env.world_size, ", rank 0 with ", theirs,
+                        ": every rank must be given the same WORLD_SIZE");
+  }
+  if (!failed.empty()) {
+    store.set("ampfuse/failed", where + failed);
+    TORCH_CHECK(false, where, failed);
+  }
+  store.add("ampfuse/ready", 1);
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  for (;;) {
+    if (store.check({"ampfuse/failed"})) {
+      const std::vector<std::uint8_t> bytes = store.get("ampfuse/failed");
+      TORCH_CHECK(false, where, "another rank failed to join: ", std::string(bytes.begin(), bytes.end()));
+    }
+    if (store.add("ampfuse/ready", 0) >= env.world_size) return;
+    TORCH_CHECK(std::chrono::steady_clock::now() < deadline, where, "only ", store.add("ampfuse/ready", 0), " of ",
+                env.world_size, " ranks joined within the timeout of ", timeout.count(), " ms");
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+}
+
+}  // namespace
+
 c10::intrusive_ptr<c10d::ProcessGroup> init_process_group(const LaunchEnv& env, bool cuda,
                                                           std::chrono::milliseconds timeout) {
   TORCH_CHECK(env.world_size >= 1 && env.rank >= 0 && env.rank < env.world_size,
@@ -85,6 +131,7 @@ c10::intrusive_ptr<c10d::ProcessGroup> init_process_group(const LaunchEnv& env, 
   store_options.numWorkers = static_cast<std::size_t>(env.world_size);
   store_options.timeout = timeout;
   auto store = c10::make_intrusive<c10d::TCPStore>(env.master_addr, store_options);
+  check_rendezvous(*store, env, timeout);
   auto group = c10::make_intrusive<c10d::ProcessGroup>(store, env.rank, env.world_size);
 #if defined(AMPFUSE_HAS_GLOO)
   auto gloo_options = c10d::ProcessGroupGloo::Options::create();
