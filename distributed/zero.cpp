@@ -940,13 +940,6 @@ void ZeroOptimizer::save(torch::serialize::OutputArchive& archive) const {
   archive.write("ampfuse_zero/inner", inner);
 }
 
-// Runs `load` (into the wrapped optimizer) and agrees with the other ranks:
-// where any rank refused, every rank throws (its own error, or naming the
-// rank that refused), and every rank takes back the state it had before,
-// from a copy made here (a rank that loaded, and a wrapped optimizer that is
-// not built on the SDK, which may have loaded part before refusing). Every
-// rank reaches the agreement whatever this rank's load throws. The options
-// follow the wrapped optimizer's.
 namespace {
 
 // A sharded checkpoint part's stamp ({run, steps}; empty for a part saved
@@ -968,6 +961,13 @@ std::string stamp_name(const std::vector<std::int64_t>& stamp) {
 
 }  // namespace
 
+// Runs `load` (into the wrapped optimizer) and agrees with the other ranks:
+// where any rank refused, every rank throws (its own error, or naming the
+// rank that refused), and every rank takes back the state it had before,
+// from a copy made here (a rank that loaded, and a wrapped optimizer that is
+// not built on the SDK, which may have loaded part before refusing). Every
+// rank reaches the agreement whatever this rank's load throws. The options
+// follow the wrapped optimizer's.
 void ZeroOptimizer::load_agreed(const std::function<void()>& load) {
   std::stringstream before;
   bool saved = false;
