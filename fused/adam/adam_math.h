@@ -64,16 +64,18 @@ struct AdamHyperT {
 };
 using AdamHyper = AdamHyperT<double>;
 
-/// Per tensor and step: -lr / bc1 and sqrt(bc2), computed in fp64 as LibTorch
-/// does, then rounded to T.
+/// Per tensor and step: -lr / bc1, sqrt(bc2) and 1 / sqrt(bc2), computed in
+/// fp64 (the first two as LibTorch does), then rounded to T.
 template <class T>
 struct AdamStepScalarsT {
   T neg_step_size;
   T bias_correction2_sqrt;
+  T inv_bias_correction2_sqrt;  ///< fp64 steps multiply by it (adam_update)
 
   template <class U>
   AMPFUSE_HOST_DEVICE AdamStepScalarsT<U> as() const {
-    return {static_cast<U>(neg_step_size), static_cast<U>(bias_correction2_sqrt)};
+    return {static_cast<U>(neg_step_size), static_cast<U>(bias_correction2_sqrt),
+            static_cast<U>(inv_bias_correction2_sqrt)};
   }
 };
 using AdamStepScalars = AdamStepScalarsT<double>;
@@ -81,12 +83,11 @@ using AdamStepScalars = AdamStepScalarsT<double>;
 template <class T = double>
 AMPFUSE_HOST_DEVICE AdamStepScalarsT<T> adam_step_scalars(double lr, double beta1, double beta2, double step) {
 #if defined(__CUDA_ARCH__)
-  const double bc1 = 1.0 - pow(beta1, step), bc2 = 1.0 - pow(beta2, step);
-  return {static_cast<T>(-(lr / bc1)), static_cast<T>(sqrt(bc2))};
+  const double bc1 = 1.0 - pow(beta1, step), bc2_sqrt = sqrt(1.0 - pow(beta2, step));
 #else
-  const double bc1 = 1.0 - std::pow(beta1, step), bc2 = 1.0 - std::pow(beta2, step);
-  return {static_cast<T>(-(lr / bc1)), static_cast<T>(std::sqrt(bc2))};
+  const double bc1 = 1.0 - std::pow(beta1, step), bc2_sqrt = std::sqrt(1.0 - std::pow(beta2, step));
 #endif
+  return {static_cast<T>(-(lr / bc1)), static_cast<T>(bc2_sqrt), static_cast<T>(1.0 / bc2_sqrt)};
 }
 
 /// Element math on V (float or double, or a block of lanes on the CPU) with
@@ -106,7 +107,14 @@ AMPFUSE_HOST_DEVICE void adam_update(V& p, V g, V& m, V& v, V* vmax, const AdamH
     *vmax = Ops::max(*vmax, v);
     second = *vmax;
   }
-  const V denom = Ops::sqrt(second) / Ops::splat(s.bias_correction2_sqrt) + Ops::splat(h.eps);
+  // fp64 multiplies by 1 / sqrt(bc2) where LibTorch divides by sqrt(bc2):
+  // one division per element instead of two (the step is bound by the
+  // divider there), about an ulp of fp64 off LibTorch's update. fp32 divides
+  // as LibTorch does, and agrees with it to rounding.
+  V denom;
+  if constexpr (sizeof(T) == sizeof(double)) denom = Ops::sqrt(second) * Ops::splat(s.inv_bias_correction2_sqrt);
+  else denom = Ops::sqrt(second) / Ops::splat(s.bias_correction2_sqrt);
+  denom = denom + Ops::splat(h.eps);
   p = p + Ops::splat(s.neg_step_size) * (m / denom);
 }
 
