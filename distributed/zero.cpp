@@ -13,6 +13,7 @@
 #include <torch/serialize/archive.h>
 
 #include <algorithm>
+#include <charconv>
 #include <chrono>
 #include <cstring>
 #include <map>
@@ -217,6 +218,122 @@ std::int64_t check_same_parameters(c10d::ProcessGroup& group, const std::vector<
                   ": every rank must pass parameters in the same groups, of the same shapes, dtypes and devices in "
                   "the same order");
   return static_cast<std::int64_t>(whole);
+}
+
+// A group's options as LibTorch serializes them (OptimizerOptions::
+// serialize, which every options type has, a third party's included), read
+// back as (key, value) pairs; none where the type does not serialize.
+std::vector<std::pair<std::string, c10::IValue>> options_fields(const torch::optim::OptimizerOptions& o) {
+  std::vector<std::pair<std::string, c10::IValue>> fields;
+  try {
+    torch::serialize::OutputArchive out;
+    o.serialize(out);
+    std::ostringstream bytes;
+    out.save_to(bytes);
+    std::istringstream from(bytes.str());
+    torch::serialize::InputArchive in;
+    in.load_from(from);
+    for (const std::string& key : in.keys()) {
+      c10::IValue v;
+      in.read(key, v);
+      fields.emplace_back(key, std::move(v));
+    }
+  } catch (const std::exception&) {
+    fields.clear();
+  }
+  return fields;
+}
+
+std::uint64_t fnv_string(std::uint64_t h, const std::string& s) {
+  for (const char c : s) h = fnv(h, static_cast<unsigned char>(c));
+  return fnv(h, static_cast<std::int64_t>(s.size()));
+}
+
+// A value's hash: numbers by their bits, tuples and lists by their
+// elements, tensors by their bytes; other kinds by their kind alone.
+std::uint64_t hash_value(std::uint64_t h, const c10::IValue& v) {
+  h = fnv_string(h, v.tagKind());
+  if (v.isDouble()) {
+    const double x = v.toDouble();
+    std::int64_t bits;
+    std::memcpy(&bits, &x, sizeof bits);
+    return fnv(h, bits);
+  }
+  if (v.isInt()) return fnv(h, v.toInt());
+  if (v.isBool()) return fnv(h, v.toBool() ? 1 : 0);
+  if (v.isString()) return fnv_string(h, v.toStringRef());
+  if (v.isTuple())
+    for (const c10::IValue& e : v.toTupleRef().elements()) h = hash_value(h, e);
+  if (v.isList())
+    for (const c10::IValue& e : v.toListRef()) h = hash_value(h, e);
+  if (v.isTensor() && v.toTensor().defined()) {
+    const at::Tensor t = v.toTensor().cpu().contiguous();
+    h = fnv(h, static_cast<std::int64_t>(t.scalar_type()));
+    for (const auto d : t.sizes()) h = fnv(h, d);
+    const auto* b = static_cast<const unsigned char*>(t.const_data_ptr());
+    for (std::size_t i = 0; i < t.nbytes(); ++i) h = fnv(h, b[i]);
+  }
+  return h;
+}
+
+// A value as a message shows it: numbers as they read back exactly (the
+// shortest such digits), tuples and lists by their elements.
+std::string value_text(const c10::IValue& v) {
+  if (v.isDouble()) {
+    char digits[32];
+    const auto end = std::to_chars(digits, digits + sizeof digits, v.toDouble()).ptr;
+    return std::string(digits, end);
+  }
+  if (v.isInt()) return std::to_string(v.toInt());
+  if (v.isBool()) return v.toBool() ? "true" : "false";
+  if (v.isString()) return v.toStringRef();
+  if (v.isTuple() || v.isList()) {
+    std::string text = v.isTuple() ? "(" : "[";
+    const auto elements = v.isTuple() ? v.toTupleRef().elements().vec() : v.toListRef().vec();
+    for (std::size_t i = 0; i < elements.size(); ++i) text += (i ? ", " : "") + value_text(elements[i]);
+    return text + (v.isTuple() ? ")" : "]");
+  }
+  return "a " + v.tagKind();
+}
+
+std::string options_text(const std::vector<std::pair<std::string, c10::IValue>>& fields) {
+  if (fields.empty()) return "options that do not serialize";
+  std::string text;
+  for (std::size_t i = 0; i < fields.size(); ++i)
+    text += (i ? ", " : "") + fields[i].first + "=" + value_text(fields[i].second);
+  return text;
+}
+
+// Every rank's wrapped optimizer must step its shards with the same options
+// (an lr given to the factory on one rank alone would otherwise make the
+// ranks' shards of one parameter take different steps, silently): each rank
+// hashes each group's options, the ranks all-gather the hashes, and every
+// rank names the first group that differs, with its own options.
+void check_same_options(c10d::ProcessGroup& group, const torch::optim::Optimizer& inner, c10::Device device) {
+  const int world = group.getSize();
+  const auto& groups = inner.param_groups();
+  if (world == 1 || groups.empty()) return;
+  std::vector<std::vector<std::pair<std::string, c10::IValue>>> fields;
+  std::vector<std::int64_t> hashes;
+  for (const auto& g : groups) {
+    fields.push_back(options_fields(g.options()));
+    std::uint64_t h = 1469598103934665603ull;
+    for (const auto& [key, value] : fields.back()) h = hash_value(fnv_string(h, key), value);
+    hashes.push_back(static_cast<std::int64_t>(h));
+  }
+  const auto n = static_cast<std::int64_t>(hashes.size());
+  at::Tensor mine = at::tensor(hashes, at::kLong).to(device);
+  at::Tensor all = at::empty({world * n}, mine.options());
+  collective(group, "checking that every rank has the same options",
+             [&] { return group._allgather_base(all, mine); });
+  const at::Tensor all_cpu = all.cpu();
+  const auto* a = all_cpu.data_ptr<std::int64_t>();
+  for (std::int64_t g = 0; g < n; ++g)
+    for (int r = 0; r < world; ++r)
+      TORCH_CHECK(a[r * n + g] == a[g], kWhere, "group ", g, "'s options differ between rank 0 and rank ", r,
+                  " (rank ", group.getRank(), " has ", options_text(fields[static_cast<std::size_t>(g)]),
+                  "): every rank must make its wrapped optimizer with the same options; nothing was changed on "
+                  "any rank");
 }
 
 }  // namespace
@@ -475,6 +592,7 @@ std::shared_ptr<ZeroOptimizer::Layout> ZeroOptimizer::build(std::vector<torch::o
                "agreeing that every rank has made its optimizer",
                "could not make its optimizer (its error says why); the parameters were not moved on any rank");
   layout->run_id = run_id_of(run.data());
+  check_same_options(*process_group, *layout->inner, check_device);
   // Nothing can fail from here: each parameter becomes a view of its bucket
   // (same TensorImpl, autograd identity and version counter).
   if (!sharing.empty())

@@ -740,6 +740,53 @@ TEST(ZeroOptimizer, AFactoryFailingOnOneRankFailsEveryRanksConstruction) {
   });
 }
 
+// Options that differ between the ranks' wrapped optimizers (an lr given to
+// the factory on one rank alone, or a group's betas) would step the ranks'
+// shards of one parameter differently: every rank's construction fails,
+// naming the group and its own options, and no rank moves its parameters.
+// The same options (a FusedAdam's, and a third party's LibTorch SGD) pass.
+TEST(ZeroOptimizer, OptionsDifferingBetweenRanksFailEveryRanksConstruction) {
+  for (const int differ : {0, 1, 2}) {  // 0: none; 1: the factory's lr; 2: group 1's betas
+    on_ranks(3, [&](int rank, const Group& pg) {
+      auto a = torch::ones({64}).requires_grad_(), b = torch::ones({32}).requires_grad_();
+      const void* data = a.data_ptr();
+      std::vector<torch::optim::OptimizerParamGroup> groups;
+      groups.emplace_back(std::vector<at::Tensor>{a});
+      const double beta1 = differ == 2 && rank == 2 ? 0.8 : 0.9;
+      groups.emplace_back(std::vector<at::Tensor>{b},
+                          std::make_unique<torch::optim::AdamOptions>(torch::optim::AdamOptions(1e-3).betas({beta1, 0.999})));
+      const double lr = differ == 1 && rank == 1 ? 2e-3 : 1e-3;
+      const std::string error = error_of([&] {
+        ZeroOptimizer opt(std::move(groups), pg, [lr](std::vector<torch::optim::OptimizerParamGroup> g) {
+          return std::unique_ptr<torch::optim::Optimizer>(
+              std::make_unique<ampfuse::FusedAdam>(std::move(g), torch::optim::AdamOptions(lr)));
+        });
+      });
+      if (differ == 0) {
+        EXPECT_EQ(error, "(no error)") << "rank " << rank;
+        return;
+      }
+      const std::string group = differ == 1 ? "group 0" : "group 1";
+      const std::string other = differ == 1 ? "rank 1" : "rank 2";
+      EXPECT_THAT(error, ::testing::HasSubstr(group + "'s options differ between rank 0 and " + other)) << rank;
+      EXPECT_THAT(error, ::testing::HasSubstr(differ == 1 ? (rank == 1 ? "lr=0.002" : "lr=0.001")
+                                                          : (rank == 2 ? "betas=(0.8, 0.999)" : "betas=(0.9, 0.999)")))
+          << rank;
+      EXPECT_EQ(a.data_ptr(), data) << "rank " << rank;
+    });
+  }
+  on_ranks(2, [&](int, const Group& pg) {
+    auto p = torch::ones({64}).requires_grad_();
+    EXPECT_EQ(error_of([&] {
+                ZeroOptimizer opt({torch::optim::OptimizerParamGroup({p})}, pg, [](std::vector<torch::optim::OptimizerParamGroup> g) {
+                  return std::unique_ptr<torch::optim::Optimizer>(
+                      std::make_unique<torch::optim::SGD>(std::move(g), torch::optim::SGDOptions(0.1).momentum(0.9)));
+                });
+              }),
+              "(no error)");
+  });
+}
+
 // A parameter that is a view of a larger tensor (every other column) steps
 // as it would in place, and the warning says that the larger tensor no
 // longer follows it once it has moved into its bucket; a parameter that
