@@ -1021,12 +1021,9 @@ void ZeroOptimizer::step_with_signals(const StepSignals& signals) {
         for (Bucket& b : buckets_) {
           if (!signals.contains(b.shard_grad.device())) continue;
           const ScaleSignal& s = signals.at(b.shard_grad.device());
-          if (!s.inv_scale.defined() && !s.clip_coef.defined()) continue;
-          // inv_scale * clip_coef in fp64 (exact), rounded once by the
-          // kernel, as GradScaler's classic path and the contract kernels
-          // apply it (24 bits also below 2^-126).
-          at::Tensor factor = s.inv_scale.defined() ? s.inv_scale.to(at::kDouble) : s.clip_coef.to(at::kDouble);
-          if (s.inv_scale.defined() && s.clip_coef.defined()) factor = factor * s.clip_coef.to(at::kDouble);
+          // As GradScaler's classic path applies it.
+          const at::Tensor factor = detail::grad_factor_f64(s.inv_scale, s.clip_coef);
+          if (!factor.defined()) continue;
           scaled.emplace_back(&b.shard_grad, b.shard_grad.clone());
           const detail::CheckedList list =
               detail::make_views({&b.shard_grad}, "grad", "ZeroOptimizer::step_with_signals", /*in_place=*/true);

@@ -699,7 +699,7 @@ void GradScaler::remember_grads_id(const torch::optim::Optimizer& optimizer, con
 // Multiplies the optimizer's grads by the factors the step deferred: the
 // inverse scale (unless unscale_ unscaled them in place) and the clip
 // coefficient, computed as the contract path's kernels compute them
-// (inv_scale * clip_coef rounded once to fp32; on CPU in the kernel). With `unless_found`, by 1 where a device's
+// (detail::grad_factor_f64: their product rounded once, in the kernel). With `unless_found`, by 1 where a device's
 // found_inf is set, decided on the device (no sync).
 void GradScaler::apply_deferred_factors(torch::optim::Optimizer& optimizer, const OptimizerState& state,
                                         bool unless_found) {
@@ -709,14 +709,7 @@ void GradScaler::apply_deferred_factors(torch::optim::Optimizer& optimizer, cons
     const auto ds = std::find_if(state.devices.begin(), state.devices.end(),
                                  [&](const DeviceState& d) { return d.device == grads[i].first; });
     if (ds == state.devices.end()) continue;
-    at::Tensor factor = ds->inv_scale;
-    if (ds->clip_coef.defined()) {
-      // The product stays in fp64 (exact), rounded once in the kernel, as the
-      // contract path's kernels round it (sdk::cpu::GradFactor, and
-      // sdk::ScalarGradFactor on CUDA: to 24 bits also below 2^-126, where
-      // an fp32 product would keep fewer). On the device: no host sync.
-      factor = factor.defined() ? factor.to(at::kDouble) * ds->clip_coef.to(at::kDouble) : ds->clip_coef;
-    }
+    at::Tensor factor = detail::grad_factor_f64(ds->inv_scale, ds->clip_coef);
     if (!factor.defined()) continue;
     if (unless_found) {
       const at::Tensor found = combined_found_inf(state, ds->device);

@@ -52,4 +52,11 @@ void check_non_finite(const CheckedList& list, c10::Device device, const at::Ten
 /// is fp32 of one element, or on CPU fp64 too (the GradScaler's deferred factors).
 void scale(const CheckedList& list, c10::Device device, const at::Tensor& scale, const at::Tensor* found_inf);
 
+/// The factor a signal's grads are multiplied by, for `scale`: inv_scale *
+/// clip_coef in fp64 (exact), rounded once by the kernel as the contract
+/// path's kernels round it (24 bits also below 2^-126, where an fp32 product
+/// would keep fewer); the one of them that is defined, in fp64; undefined
+/// when neither is. On their device: no host sync.
+at::Tensor grad_factor_f64(const at::Tensor& inv_scale, const at::Tensor& clip_coef);
+
 }  // namespace ampfuse::detail
