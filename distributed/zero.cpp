@@ -4,12 +4,17 @@
 
 #include "ampfuse/zero.h"
 
+#include "ampfuse/fused_adagrad.h"
+#include "ampfuse/fused_adam.h"
+#include "ampfuse/fused_rmsprop.h"
+#include "ampfuse/fused_sgd.h"
 #include "ampfuse/sdk/optimizer.h"
 #include "contract/torch/tensor_ops_views.h"
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 #include <c10/util/StringUtil.h>
+#include <c10/util/Type.h>
 #include <torch/serialize/archive.h>
 
 #include <algorithm>
@@ -21,6 +26,7 @@
 #include <regex>
 #include <sstream>
 #include <string>
+#include <typeinfo>
 #include <utility>
 
 namespace ampfuse::distributed {
@@ -221,8 +227,9 @@ std::int64_t check_same_parameters(c10d::ProcessGroup& group, const std::vector<
 }
 
 // A group's options as LibTorch serializes them (OptimizerOptions::
-// serialize, which every options type has, a third party's included), read
-// back as (key, value) pairs; none where the type does not serialize.
+// serialize, which LibTorch's options types and ampfuse's implement), read
+// back as (key, value) pairs; where a type does not serialize (a third
+// party's may not), its lr alone (get_lr), if it has one.
 std::vector<std::pair<std::string, c10::IValue>> options_fields(const torch::optim::OptimizerOptions& o) {
   std::vector<std::pair<std::string, c10::IValue>> fields;
   try {
@@ -241,7 +248,30 @@ std::vector<std::pair<std::string, c10::IValue>> options_fields(const torch::opt
   } catch (const std::exception&) {
     fields.clear();
   }
+  if (!fields.empty()) return fields;
+  try {
+    fields.emplace_back("lr", o.get_lr());
+  } catch (const std::exception&) {
+  }
   return fields;
+}
+
+// The options ampfuse's optimizers take beside their groups' (maximize,
+// master weights, the moments' format), which change how every shard steps.
+std::vector<std::pair<std::string, c10::IValue>> fused_fields(const torch::optim::Optimizer& opt) {
+  const auto adam = [](const FusedAdamOptions& f) -> std::vector<std::pair<std::string, c10::IValue>> {
+    return {{"maximize", f.maximize()},
+            {"master_weights", f.master_weights()},
+            {"bf16_moments", f.bf16_moments()},
+            {"moments_8bit", f.moments_8bit()},
+            {"capturable", f.capturable()}};
+  };
+  if (const auto* o = dynamic_cast<const FusedAdam*>(&opt)) return adam(o->fused_options());
+  if (const auto* o = dynamic_cast<const FusedAdamW*>(&opt)) return adam(o->fused_options());
+  if (const auto* o = dynamic_cast<const FusedSGD*>(&opt)) return {{"maximize", o->fused_options().maximize()}};
+  if (const auto* o = dynamic_cast<const FusedAdagrad*>(&opt)) return {{"maximize", o->fused_options().maximize()}};
+  if (const auto* o = dynamic_cast<const FusedRMSprop*>(&opt)) return {{"maximize", o->fused_options().maximize()}};
+  return {};
 }
 
 std::uint64_t fnv_string(std::uint64_t h, const std::string& s) {
@@ -254,7 +284,7 @@ std::uint64_t fnv_string(std::uint64_t h, const std::string& s) {
 std::uint64_t hash_value(std::uint64_t h, const c10::IValue& v) {
   h = fnv_string(h, v.tagKind());
   if (v.isDouble()) {
-    const double x = v.toDouble();
+    const double x = v.toDouble() == 0.0 ? 0.0 : v.toDouble();  // -0 as 0: the same step
     std::int64_t bits;
     std::memcpy(&bits, &x, sizeof bits);
     return fnv(h, bits);
@@ -307,18 +337,22 @@ std::string options_text(const std::vector<std::pair<std::string, c10::IValue>>&
 // Every rank's wrapped optimizer must step its shards with the same options
 // (an lr given to the factory on one rank alone would otherwise make the
 // ranks' shards of one parameter take different steps, silently): each rank
-// hashes each group's options, the ranks all-gather the hashes, and every
-// rank names the first group that differs, with its own options.
+// hashes its optimizer's type and the options ampfuse's optimizers take
+// beside the groups' (fused_fields), then each group's options; the ranks
+// all-gather the hashes, and every rank names the first that differs, with
+// its own values.
 void check_same_options(c10d::ProcessGroup& group, const torch::optim::Optimizer& inner, c10::Device device) {
   const int world = group.getSize();
   const auto& groups = inner.param_groups();
-  if (world == 1 || groups.empty()) return;
+  if (world == 1) return;
   std::vector<std::vector<std::pair<std::string, c10::IValue>>> fields;
+  fields.push_back(fused_fields(inner));
+  fields.front().emplace_back("type", c10::demangle(typeid(inner).name()));
+  for (const auto& g : groups) fields.push_back(options_fields(g.options()));
   std::vector<std::int64_t> hashes;
-  for (const auto& g : groups) {
-    fields.push_back(options_fields(g.options()));
+  for (const auto& f : fields) {
     std::uint64_t h = 1469598103934665603ull;
-    for (const auto& [key, value] : fields.back()) h = hash_value(fnv_string(h, key), value);
+    for (const auto& [key, value] : f) h = hash_value(fnv_string(h, key), value);
     hashes.push_back(static_cast<std::int64_t>(h));
   }
   const auto n = static_cast<std::int64_t>(hashes.size());
@@ -328,12 +362,14 @@ void check_same_options(c10d::ProcessGroup& group, const torch::optim::Optimizer
              [&] { return group._allgather_base(all, mine); });
   const at::Tensor all_cpu = all.cpu();
   const auto* a = all_cpu.data_ptr<std::int64_t>();
-  for (std::int64_t g = 0; g < n; ++g)
+  for (std::int64_t i = 0; i < n; ++i)
     for (int r = 0; r < world; ++r)
-      TORCH_CHECK(a[r * n + g] == a[g], kWhere, "group ", g, "'s options differ between rank 0 and rank ", r,
-                  " (rank ", group.getRank(), " has ", options_text(fields[static_cast<std::size_t>(g)]),
-                  "): every rank must make its wrapped optimizer with the same options; nothing was changed on "
-                  "any rank");
+      TORCH_CHECK(a[r * n + i] == a[i], kWhere,
+                  i == 0 ? std::string("the wrapped optimizers differ") : c10::str("group ", i - 1, "'s options differ"),
+                  " between rank 0 and rank ", r, " (rank ", group.getRank(), " has ",
+                  options_text(fields[static_cast<std::size_t>(i)]),
+                  "): every rank must make its wrapped optimizer of the same type with the same options; nothing "
+                  "was changed on any rank");
 }
 
 }  // namespace

@@ -787,6 +787,76 @@ TEST(ZeroOptimizer, OptionsDifferingBetweenRanksFailEveryRanksConstruction) {
   });
 }
 
+// A third party's options that do not serialize: compared by their lr.
+struct PlainOptions : torch::optim::OptimizerCloneableOptions<PlainOptions> {
+  explicit PlainOptions(double lr) : lr_(lr) {}
+  double get_lr() const override { return lr_; }
+  void set_lr(const double lr) override { lr_ = lr; }
+  double lr_;
+};
+struct PlainSGD : torch::optim::Optimizer {
+  PlainSGD(std::vector<torch::optim::OptimizerParamGroup> groups, double lr)
+      : Optimizer(std::move(groups), std::make_unique<PlainOptions>(lr)) {}
+  torch::Tensor step(LossClosure = nullptr) override {
+    const at::NoGradGuard no_grad;
+    for (auto& g : param_groups())
+      for (auto& p : g.params())
+        if (p.grad().defined()) p.sub_(p.grad() * g.options().get_lr());
+    return {};
+  }
+};
+
+// The wrapped optimizer's type, the options ampfuse's optimizers take beside
+// their groups' (FusedAdamOptions::maximize), and a third party's lr where
+// its options do not serialize differ on one rank: refused on every rank. A
+// weight decay of -0 on one rank and 0 on the others steps the same: taken.
+TEST(ZeroOptimizer, OptimizerTypesAndFusedOptionsDifferingBetweenRanksFailEveryRanksConstruction) {
+  using Factory = ZeroOptimizer::Factory;
+  const std::vector<std::pair<std::string, std::function<Factory(int)>>> cases = {
+      {"the wrapped optimizers differ",
+       [](int rank) -> Factory {
+         return [rank](std::vector<torch::optim::OptimizerParamGroup> g) -> std::unique_ptr<torch::optim::Optimizer> {
+           if (rank == 1) return std::make_unique<torch::optim::Adam>(std::move(g), torch::optim::AdamOptions(1e-3));
+           return std::make_unique<ampfuse::FusedAdam>(std::move(g), torch::optim::AdamOptions(1e-3));
+         };
+       }},
+      {"the wrapped optimizers differ",
+       [](int rank) -> Factory {
+         return [rank](std::vector<torch::optim::OptimizerParamGroup> g) -> std::unique_ptr<torch::optim::Optimizer> {
+           return std::make_unique<ampfuse::FusedAdam>(std::move(g), torch::optim::AdamOptions(1e-3),
+                                                       ampfuse::FusedAdamOptions().maximize(rank == 1));
+         };
+       }},
+      {"group 0's options differ",
+       [](int rank) -> Factory {
+         return [rank](std::vector<torch::optim::OptimizerParamGroup> g) -> std::unique_ptr<torch::optim::Optimizer> {
+           return std::make_unique<PlainSGD>(std::move(g), rank == 1 ? 0.2 : 0.1);
+         };
+       }},
+      {"",
+       [](int rank) -> Factory {
+         return [rank](std::vector<torch::optim::OptimizerParamGroup> g) -> std::unique_ptr<torch::optim::Optimizer> {
+           return std::make_unique<ampfuse::FusedSGD>(std::move(g),
+                                                      torch::optim::SGDOptions(0.1).weight_decay(rank == 1 ? -0.0 : 0.0));
+         };
+       }},
+  };
+  for (const auto& [expected, factory_of] : cases) {
+    on_ranks(2, [&](int rank, const Group& pg) {
+      auto p = torch::ones({64}).requires_grad_();
+      const void* data = p.data_ptr();
+      const std::string error =
+          error_of([&] { ZeroOptimizer opt({torch::optim::OptimizerParamGroup({p})}, pg, factory_of(rank)); });
+      if (expected.empty()) {
+        EXPECT_EQ(error, "(no error)") << "rank " << rank;
+        return;
+      }
+      EXPECT_THAT(error, ::testing::HasSubstr(expected + " between rank 0 and rank 1")) << "rank " << rank;
+      EXPECT_EQ(p.data_ptr(), data) << "rank " << rank;
+    });
+  }
+}
+
 // A parameter that is a view of a larger tensor (every other column) steps
 // as it would in place, and the warning says that the larger tensor no
 // longer follows it once it has moved into its bucket; a parameter that

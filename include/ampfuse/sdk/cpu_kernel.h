@@ -997,17 +997,11 @@ class GradFactor {
   using V = Lanes<ST>;
   explicit GradFactor(double f) {
     using T = opmath_t<ST>;
-    if constexpr (sizeof(T) == 4) {
-      if (grad_factor_is_split(f)) {  // ampfuse/sdk/math.h (NaN: taken as it is)
-        hi_ = OpsOf<ST>::splat(static_cast<float>(f * 0x1p64));  // normal down to f = 2^-190 (smaller: 0)
-        lo_ = OpsOf<ST>::splat(0x1p-64f);
-        split_ = true;
-        one_ = false;
-        return;
-      }
-    }
-    hi_ = OpsOf<ST>::splat(static_cast<T>(f));
-    one_ = static_cast<T>(f) == T(1);
+    const ScalarGradFactor<T> s(f);  // ampfuse/sdk/math.h: the rule, once for CPU and CUDA
+    hi_ = OpsOf<ST>::splat(s.hi);
+    lo_ = OpsOf<ST>::splat(s.lo);
+    split_ = s.lo != T(1);
+    one_ = !split_ && s.hi == T(1);
   }
   V operator()(V g) const { return split_ ? (g * hi_) * lo_ : g * hi_; }
   /// Whether the factor is 1 (g * 1 is g: a kernel may skip the multiply).
