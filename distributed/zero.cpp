@@ -1112,24 +1112,26 @@ std::string stamp_name(const std::vector<std::int64_t>& stamp) {
 
 }  // namespace
 
-// Runs `load` (into the wrapped optimizer) and agrees with the other ranks:
+// Runs `load` (into the wrapped optimizer; it returns the stamp of the part
+// it read, or none where it compares stamps itself, or has one file) and
+// agrees with the other ranks:
 // where any rank refused, every rank throws (its own error, or naming the
 // rank that refused), and every rank takes back the state it had before,
 // from a copy made here (a rank that loaded, and a wrapped optimizer that is
 // not built on the SDK, which may have loaded part before refusing). Every
 // rank reaches the agreement whatever this rank's load throws. The options
 // follow the wrapped optimizer's.
-void ZeroOptimizer::load_agreed(const std::function<void()>& load) {
+void ZeroOptimizer::load_agreed(const std::function<std::vector<std::int64_t>()>& load) {
   std::stringstream before;
   bool saved = false;
   std::string refused;
-  loaded_stamp_.clear();
+  std::vector<std::int64_t> loaded_stamp;  // the save of the part load read: {run, steps}, or empty
   try {
     torch::serialize::OutputArchive archive;
     inner_->save(archive);
     archive.save_to(before);
     saved = true;
-    load();
+    loaded_stamp = load();
   } catch (const std::exception& e) {
     refused = message_of(e);
     if (refused.empty()) refused = "the load failed";
@@ -1144,10 +1146,10 @@ void ZeroOptimizer::load_agreed(const std::function<void()>& load) {
   const int world = process_group_->getSize(), rank = process_group_->getRank();
   std::vector<std::int32_t> stamps(3 * static_cast<std::size_t>(world) + 2, 0);
   if (rank == 0) new_run_id(stamps.data() + 3 * world);
-  if (loaded_stamp_.size() == 2) {
-    stamps[3 * rank] = static_cast<std::int32_t>(loaded_stamp_[0] >> 32);
-    stamps[3 * rank + 1] = static_cast<std::int32_t>(loaded_stamp_[0] & 0xFFFFFFFF);
-    stamps[3 * rank + 2] = static_cast<std::int32_t>(loaded_stamp_[1] & 0x7FFFFFFF);
+  if (loaded_stamp.size() == 2) {
+    stamps[3 * rank] = static_cast<std::int32_t>(loaded_stamp[0] >> 32);
+    stamps[3 * rank + 1] = static_cast<std::int32_t>(loaded_stamp[0] & 0xFFFFFFFF);
+    stamps[3 * rank + 2] = static_cast<std::int32_t>(loaded_stamp[1] & 0x7FFFFFFF);
   }
   try {
     agree(refused, &stamps, "the load (its error says why); every rank keeps the optimizer state it had",
@@ -1206,10 +1208,10 @@ void ZeroOptimizer::load_inner(torch::serialize::InputArchive& archive) {
 }
 
 void ZeroOptimizer::load(torch::serialize::InputArchive& archive) {
-  load_agreed([&] { load_here(archive); });
+  load_agreed([&] { return load_here(archive); });
 }
 
-void ZeroOptimizer::load_here(torch::serialize::InputArchive& archive) {
+std::vector<std::int64_t> ZeroOptimizer::load_here(torch::serialize::InputArchive& archive) {
   const auto read_int = [&](const char* key) {
     c10::IValue v;
     TORCH_CHECK(archive.try_read(key, v) && v.isInt(), kWhere, "load: the archive has no ", key,
@@ -1225,11 +1227,12 @@ void ZeroOptimizer::load_here(torch::serialize::InputArchive& archive) {
               " (a sharded checkpoint loads at the same world size and rank)");
   TORCH_CHECK(hash == layout_hash_, kWhere,
               "load: the checkpoint was saved for other parameters (groups, shapes, dtypes or devices differ)");
-  loaded_stamp_ = read_stamp(archive, "load: the checkpoint");
+  std::vector<std::int64_t> stamp = read_stamp(archive, "load: the checkpoint");
   torch::serialize::InputArchive inner;
   TORCH_CHECK(archive.try_read("ampfuse_zero/inner", inner), kWhere, "load: the archive has no ampfuse_zero/inner");
   sdk::check_saved_tensors(inner, "ZeroOptimizer::load");  // the wrapped optimizer may be LibTorch's, which does not
   load_inner(inner);
+  return stamp;
 }
 
 // The pieces rank `rank` holds, per group in order, as build() cut them (a
@@ -1477,7 +1480,10 @@ void ZeroOptimizer::consolidate(std::vector<torch::serialize::InputArchive>& par
 }
 
 void ZeroOptimizer::load_consolidated(torch::serialize::InputArchive& archive) {
-  load_agreed([&] { load_consolidated_here(archive); });
+  load_agreed([&] {
+    load_consolidated_here(archive);
+    return std::vector<std::int64_t>{};  // (a consolidated checkpoint is one file: no parts to match)
+  });
 }
 
 void ZeroOptimizer::load_consolidated_here(torch::serialize::InputArchive& archive) {
@@ -1582,6 +1588,7 @@ void ZeroOptimizer::load_sharded(std::vector<torch::serialize::InputArchive>& pa
     torch::serialize::InputArchive in;
     in.load_from(bytes);
     load_consolidated_here(in);
+    return std::vector<std::int64_t>{};  // (its parts' stamps compared above)
   });
 }
 

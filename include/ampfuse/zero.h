@@ -260,9 +260,9 @@ class ZeroOptimizer : public torch::optim::Optimizer, public ScalerAware {
   std::vector<std::vector<Span>> spans_of_rank(int rank, int world) const;
   void consolidate(std::vector<torch::serialize::InputArchive>& parts, torch::serialize::OutputArchive& archive) const;
   std::int64_t saved_per_block(const std::string& key, const c10::IValue& v) const;
-  void load_here(torch::serialize::InputArchive& archive);
+  std::vector<std::int64_t> load_here(torch::serialize::InputArchive& archive);  // returns the part's stamp
   void load_consolidated_here(torch::serialize::InputArchive& archive);
-  void load_agreed(const std::function<void()>& load);
+  void load_agreed(const std::function<std::vector<std::int64_t>()>& load);
   void load_inner(torch::serialize::InputArchive& archive);
 
   c10::intrusive_ptr<c10d::ProcessGroup> process_group_;
@@ -280,8 +280,6 @@ class ZeroOptimizer : public torch::optim::Optimizer, public ScalerAware {
   /// load_sharded() take only parts of one save together.
   std::int64_t run_id_ = 0;
   std::int64_t steps_ = 0;
-  /// The save of the part load_here last read: {run, steps}, or empty (a part saved before stamps).
-  std::vector<std::int64_t> loaded_stamp_;
   std::vector<std::size_t> group_sizes_;    // parameters per group, as given
   std::vector<std::size_t> param_bucket_;   // params_ index -> bucket
   std::vector<std::int64_t> param_offset_;  // params_ index -> first element in its bucket
