@@ -316,6 +316,7 @@ std::string value_text(const c10::IValue& v) {
   }
   if (v.isInt()) return std::to_string(v.toInt());
   if (v.isBool()) return v.toBool() ? "true" : "false";
+  if (v.isNone()) return "None";
   if (v.isString()) return v.toStringRef();
   if (v.isTuple() || v.isList()) {
     std::string text = v.isTuple() ? "(" : "[";

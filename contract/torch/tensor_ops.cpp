@@ -378,7 +378,7 @@ void scale(const CheckedList& list, c10::Device device, const at::Tensor& scale,
 at::Tensor grad_factor_f64(const at::Tensor& inv_scale, const at::Tensor& clip_coef) {
   if (!inv_scale.defined()) return clip_coef.defined() ? clip_coef.to(at::kDouble) : at::Tensor();
   const at::Tensor factor = inv_scale.to(at::kDouble);
-  return clip_coef.defined() ? factor * clip_coef.to(at::kDouble) : factor;
+  return clip_coef.defined() ? factor.mul(clip_coef.to(at::kDouble)) : factor;
 }
 
 }  // namespace detail

@@ -64,7 +64,10 @@ AMPFUSE_HOST_DEVICE constexpr bool grad_factor_is_split(double f) {
 /// precision: f rounded once to T, and for T = float and an f below 2^-126
 /// (grad_factor_is_split) applied as two normal factors, (g * fl(f * 2^64))
 /// * 2^-64, rounded to 24 bits as a normal factor is. For an f that is an
-/// fp32 value (an inverse scale alone), that is the bits of g * f. Below
+/// fp32 value (an inverse scale alone), that is the bits of g * f wherever
+/// g * f is normal (or flushed, as on CPU); a subnormal product, which CUDA
+/// keeps, is rounded twice and can differ from fl32(g * f) by one subnormal
+/// ulp (a loss scale above 2^126). Below
 /// 2^-190 (a scale of 2^127 times a clip coefficient below 2^-63) fl(f *
 /// 2^64) is subnormal in turn, and keeps fewer bits. The CPU
 /// lanes' sdk::cpu::GradFactor computes the same, and CUDA kernels take it
