@@ -27,6 +27,7 @@
 #include <sstream>
 #include <string>
 #include <typeinfo>
+#include <unordered_map>
 #include <utility>
 
 namespace ampfuse::distributed {
@@ -233,20 +234,8 @@ std::int64_t check_same_parameters(c10d::ProcessGroup& group, const std::vector<
 std::vector<std::pair<std::string, c10::IValue>> options_fields(const torch::optim::OptimizerOptions& o) {
   std::vector<std::pair<std::string, c10::IValue>> fields;
   try {
-    torch::serialize::OutputArchive out;
-    o.serialize(out);
-    std::ostringstream bytes;
-    out.save_to(bytes);
-    std::istringstream from(bytes.str());
-    torch::serialize::InputArchive in;
-    in.load_from(from);
-    for (const std::string& key : in.keys()) {
-      c10::IValue v;
-      in.read(key, v);
-      fields.emplace_back(key, std::move(v));
-    }
+    fields = sdk::saved_fields(o);
   } catch (const std::exception&) {
-    fields.clear();
   }
   if (!fields.empty()) return fields;
   try {
@@ -306,9 +295,12 @@ std::uint64_t hash_value(std::uint64_t h, const c10::IValue& v) {
   return h;
 }
 
-// A value as a message shows it: numbers as they read back exactly (the
-// shortest such digits), tuples and lists by their elements.
+// A value as a message shows it: numbers (a one-element tensor's too) as
+// they read back exactly (the shortest such digits), tuples and lists by
+// their elements.
 std::string value_text(const c10::IValue& v) {
+  if (v.isTensor() && v.toTensor().defined() && v.toTensor().numel() == 1)
+    return value_text(v.toTensor().cpu().to(at::kDouble).item<double>());
   if (v.isDouble()) {
     char digits[32];
     const auto end = std::to_chars(digits, digits + sizeof digits, v.toDouble()).ptr;
@@ -422,29 +414,6 @@ void new_run_id(std::int32_t* halves) {
 }
 std::int64_t run_id_of(const std::int32_t* halves) { return (static_cast<std::int64_t>(halves[0]) << 32) | halves[1]; }
 
-// Whether two strided views of one storage, whose byte ranges interleave
-// (two column slices of one matrix, say), touch no element in common: each
-// one's element offsets, compared. Only for views of one element size whose
-// starts are whole elements apart, of 2^25 elements together at most (the
-// offsets take 8 bytes an element while they are compared; anything else
-// counts as sharing, and is refused as before).
-bool share_no_element(const at::Tensor& p, const at::Tensor& q) {
-  if (p.numel() + q.numel() > (std::int64_t{1} << 25)) return false;
-  const std::int64_t es = static_cast<std::int64_t>(p.element_size());
-  const std::int64_t apart = static_cast<const char*>(q.data_ptr()) - static_cast<const char*>(p.data_ptr());
-  if (static_cast<std::int64_t>(q.element_size()) != es || apart % es != 0) return false;
-  const auto offsets = [](const at::Tensor& t, std::int64_t start) {
-    at::Tensor o = at::full({}, start, at::kLong);
-    for (std::int64_t d = 0; d < t.dim(); ++d) {
-      std::vector<std::int64_t> shape(static_cast<std::size_t>(t.dim()), 1);
-      shape[static_cast<std::size_t>(d)] = t.size(d);
-      o = o + at::arange(t.size(d), at::kLong).mul_(t.stride(d)).view(shape);
-    }
-    return o.reshape({-1});
-  };
-  return !at::isin(offsets(p, 0), offsets(q, apart / es)).any().item<bool>();
-}
-
 }  // namespace
 
 std::shared_ptr<ZeroOptimizer::Layout> ZeroOptimizer::build(std::vector<torch::optim::OptimizerParamGroup> param_groups,
@@ -464,6 +433,7 @@ std::shared_ptr<ZeroOptimizer::Layout> ZeroOptimizer::build(std::vector<torch::o
   std::vector<std::vector<at::Tensor>> groups;
   std::vector<Place> places;
   std::vector<std::string> sharing;  // parameters whose memory another tensor holds too
+  std::unordered_map<const c10::TensorImpl*, std::size_t> first_place;  // each parameter's first place
   std::vector<at::Tensor>& params = layout->params;
   for (std::size_t g = 0; g < param_groups.size(); ++g) {
     groups.push_back(param_groups[g].params());
@@ -476,26 +446,8 @@ std::shared_ptr<ZeroOptimizer::Layout> ZeroOptimizer::build(std::vector<torch::o
       TORCH_CHECK(p.is_leaf(), kWhere, name_of(place), " is not a leaf tensor (can't optimize a non-leaf Tensor)");
       TORCH_CHECK(at::isFloatingType(p.scalar_type()), kWhere, name_of(place), " is ", p.scalar_type(),
                   ": parameters must be floating point");
-      for (std::size_t k = 0; k < params.size(); ++k) {
-        const at::Tensor& q = params[k];
-        TORCH_CHECK(!p.is_same(q), kWhere, name_of(place), " is the same tensor as ", name_of(places[k]));
-        if (p.numel() == 0 || q.numel() == 0 || !p.has_storage() || !q.has_storage() ||
-            !p.storage().is_alias_of(q.storage()))
-          continue;
-        const auto* pb = static_cast<const char*>(p.data_ptr());
-        const auto* qb = static_cast<const char*>(q.data_ptr());
-        // The byte ranges the two could touch (first to last element).
-        const auto extent = [](const at::Tensor& t) {
-          std::int64_t last = 0;
-          for (std::int64_t d = 0; d < t.dim(); ++d) last += (t.size(d) - 1) * t.stride(d);
-          return (last + 1) * static_cast<std::int64_t>(t.element_size());
-        };
-        TORCH_CHECK(pb + extent(p) <= qb || qb + extent(q) <= pb || share_no_element(p, q), kWhere, name_of(place),
-                    " shares memory with ",
-                    name_of(places[k]),
-                    " (tied or overlapping views): moving each into its bucket would untie them; pass the tied "
-                    "tensor once");
-      }
+      const auto [first, fresh] = first_place.emplace(p.unsafeGetTensorImpl(), places.size());
+      TORCH_CHECK(fresh, kWhere, name_of(place), " is the same tensor as ", name_of(places[first->second]));
       // Another tensor on this memory (the larger tensor a slice was taken
       // from, or a view of the parameter) keeps today's values once the
       // parameter moves: nothing to refuse (the parameter itself steps as
@@ -505,6 +457,16 @@ std::shared_ptr<ZeroOptimizer::Layout> ZeroOptimizer::build(std::vector<torch::o
       places.push_back(place);
     }
   }
+  // Parameters that share memory (tied or overlapping views) would be untied
+  // by moving each into its bucket. A parameter whose own elements share
+  // memory (an expanded view) moves as a dense copy: nothing to refuse.
+  std::vector<const at::Tensor*> tensors;
+  for (const at::Tensor& p : params) tensors.push_back(&p);
+  sdk::find_shared_memory(tensors, [&](std::size_t x, std::size_t y) {
+    TORCH_CHECK(x == y, kWhere, name_of(places[y]), " shares memory with ", name_of(places[x]),
+                " (tied or overlapping views): moving each into its bucket would untie them; pass the tied tensor "
+                "once");
+  });
   const c10::Device check_device = params.empty() ? c10::Device(c10::kCPU) : params.front().device();
   layout->layout_hash = check_same_parameters(*process_group, groups, places, params, check_device);
   // Layouts that the block rule moved are not those of earlier sharded checkpoints.
@@ -1302,14 +1264,6 @@ bool same_value(const c10::IValue& a, const c10::IValue& b) {
   return a.tagKind() == b.tagKind();
 }
 
-std::string value_name(const c10::IValue& v) {
-  if (v.isTensor() && v.toTensor().defined() && v.toTensor().numel() == 1)
-    return c10::str(v.toTensor().cpu().to(at::kDouble).item<double>());
-  if (v.isInt()) return c10::str(v.toInt());
-  if (v.isDouble()) return c10::str(v.toDouble());
-  return c10::str("a ", v.tagKind());
-}
-
 // LibTorch's optimizer format around `states` (key -> archive) and groups of
 // `keys` with their options.
 void write_optimizer_archive(torch::serialize::OutputArchive& archive,
@@ -1419,8 +1373,8 @@ void ZeroOptimizer::consolidate(std::vector<torch::serialize::InputArchive>& par
           options[g].read(key, first);
           TORCH_CHECK(layout.options[g].try_read(key, theirs) && same_value(first, theirs), kWhere,
                       "consolidating: param group ", g, ": part ", r, "'s option ", key, " is ",
-                      layout.options[g].try_read(key, theirs) ? value_name(theirs) : std::string("missing"),
-                      ", part 0's ", value_name(first), ": the parts are of different saves, or damaged");
+                      layout.options[g].try_read(key, theirs) ? value_text(theirs) : std::string("missing"),
+                      ", part 0's ", value_text(first), ": the parts are of different saves, or damaged");
         }
     }
     for (auto& saved : layout.states) {
@@ -1448,8 +1402,8 @@ void ZeroOptimizer::consolidate(std::vector<torch::serialize::InputArchive>& par
           c10::IValue other;
           TORCH_CHECK(piece.archive.try_read(key, other), kWhere, "consolidating: ", name, ": a piece has no ", key);
           TORCH_CHECK(same_value(v, other), kWhere, "consolidating: ", name, ": its pieces hold different ", key, " (",
-                      value_name(v), " on elements [", pieces.front().lo, ", ", pieces.front().hi, "), ",
-                      value_name(other), " on [", piece.lo, ", ", piece.hi,
+                      value_text(v), " on elements [", pieces.front().lo, ", ", pieces.front().hi, "), ",
+                      value_text(other), " on [", piece.lo, ", ", piece.hi,
                       ")): the parts are of different saves, or damaged");
         }
         return v;
@@ -1543,10 +1497,7 @@ void ZeroOptimizer::load_consolidated_here(torch::serialize::InputArchive& archi
   }
   torch::serialize::OutputArchive mine;
   write_optimizer_archive(mine, states, keys, layout.options);
-  std::stringstream bytes;
-  mine.save_to(bytes);
-  torch::serialize::InputArchive in;
-  in.load_from(bytes);
+  torch::serialize::InputArchive in = sdk::read_back(mine);
   load_inner(in);
 }
 
@@ -1584,10 +1535,7 @@ void ZeroOptimizer::load_sharded(std::vector<torch::serialize::InputArchive>& pa
     }
     torch::serialize::OutputArchive whole;
     consolidate(inner, whole);
-    std::stringstream bytes;
-    whole.save_to(bytes);
-    torch::serialize::InputArchive in;
-    in.load_from(bytes);
+    torch::serialize::InputArchive in = sdk::read_back(whole);
     load_consolidated_here(in);
     return std::vector<std::int64_t>{};  // (its parts' stamps compared above)
   });

@@ -913,6 +913,33 @@ TEST(ZeroOptimizer, InterleavedViewsSharingNoElementAreTwoParameters) {
   });
 }
 
+// Many parameters over one buffer (a flattened model's views) are checked
+// for shared memory by address order, not pair by pair: the one pair that
+// overlaps is named, and a parameter whose own elements share memory (an
+// expanded view) is no pair: it moves into its bucket as a dense copy.
+TEST(ZeroOptimizer, ManyViewsOfOneBufferAreCheckedInAddressOrder) {
+  on_ranks(1, [&](int, const Group& pg) {
+    struct Quiet : c10::WarningHandler {
+      void process(const c10::Warning&) override {}  // ("shares its memory", tested above)
+    };
+    Quiet quiet;
+    const c10::WarningUtils::WarningHandlerGuard guard(&quiet);
+    constexpr std::int64_t kViews = 5000;
+    auto base = torch::zeros({kViews + 1});
+    std::vector<torch::Tensor> views;
+    for (std::int64_t i = 0; i < kViews; ++i) views.push_back(base.narrow(0, i, 1).detach().requires_grad_());
+    views.push_back(base.narrow(0, 2999, 2).detach().requires_grad_());
+    EXPECT_THAT(error_of([&] { ZeroOptimizer::make<ampfuse::FusedSGD>(views, torch::optim::SGDOptions(0.5), pg); }),
+                ::testing::HasSubstr("group 0, parameter 5000 shares memory with group 0, parameter 2999"));
+    views.back() = base.narrow(0, kViews, 1).expand({3}).detach().requires_grad_();
+    auto opt = ZeroOptimizer::make<ampfuse::FusedSGD>(views, torch::optim::SGDOptions(0.5), pg);
+    for (auto& v : views) v.mutable_grad() = torch::ones_like(v);
+    opt->step();
+    EXPECT_TRUE(bitwise_equal(views.front().detach(), torch::full({1}, -0.5f)));
+    EXPECT_TRUE(bitwise_equal(views.back().detach(), torch::full({3}, -0.5f)));
+  });
+}
+
 // Gathering the parameters moves their bits (broadcast or all-gather,
 // never a sum), so -0.0 and NaN payloads come back as they were.
 TEST(ZeroOptimizer, GatherKeepsEveryBit) {

@@ -323,19 +323,17 @@ LatticeVerdict compare_on_one_lattice(const std::vector<const at::Tensor*>& view
   return {LatticeVerdict::kDisjoint};
 }
 
-// Parameters whose memory overlaps (views of one tensor, or tensors made
-// over one buffer) would be written by two threads or blocks of a step at
-// once, and twice per step: refused, naming both; and a parameter whose
-// elements share memory (as_strided, unfold windows) would have elements
-// written twice. Only when a step validates from scratch (a reused step plan
-// compares the parameters' data addresses instead). Extents sorted by
-// address, O(n log n), and where extents meet (a cluster), exact: a dense
-// parameter covers its extent, so two dense ones overlap when their extents
-// meet; views with gaps are compared element by element, their element
-// addresses sorted once per cluster (interleaved views, such as the even and
-// odd columns of one matrix, or the column blocks of one, do not overlap),
-// unless their strides and offsets decide it (compare_on_one_lattice).
-void check_no_shared_memory(const std::vector<Place>& places, const char* name) {
+}  // namespace
+
+// Extents sorted by address, O(n log n), and where
+// extents meet (a cluster), exact: a dense tensor covers its extent, so two
+// dense ones overlap when their extents meet; views with gaps are compared
+// element by element, their element addresses sorted once per cluster
+// (interleaved views, such as the even and odd columns of one matrix, or
+// the column blocks of one, do not overlap), unless their strides and
+// offsets decide it (compare_on_one_lattice).
+void find_shared_memory(const std::vector<const at::Tensor*>& tensors,
+                        const std::function<void(std::size_t, std::size_t)>& found) {
   struct Extent {
     c10::Device device;
     std::uintptr_t begin, end;
@@ -344,19 +342,9 @@ void check_no_shared_memory(const std::vector<Place>& places, const char* name) 
   thread_local std::vector<Extent> kept_extents;
   std::vector<Extent>& extents = kept_extents;
   extents.clear();
-  const auto shared = [&](std::size_t x, std::size_t y) {
-    const Place& a = places[std::min(x, y)];
-    const Place& b = places[std::max(x, y)];
-    if (x == y)
-      TORCH_CHECK(false, name, ": param group ", a.group, ", param ", a.index, " overlaps itself (strides ",
-                  a.param->strides(), "): a step would write one element several times");
-    TORCH_CHECK(false, name, ": param group ", b.group, ", param ", b.index, " shares memory with param group ", a.group,
-                ", param ", a.index,
-                " (overlapping views of one tensor): a step would write both at once; give the optimizer tensors "
-                "that do not overlap");
-  };
-  for (std::size_t k = 0; k < places.size(); ++k) {
-    const at::Tensor& p = *places[k].param;
+  const auto shared = [&](std::size_t x, std::size_t y) { found(std::min(x, y), std::max(x, y)); };
+  for (std::size_t k = 0; k < tensors.size(); ++k) {
+    const at::Tensor& p = *tensors[k];
     if (!p.defined() || p.numel() == 0) continue;
     std::int64_t last = 0;  // the offset of the last element, in elements (strides are not negative)
     for (std::int64_t d = 0; d < p.dim(); ++d) last += (p.size(d) - 1) * p.stride(d);
@@ -377,7 +365,7 @@ void check_no_shared_memory(const std::vector<Place>& places, const char* name) 
     std::size_t furthest = extents.size();
     std::vector<std::size_t> views, dense;
     for (std::size_t i = j; i < k; ++i) {
-      if (!places[extents[i].place].param->is_non_overlapping_and_dense()) {
+      if (!tensors[extents[i].place]->is_non_overlapping_and_dense()) {
         views.push_back(i);
         continue;
       }
@@ -386,12 +374,12 @@ void check_no_shared_memory(const std::vector<Place>& places, const char* name) 
         shared(extents[i].place, extents[furthest].place);
       if (furthest == extents.size() || extents[i].end > extents[furthest].end) furthest = i;
     }
-    if (views.size() == 1 && k - j == 1 && strides_never_overlap(*places[extents[j].place].param)) views.clear();
+    if (views.size() == 1 && k - j == 1 && strides_never_overlap(*tensors[extents[j].place])) views.clear();
     if (dense.empty() && views.size() > 1) {
       // Views on one lattice (the column blocks of one matrix): by their strides.
-      std::vector<const at::Tensor*> tensors;
-      for (const std::size_t i : views) tensors.push_back(places[extents[i].place].param);
-      const LatticeVerdict verdict = compare_on_one_lattice(tensors);
+      std::vector<const at::Tensor*> lattice;
+      for (const std::size_t i : views) lattice.push_back(tensors[extents[i].place]);
+      const LatticeVerdict verdict = compare_on_one_lattice(lattice);
       if (verdict.kind == LatticeVerdict::kShared) shared(extents[views[verdict.a]].place, extents[views[verdict.b]].place);
       if (verdict.kind == LatticeVerdict::kDisjoint) views.clear();
     }
@@ -400,7 +388,7 @@ void check_no_shared_memory(const std::vector<Place>& places, const char* name) 
       // ends past the next one's start shares memory with it.
       std::vector<at::Tensor> addresses, owners;
       for (const std::size_t i : views) {
-        addresses.push_back(element_addresses(*places[extents[i].place].param));
+        addresses.push_back(element_addresses(*tensors[extents[i].place]));
         owners.push_back(at::full({addresses.back().numel()}, static_cast<std::int64_t>(i), at::kLong));
       }
       const auto [unsorted_order, order] = at::sort(at::cat(addresses));
@@ -410,7 +398,7 @@ void check_no_shared_memory(const std::vector<Place>& places, const char* name) 
       const std::int64_t* o = owner.const_data_ptr<std::int64_t>();
       const std::int64_t n = sorted.numel();
       const auto size_of = [&](std::int64_t e) {
-        return static_cast<std::int64_t>(places[extents[static_cast<std::size_t>(o[e])].place].param->itemsize());
+        return static_cast<std::int64_t>(tensors[extents[static_cast<std::size_t>(o[e])].place]->itemsize());
       };
       for (std::int64_t e = 0; e + 1 < n; ++e)
         if (a[e + 1] < a[e] + size_of(e))
@@ -428,7 +416,7 @@ void check_no_shared_memory(const std::vector<Place>& places, const char* name) 
   }
 }
 
-}  // namespace
+
 
 void check_signals(const StepSignals& signals, const char* name) {
   for (const auto& [device, signal] : signals.all()) check_signal(signal, device, name);
@@ -513,7 +501,27 @@ std::vector<Entry> validate_params(torch::optim::Optimizer& opt, const char* nam
       for (const Entry& e : part.second)
         if (copy_on_write(e.param.unsafeGetTensorImpl()))
           c10::impl::cow::materialize_cow_storage(*e.param.unsafeGetTensorImpl()->unsafe_storage().unsafeGetStorageImpl());
-  check_no_shared_memory(places, name);
+  // Parameters whose memory overlaps (views of one tensor, or tensors made
+  // over one buffer) would be written by two threads or blocks of a step at
+  // once, and twice per step; a parameter whose elements share memory
+  // (as_strided, unfold windows) would have elements written twice. Only
+  // when a step validates from scratch (a reused step plan compares the
+  // parameters' data addresses instead).
+  thread_local std::vector<const at::Tensor*> kept_tensors;
+  std::vector<const at::Tensor*>& tensors = kept_tensors;
+  tensors.clear();
+  for (const Place& place : places) tensors.push_back(place.param);
+  find_shared_memory(tensors, [&](std::size_t x, std::size_t y) {
+    const Place& a = places[x];
+    const Place& b = places[y];
+    if (x == y)
+      TORCH_CHECK(false, name, ": param group ", a.group, ", param ", a.index, " overlaps itself (strides ",
+                  a.param->strides(), "): a step would write one element several times");
+    TORCH_CHECK(false, name, ": param group ", b.group, ", param ", b.index, " shares memory with param group ", a.group,
+                ", param ", a.index,
+                " (overlapping views of one tensor): a step would write both at once; give the optimizer tensors "
+                "that do not overlap");
+  });
   const auto by_begin = [](const auto& a, const auto& b) { return a.first < b.first; };
   if (sparse) {
     sparse->clear();
@@ -723,12 +731,7 @@ void lay_out_saved_state(torch::serialize::InputArchive& archive, const at::Tens
   // An InputArchive is read-only: the state's fields go through a new one.
   torch::serialize::OutputArchive out;
   for (const auto& [key, v] : fields) out.write(key, v);
-  std::ostringstream bytes;
-  out.save_to(bytes);
-  std::istringstream in(bytes.str());
-  torch::serialize::InputArchive relaid;
-  relaid.load_from(in);
-  archive = std::move(relaid);
+  archive = read_back(out);
 }
 
 CheckpointLayout read_checkpoint_layout(torch::serialize::InputArchive& archive, const char* name,
@@ -869,17 +872,33 @@ void check_loaded_options(const torch::optim::RMSpropOptions& o, const char* nam
   check_not_nan(o.momentum(), name, group, "momentum");
 }
 
+torch::serialize::InputArchive read_back(torch::serialize::OutputArchive& archive) {
+  std::stringstream bytes;
+  archive.save_to(bytes);
+  torch::serialize::InputArchive in;
+  in.load_from(bytes);
+  return in;
+}
+
+std::vector<std::pair<std::string, c10::IValue>> saved_fields(const torch::optim::OptimizerOptions& options) {
+  torch::serialize::OutputArchive out;
+  options.serialize(out);
+  torch::serialize::InputArchive in = read_back(out);
+  std::vector<std::pair<std::string, c10::IValue>> fields;
+  for (const std::string& key : in.keys()) {
+    c10::IValue v;
+    in.read(key, v);
+    fields.emplace_back(key, std::move(v));
+  }
+  return fields;
+}
+
 void check_saved_option_keys(torch::serialize::InputArchive& archive, const torch::optim::OptimizerOptions& read,
                              const char* name, std::size_t group) {
   // The keys the options write, read back from an archive of their own:
   // options hold a few numbers, so the round trip costs little.
-  torch::serialize::OutputArchive written;
-  read.serialize(written);
-  std::stringstream bytes;
-  written.save_to(bytes);
-  torch::serialize::InputArchive back;
-  back.load_from(bytes);
-  const std::vector<std::string> known = back.keys();
+  std::vector<std::string> known;
+  for (auto& [key, value] : saved_fields(read)) known.push_back(key);
   for (const std::string& key : archive.keys())
     TORCH_CHECK(std::find(known.begin(), known.end(), key) != known.end(), name, ": param group ", group,
                 ": the checkpoint's options have the key '", key, "', which ", name,

@@ -386,6 +386,17 @@ void check_saved_tensors(torch::serialize::InputArchive& archive, const char* na
 bool fits_storage(c10::IntArrayRef sizes, c10::IntArrayRef strides, std::int64_t storage_offset,
                   std::int64_t itemsize, std::size_t nbytes);
 
+/// Calls found(x, y), x <= y, for tensors x and y of `tensors` (none null;
+/// undefined and empty ones are skipped) that share an element's memory, and
+/// found(x, x) for a tensor whose own elements share memory (an expanded
+/// view, unfold windows). Exact for strided views: interleaved ones (the even
+/// and odd columns of one matrix) share nothing. found may throw to stop at
+/// the first pair; if it returns, the search goes on and may report a pair
+/// more than once. O(n log n) in the tensors where their byte ranges do not
+/// meet; where they meet, by their strides or else element by element.
+void find_shared_memory(const std::vector<const at::Tensor*>& tensors,
+                        const std::function<void(std::size_t, std::size_t)>& found);
+
 /// Reads the layout of `archive`: throws, naming `name` and what is wrong,
 /// unless it holds LibTorch's optimizer format with group_sizes.size()
 /// groups of group_sizes[g] parameters each, every parameter's key a number
@@ -434,6 +445,14 @@ void check_loaded_options(const torch::optim::AdagradOptions& o, const char* nam
 void check_loaded_options(const torch::optim::RMSpropOptions& o, const char* name, std::size_t group);
 template <class Options>
 void check_loaded_options(const Options& /*options*/, const char* /*name*/, std::size_t /*group*/) {}
+
+/// What `archive` holds, as an InputArchive to read: a round trip through
+/// bytes (LibTorch reads an archive only from its bytes).
+torch::serialize::InputArchive read_back(torch::serialize::OutputArchive& archive);
+
+/// The (key, value) pairs that options.serialize() writes, in the order
+/// read_back gives them.
+std::vector<std::pair<std::string, c10::IValue>> saved_fields(const torch::optim::OptimizerOptions& options);
 
 /// Throws, naming `name`, the group and the key, when a checkpoint's
 /// options archive holds a key that `read` (the options read from it) does

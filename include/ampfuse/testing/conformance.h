@@ -31,6 +31,7 @@
 #include <vector>
 
 #include "ampfuse/contract.h"
+#include "ampfuse/sdk/optimizer.h"
 
 #if defined(AMPFUSE_WITH_CUDA)
 #include <c10/cuda/CUDAFunctions.h>
@@ -102,11 +103,7 @@ using FlatState = std::map<std::string, c10::IValue>;
 inline FlatState saved_state(const torch::optim::Optimizer& opt) {
   torch::serialize::OutputArchive out;
   opt.save(out);
-  std::ostringstream bytes;
-  out.save_to(bytes);
-  std::istringstream in_bytes(bytes.str());
-  torch::serialize::InputArchive in;
-  in.load_from(in_bytes);
+  torch::serialize::InputArchive in = ampfuse::sdk::read_back(out);
   std::map<std::string, std::string> names;
   for (std::size_t g = 0; g < opt.param_groups().size(); ++g)
     for (std::size_t i = 0; i < opt.param_groups()[g].params().size(); ++i)
