@@ -749,6 +749,40 @@ void ZeroOptimizer::agree(const std::string& refusal, std::vector<std::int32_t>*
                std::string("refused ") + (what ? what : "the step (its error says why); nothing was written on any rank"));
 }
 
+// The step's agreement, which every rank reaches once per step whether it
+// refuses or not: each rank's refusal, and a hash of the learning rates set
+// on its groups (by the user or an LR scheduler, since the last step), so
+// that ranks whose schedules went apart are refused on every rank before
+// anything is written, rather than stepping their shards of one parameter
+// with different rates. (The other options were compared at construction.)
+void ZeroOptimizer::agree_step(const std::string& refused) const {
+  const int world = process_group_->getSize(), rank = process_group_->getRank();
+  std::vector<std::string> lrs;  // as the message gives them
+  std::uint64_t h = 1469598103934665603ull;
+  for (const auto& group : param_groups()) {
+    double lr = 0.0;
+    try {
+      lr = group.options().get_lr();
+    } catch (const std::exception&) {  // (an options type without an lr)
+    }
+    lrs.push_back(value_text(lr));
+    std::int64_t bits = 0;
+    const double canonical = lr == 0.0 ? 0.0 : lr;  // -0 is 0
+    std::memcpy(&bits, &canonical, sizeof bits);
+    h = fnv(h, bits);
+  }
+  std::vector<std::int32_t> hashes(static_cast<std::size_t>(world), 0);  // rank r's in slot r, the others 0
+  hashes[static_cast<std::size_t>(rank)] = static_cast<std::int32_t>((h ^ (h >> 32)) & 0x7FFFFFFFu) | 1;
+  agree(refused, &hashes);
+  if (buckets_.empty()) return;  // (agreed with no one: no parameters, nothing to step apart)
+  for (int r = 1; r < world; ++r)
+    TORCH_CHECK(hashes[static_cast<std::size_t>(r)] == hashes[0], kWhere,
+                "step: the learning rates set on the parameter groups differ between rank 0 and rank ", r,
+                " (rank ", rank, "'s: ", c10::Join(", ", lrs),
+                "): set them alike on every rank (an LR scheduler stepped on some ranks only, or given other "
+                "settings?); the step is refused on every rank, and nothing was written");
+}
+
 // Whether a parameter's grad is another tensor than when the grads were
 // last reduced (set anew without zero_grad): those are reduced again.
 bool ZeroOptimizer::grads_replaced_since_reduced() const {
@@ -980,14 +1014,14 @@ void ZeroOptimizer::step_inner(const StepSignals* signals) {
   try {
     if (aware && aware->step_checked(signals, [&] {
           agreed = true;
-          agree({}, nullptr);
+          agree_step({});
         }))
       return;
   } catch (const std::exception& e) {
     if (agreed) throw;  // every rank refuses (or this one failed after the agreement)
-    agree(message_of(e), nullptr);
+    agree_step(message_of(e));
   }
-  agree({}, nullptr);
+  agree_step({});
   if (signals) aware->step_with_signals(*signals);
   else inner_->step();
 }
@@ -998,14 +1032,14 @@ void ZeroOptimizer::step_with_signals(const StepSignals& signals) {
               "anything else must call reduce_grads()");
   // Agreed once on every rank: here where this rank refuses, else in step_inner.
   const std::string refused = refusal();
-  if (!refused.empty()) agree(refused, nullptr);
+  if (!refused.empty()) agree_step(refused);
   adopt_moved_params();
   copy_options_to_inner();
   note_writes_from_outside();
   if (dynamic_cast<ScalerAware*>(inner_.get()) != nullptr) {
     step_inner(&signals);
   } else {
-    agree({}, nullptr);
+    agree_step({});
     // PyTorch's classic path on the shard: one host read, unscale, step.
     // The GradScaler takes this optimizer for a ScalerAware one, which
     // leaves the grads it read as they were (and unscales them after the

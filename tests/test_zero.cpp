@@ -974,6 +974,46 @@ TEST(ZeroOptimizer, OptionsSetOnItsGroupsReachTheWrappedOptimizer) {
   });
 }
 
+// A learning rate set on one rank's groups alone (an LR scheduler stepped
+// there only) would step that rank's shards with another rate than the
+// rest of each parameter: refused at the step on every rank, before
+// anything is written, with and without GradScaler; set alike, the step
+// goes on. A -0 is 0.
+TEST(ZeroOptimizer, LearningRatesThatDifferBetweenRanksAreRefusedAtTheStep) {
+  for (const bool scaled : {false, true}) {
+    SCOPED_TRACE(scaled ? "GradScaler::step" : "step");
+    on_ranks(2, [&](int rank, const Group& pg) {
+      auto a = torch::zeros({40}).requires_grad_(), b = torch::zeros({6}).requires_grad_();
+      std::vector<torch::optim::OptimizerParamGroup> groups;
+      groups.emplace_back(std::vector<torch::Tensor>{a});
+      groups.emplace_back(std::vector<torch::Tensor>{b});
+      auto opt = ZeroOptimizer::make<ampfuse::FusedSGD>(groups, torch::optim::SGDOptions(0.5), pg);
+      ampfuse::GradScaler scaler(ampfuse::GradScalerOptions().init_scale(1.0));
+      const auto step = [&] {
+        a.mutable_grad() = torch::ones({40});
+        b.mutable_grad() = torch::ones({6});
+        if (!scaled) return void(opt->step());
+        scaler.scale(torch::ones({}));
+        scaler.step(*opt);
+        scaler.update();
+      };
+      if (rank == 1) opt->param_groups()[1].options().set_lr(0.25000000000000006);
+      EXPECT_THAT(error_of(step), ::testing::HasSubstr(
+                                      "step: the learning rates set on the parameter groups differ between rank 0 "
+                                      "and rank 1 (rank " +
+                                      std::to_string(rank) + "'s: " +
+                                      (rank == 0 ? "0.5, 0.5" : "0.5, 0.25000000000000006") + ")"));
+      EXPECT_TRUE(bitwise_equal(a.detach(), torch::zeros({40})));
+      EXPECT_TRUE(bitwise_equal(b.detach(), torch::zeros({6})));
+      opt->param_groups()[1].options().set_lr(0.25);
+      opt->param_groups()[0].options().set_lr(rank == 0 ? 0.0 : -0.0);
+      step();
+      EXPECT_TRUE(bitwise_equal(a.detach(), torch::zeros({40})));
+      EXPECT_TRUE(bitwise_equal(b.detach(), torch::full({6}, -0.25f)));
+    }, std::chrono::milliseconds(30000));
+  }
+}
+
 // Parameters that differ across ranks are refused on every rank, naming
 // the first one that differs; tied or repeated tensors are refused before
 // anything moves; a sparse grad is refused before anything is reduced.

@@ -253,6 +253,7 @@ class ZeroOptimizer : public torch::optim::Optimizer, public ScalerAware {
   /// error (null: the step, which wrote nothing).
   void agree(const std::string& refusal, std::vector<std::int32_t>* flags, const char* what = nullptr,
              const char* doing = "agreeing that every rank can step") const;
+  void agree_step(const std::string& refused) const;
   bool grads_replaced_since_reduced() const;
   void step_inner(const StepSignals* signals);
   void record_versions();
