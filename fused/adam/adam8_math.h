@@ -196,6 +196,15 @@ AMPFUSE_HOST_DEVICE std::uint32_t encode_magnitude_by_addition(float y) {
 struct Reciprocal8 {
   float r;
   bool scaled;
+  /// y of a magnitude a (|x|, or x where x is never negative): a * r, then
+  /// times 2^-64 (exact) in a scaled block. T: float, or a SIMD vector of
+  /// floats that multiplies by a float.
+  template <class T>
+  AMPFUSE_HOST_DEVICE T of(T a) const {
+    T y = a * r;
+    if (scaled) y = y * 5.421010862427522e-20f;  // 2^-64
+    return y;
+  }
 };
 AMPFUSE_HOST_DEVICE Reciprocal8 block_reciprocal(float absmax) {
   const bool scaled = absmax >= 18446744073709551616.0f;  // 2^64
@@ -204,8 +213,7 @@ AMPFUSE_HOST_DEVICE Reciprocal8 block_reciprocal(float absmax) {
 
 /// y of |x| in a block of reciprocal rc.
 AMPFUSE_HOST_DEVICE float scaled_magnitude(float x, Reciprocal8 rc) {
-  const float y = quant_bits_float(quant_float_bits(x) & 0x7FFFFFFFu) * rc.r;
-  return rc.scaled ? y * 5.421010862427522e-20f : y;  // 2^-64, exact
+  return rc.of(quant_bits_float(quant_float_bits(x) & 0x7FFFFFFFu));
 }
 
 template <class Map>
