@@ -57,7 +57,12 @@ struct Trainer {
   int64_t step = 0, skipped = 0;
 };
 
-std::string checkpoint(int rank) { return "train_ddp_rank" + std::to_string(rank) + ".pt"; }
+// Each rank's checkpoint file, named by the launch's port as well: two
+// launches in one directory at once (ctest -j) write files of their own.
+std::string checkpoint(int rank) {
+  static const std::string launch = std::to_string(ampfuse::distributed::launch_env().master_port);
+  return "train_ddp_" + launch + "_rank" + std::to_string(rank) + ".pt";
+}
 
 void save_checkpoint(Trainer& t, int rank) {
   torch::serialize::OutputArchive all, model, optimizer, scaler;
