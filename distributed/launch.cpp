@@ -10,6 +10,8 @@
 #include <cerrno>
 #include <csignal>
 #include <cstdlib>
+#include <future>
+#include <memory>
 #include <string>
 #include <thread>
 #include <vector>
@@ -114,6 +116,33 @@ void check_rendezvous(c10d::Store& store, const LaunchEnv& env, std::chrono::mil
   }
 }
 
+// The store, made on a thread of its own and given up on after the
+// store's own timeout (which bounds its connecting) and a margin: a client
+// that reaches a listener which is not a TCPStore (another program on
+// MASTER_PORT) that accepts and never answers would otherwise wait for
+// the answer to its first message forever. The thread, blocked in that read,
+// is left behind (the process is expected to end on the error); where the
+// store comes after all, the thread lets it go.
+c10::intrusive_ptr<c10d::TCPStore> connect_store(const LaunchEnv& env, const c10d::TCPStoreOptions& options,
+                                                 std::chrono::milliseconds timeout) {
+  auto made = std::make_shared<std::promise<c10::intrusive_ptr<c10d::TCPStore>>>();
+  std::future<c10::intrusive_ptr<c10d::TCPStore>> store = made->get_future();
+  std::thread([made, addr = env.master_addr, options] {
+    try {
+      made->set_value(c10::make_intrusive<c10d::TCPStore>(addr, options));
+    } catch (...) {
+      made->set_exception(std::current_exception());
+    }
+  }).detach();
+  const auto limit = timeout + std::chrono::seconds(5);
+  TORCH_CHECK(store.wait_for(limit) == std::future_status::ready,
+              "ampfuse::distributed::init_process_group (", env.master_addr, ":", env.master_port,
+              ", RANK=", env.rank, ", WORLD_SIZE=", env.world_size, "): the store at ", env.master_addr, ":",
+              env.master_port, " did not answer within ", limit.count(),
+              " ms (the timeout and 5 s): something other than rank 0's store listens on MASTER_PORT?");
+  return store.get();
+}
+
 }  // namespace
 
 c10::intrusive_ptr<c10d::ProcessGroup> init_process_group(const LaunchEnv& env, bool cuda,
@@ -130,7 +159,7 @@ c10::intrusive_ptr<c10d::ProcessGroup> init_process_group(const LaunchEnv& env, 
   store_options.isServer = env.rank == 0;
   store_options.numWorkers = static_cast<std::size_t>(env.world_size);
   store_options.timeout = timeout;
-  auto store = c10::make_intrusive<c10d::TCPStore>(env.master_addr, store_options);
+  auto store = connect_store(env, store_options, timeout);
   check_rendezvous(*store, env, timeout);
   auto group = c10::make_intrusive<c10d::ProcessGroup>(store, env.rank, env.world_size);
 #if defined(AMPFUSE_HAS_GLOO)

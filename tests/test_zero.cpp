@@ -12,6 +12,7 @@
 #include <ampfuse/zero.h>
 
 #include <functional>
+#include <future>
 #include <limits>
 #include <netinet/in.h>
 #include <sys/socket.h>
@@ -21,6 +22,7 @@
 #include <random>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "tests/common.h"
@@ -1865,6 +1867,37 @@ std::uint16_t free_port() {
                   getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0;
   if (fd >= 0) close(fd);
   return ok ? ntohs(addr.sin_port) : 0;
+}
+
+// A program other than rank 0's store listening on MASTER_PORT, which takes
+// the connection and never answers (here a socket that listens and never
+// accepts: the kernel completes the connection): init_process_group fails
+// after its timeout and 5 s, naming the address, where TCPStore's client
+// alone waits for the answer forever. Waited for on a thread of the test's
+// own, so that a hang fails the test instead of stopping the run.
+TEST(InitProcessGroup, AListenerThatNeverAnswersFailsAfterTheTimeout) {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  ASSERT_GE(fd, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof addr;
+  ASSERT_EQ(bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr), 0);
+  ASSERT_EQ(listen(fd, 16), 0);
+  ASSERT_EQ(getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len), 0);
+  ampfuse::distributed::LaunchEnv env;
+  env.rank = 1;
+  env.world_size = 2;
+  env.master_port = ntohs(addr.sin_port);
+  auto error = std::make_shared<std::promise<std::string>>();
+  std::future<std::string> result = error->get_future();
+  std::thread([error, env] {
+    error->set_value(error_of([&] { ampfuse::distributed::init_process_group(env, false, std::chrono::seconds(1)); }));
+  }).detach();
+  ASSERT_EQ(result.wait_for(std::chrono::seconds(60)), std::future_status::ready) << "init_process_group still waits";
+  EXPECT_THAT(result.get(), ::testing::HasSubstr("the store at 127.0.0.1:" + std::to_string(env.master_port) +
+                                                 " did not answer within 6000 ms"));
+  close(fd);
 }
 
 // On a GPU (scripts/gpu-check.sh runs it; NOT YET RUN on one): a group made

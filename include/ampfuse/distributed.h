@@ -42,7 +42,9 @@ LaunchEnv launch_env(const std::function<const char*(const char*)>& lookup);
 /// with Gloo for CPU tensors and, when `cuda` (a CUDA build; call
 /// c10::cuda::set_device(env.local_rank) first), NCCL for CUDA tensors. The
 /// rendezvous and every collective fail with an error after `timeout`
-/// instead of waiting forever for a rank that does not come. SIGPIPE is
+/// instead of waiting forever for a rank that does not come (and reaching
+/// the store fails after `timeout` and 5 s where a program other than rank
+/// 0's store listens on MASTER_PORT and never answers). SIGPIPE is
 /// ignored from then on when it had its default action (as Python does),
 /// so that a peer that went away is an error, not the end of this process.
 c10::intrusive_ptr<c10d::ProcessGroup> init_process_group(const LaunchEnv& env, bool cuda = false,
