@@ -345,7 +345,8 @@ void find_shared_memory(const std::vector<const at::Tensor*>& tensors,
   const auto shared = [&](std::size_t x, std::size_t y) { found(std::min(x, y), std::max(x, y)); };
   for (std::size_t k = 0; k < tensors.size(); ++k) {
     const at::Tensor& p = *tensors[k];
-    if (!p.defined() || p.numel() == 0) continue;
+    // (No memory to share: no element, no storage, or none allocated: meta.)
+    if (!p.defined() || p.numel() == 0 || !p.has_storage() || p.const_data_ptr() == nullptr) continue;
     std::int64_t last = 0;  // the offset of the last element, in elements (strides are not negative)
     for (std::int64_t d = 0; d < p.dim(); ++d) last += (p.size(d) - 1) * p.stride(d);
     const auto begin = reinterpret_cast<std::uintptr_t>(p.const_data_ptr());
@@ -374,7 +375,16 @@ void find_shared_memory(const std::vector<const at::Tensor*>& tensors,
         shared(extents[i].place, extents[furthest].place);
       if (furthest == extents.size() || extents[i].end > extents[furthest].end) furthest = i;
     }
-    if (views.size() == 1 && k - j == 1 && strides_never_overlap(*tensors[extents[j].place])) views.clear();
+    if (views.size() == 1 && k - j == 1) {
+      // A view alone in its extent: only whether it overlaps itself. Its
+      // strides tell where they show no overlap, or where one of size > 1
+      // is 0 (an expanded view: reported without an address per element).
+      const at::Tensor& t = *tensors[extents[j].place];
+      bool expanded = false;
+      for (std::int64_t d = 0; d < t.dim(); ++d) expanded |= t.size(d) > 1 && t.stride(d) == 0;
+      if (expanded) shared(extents[j].place, extents[j].place);
+      if (expanded || strides_never_overlap(t)) views.clear();
+    }
     if (dense.empty() && views.size() > 1) {
       // Views on one lattice (the column blocks of one matrix): by their strides.
       std::vector<const at::Tensor*> lattice;
@@ -400,14 +410,17 @@ void find_shared_memory(const std::vector<const at::Tensor*>& tensors,
       const auto size_of = [&](std::int64_t e) {
         return static_cast<std::int64_t>(tensors[extents[static_cast<std::size_t>(o[e])].place]->itemsize());
       };
+      std::int64_t widest = 1;  // the views' largest element, in bytes
+      for (const std::size_t i : views)
+        widest = std::max(widest, static_cast<std::int64_t>(tensors[extents[i].place]->itemsize()));
       for (std::int64_t e = 0; e + 1 < n; ++e)
         if (a[e + 1] < a[e] + size_of(e))
           shared(extents[static_cast<std::size_t>(o[e])].place, extents[static_cast<std::size_t>(o[e + 1])].place);
       // Views against dense parameters: any view element within a dense extent.
       for (const std::size_t i : dense) {
         const auto lo = static_cast<std::int64_t>(extents[i].begin), hi = static_cast<std::int64_t>(extents[i].end);
-        // The first element starting at or past lo - 8 (no element is wider), then those before hi.
-        std::int64_t e = std::lower_bound(a, a + n, lo - 8) - a;
+        // The first element starting at or past lo - widest (no element is wider), then those before hi.
+        std::int64_t e = std::lower_bound(a, a + n, lo - widest) - a;
         for (; e < n && a[e] < hi; ++e)
           if (a[e] + size_of(e) > lo) shared(extents[i].place, extents[static_cast<std::size_t>(o[e])].place);
       }

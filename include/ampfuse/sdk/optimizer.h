@@ -386,14 +386,20 @@ void check_saved_tensors(torch::serialize::InputArchive& archive, const char* na
 bool fits_storage(c10::IntArrayRef sizes, c10::IntArrayRef strides, std::int64_t storage_offset,
                   std::int64_t itemsize, std::size_t nbytes);
 
-/// Calls found(x, y), x <= y, for tensors x and y of `tensors` (none null;
-/// undefined and empty ones are skipped) that share an element's memory, and
-/// found(x, x) for a tensor whose own elements share memory (an expanded
-/// view, unfold windows). Exact for strided views: interleaved ones (the even
-/// and odd columns of one matrix) share nothing. found may throw to stop at
-/// the first pair; if it returns, the search goes on and may report a pair
-/// more than once. O(n log n) in the tensors where their byte ranges do not
-/// meet; where they meet, by their strides or else element by element.
+/// Calls found(x, y), x <= y, for tensors x and y of `tensors` that share an
+/// element's memory, and found(x, x) for a tensor whose own elements share
+/// memory (an expanded view, unfold windows). Exact for strided views:
+/// interleaved ones (the even and odd columns of one matrix) share nothing.
+/// found may throw to stop at the first pair. If it returns, the search goes
+/// on: every tensor that shares memory is then in at least one reported
+/// pair (not every pair is reported: of three dense tensors that overlap,
+/// each is paired with the one reaching furthest before it), and a pair may
+/// be reported more than once. O(n log n) in the tensors where their byte
+/// ranges do not meet; where they meet, by their strides or else element by
+/// element. `tensors`: none null, strided (strides are never negative);
+/// undefined and empty ones, and ones without memory (no storage, or meta)
+/// are skipped. found must not call find_shared_memory (its buffers are per
+/// thread).
 void find_shared_memory(const std::vector<const at::Tensor*>& tensors,
                         const std::function<void(std::size_t, std::size_t)>& found);
 
