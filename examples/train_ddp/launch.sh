@@ -5,8 +5,9 @@
 # killed after AMPFUSE_RANK_TIMEOUT seconds (default 120), so nothing hangs.
 # The port is found free, then released for rank 0 to bind: another process
 # can take it in between. A launch whose rank 0 failed on a port in use runs
-# again on another port (three tries). Other ranks may have reached whoever
-# took the port meanwhile; they fail or time out, and the retry replaces them.
+# again on another port (three tries). The other ranks of that try, which wait
+# for a store that never comes (or reached whoever took the port), are ended
+# then, not waited for.
 # Usage: launch.sh <N> <program> [arguments...]
 set -uo pipefail
 if [ $# -lt 2 ] || ! [[ $1 =~ ^[1-9][0-9]*$ ]]; then
@@ -20,10 +21,20 @@ limit=${AMPFUSE_RANK_TIMEOUT:-120}
 logs=$(mktemp -d)
 trap 'rm -rf "$logs"' EXIT
 
+# Whether rank 0 of the last try failed on a port in use.
+port_taken() { grep -qiE 'EADDRINUSE|address already in use' "$logs/rank0.err"; }
+
+# Ends a rank's job (the subshell whose children are its `timeout`, which
+# passes the signal on to the program, and its `tee`).
+end_rank() {
+  local child
+  for child in $(cat "/proc/$1/task/$1/children" 2>/dev/null); do kill -TERM "$child" 2>/dev/null; done
+}
+
 # Runs the ranks once on port $1, the program's arguments after it; returns
 # 0 when every rank exited 0.
 launch() {
-  local port=$1 rank status failed=0
+  local port=$1 rank other status failed=0
   shift
   local -a pids=()
   echo "[ ranks    ] $world processes of $(basename "$program"), MASTER_ADDR=127.0.0.1 MASTER_PORT=$port"
@@ -41,6 +52,9 @@ launch() {
     if [ "$status" -ne 0 ]; then
       echo "[ ranks    ] rank $rank exited with $status" >&2
       failed=1
+      if [ "$rank" -eq 0 ] && port_taken; then
+        for ((other = 1; other < world; ++other)); do end_rank "${pids[$other]}"; done
+      fi
     fi
   done
   return $failed
@@ -49,7 +63,7 @@ launch() {
 for try in 1 2 3; do
   port=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
   launch "$port" "$@" && exit 0
-  grep -qiE 'EADDRINUSE|address already in use' "$logs/rank0.err" || exit 1
+  port_taken || exit 1
   echo "[ ranks    ] port $port was taken before rank 0 bound it (try $try of 3): again on another port" >&2
 done
 exit 1
