@@ -134,6 +134,9 @@ c10::intrusive_ptr<c10d::TCPStore> connect_store(const LaunchEnv& env, const c10
       made->set_exception(std::current_exception());
     }
   }).detach();
+  // (A timeout of a year or more waits as long as the store does: the sum
+  // could overflow, and so could the deadline wait_for takes from it.)
+  if (timeout >= std::chrono::hours(24 * 365)) return store.get();
   const auto limit = timeout + std::chrono::seconds(5);
   TORCH_CHECK(store.wait_for(limit) == std::future_status::ready,
               "ampfuse::distributed::init_process_group (", env.master_addr, ":", env.master_port,

@@ -24,11 +24,19 @@ trap 'rm -rf "$logs"' EXIT
 # Whether rank 0 of the last try failed on a port in use.
 port_taken() { grep -qiE 'EADDRINUSE|address already in use' "$logs/rank0.err"; }
 
-# Ends a rank's job (the subshell whose children are its `timeout`, which
-# passes the signal on to the program, and its `tee`).
+# Ends a rank's job: the subshell whose children are its `timeout` (which
+# passes the signal on to the program) and its `tee` (which ends with the
+# program's output, its last lines kept). Again every 0.1 s while the job
+# runs, up to 5 s: its `timeout` may not have started yet.
 end_rank() {
-  local child
-  for child in $(cat "/proc/$1/task/$1/children" 2>/dev/null); do kill -TERM "$child" 2>/dev/null; done
+  local child tries
+  for ((tries = 0; tries < 50; ++tries)); do
+    kill -0 "$1" 2>/dev/null || return 0
+    for child in $(cat "/proc/$1/task/$1/children" 2>/dev/null); do
+      [ "$(cat "/proc/$child/comm" 2>/dev/null)" = timeout ] && kill -TERM "$child" 2>/dev/null
+    done
+    sleep 0.1
+  done
 }
 
 # Runs the ranks once on port $1, the program's arguments after it; returns

@@ -391,10 +391,10 @@ bool fits_storage(c10::IntArrayRef sizes, c10::IntArrayRef strides, std::int64_t
 /// memory (an expanded view, unfold windows). Exact for strided views:
 /// interleaved ones (the even and odd columns of one matrix) share nothing.
 /// found may throw to stop at the first pair. If it returns, the search goes
-/// on: every tensor that shares memory is then in at least one reported
-/// pair (not every pair is reported: of three dense tensors that overlap,
-/// each is paired with the one reaching furthest before it), and a pair may
-/// be reported more than once. O(n log n) in the tensors where their byte
+/// on: where two different tensors share memory, some pair of different
+/// tensors is reported (not every such pair: a dense tensor is paired with
+/// the one reaching furthest before it, an element with its neighbours by
+/// address), and a pair may be reported more than once. O(n log n) in the tensors where their byte
 /// ranges do not meet; where they meet, by their strides or else element by
 /// element. `tensors`: none null, strided (strides are never negative);
 /// undefined and empty ones, and ones without memory (no storage, or meta)
