@@ -22,12 +22,15 @@
 #include <chrono>
 #include <cstring>
 #include <map>
+#include <optional>
 #include <random>
 #include <regex>
 #include <sstream>
 #include <string>
+#include <typeindex>
 #include <typeinfo>
 #include <unordered_map>
+#include <unordered_set>
 #include <utility>
 
 namespace ampfuse::distributed {
@@ -227,6 +230,20 @@ std::int64_t check_same_parameters(c10d::ProcessGroup& group, const std::vector<
   return static_cast<std::int64_t>(whole);
 }
 
+// A group's lr, or none where its options type has none (the base's get_lr,
+// which throws: remembered per type, so that a step does not throw and catch
+// once per group).
+std::optional<double> lr_of(const torch::optim::OptimizerOptions& o) {
+  thread_local std::unordered_set<std::type_index> without_lr;
+  if (without_lr.count(std::type_index(typeid(o))) != 0) return std::nullopt;
+  try {
+    return o.get_lr();
+  } catch (const c10::Error&) {
+    without_lr.insert(std::type_index(typeid(o)));
+    return std::nullopt;
+  }
+}
+
 // A group's options as LibTorch serializes them (OptimizerOptions::
 // serialize, which LibTorch's options types and ampfuse's implement), read
 // back as (key, value) pairs; where a type does not serialize (a third
@@ -238,10 +255,7 @@ std::vector<std::pair<std::string, c10::IValue>> options_fields(const torch::opt
   } catch (const std::exception&) {
   }
   if (!fields.empty()) return fields;
-  try {
-    fields.emplace_back("lr", o.get_lr());
-  } catch (const std::exception&) {
-  }
+  if (const auto lr = lr_of(o)) fields.emplace_back("lr", *lr);
   return fields;
 }
 
@@ -757,30 +771,27 @@ void ZeroOptimizer::agree(const std::string& refusal, std::vector<std::int32_t>*
 // with different rates. (The other options were compared at construction.)
 void ZeroOptimizer::agree_step(const std::string& refused) const {
   const int world = process_group_->getSize(), rank = process_group_->getRank();
-  std::vector<std::string> lrs;  // as the message gives them
+  thread_local std::vector<double> lrs;
+  lrs.clear();
   std::uint64_t h = 1469598103934665603ull;
   for (const auto& group : param_groups()) {
-    double lr = 0.0;
-    try {
-      lr = group.options().get_lr();
-    } catch (const std::exception&) {  // (an options type without an lr)
-    }
-    lrs.push_back(value_text(lr));
-    std::int64_t bits = 0;
-    const double canonical = lr == 0.0 ? 0.0 : lr;  // -0 is 0
-    std::memcpy(&bits, &canonical, sizeof bits);
-    h = fnv(h, bits);
+    const double lr = lr_of(group.options()).value_or(0.0);
+    lrs.push_back(lr);
+    h = hash_value(h, lr);  // (-0 as 0)
   }
   std::vector<std::int32_t> hashes(static_cast<std::size_t>(world), 0);  // rank r's in slot r, the others 0
   hashes[static_cast<std::size_t>(rank)] = static_cast<std::int32_t>((h ^ (h >> 32)) & 0x7FFFFFFFu) | 1;
   agree(refused, &hashes);
   if (buckets_.empty()) return;  // (agreed with no one: no parameters, nothing to step apart)
   for (int r = 1; r < world; ++r)
-    TORCH_CHECK(hashes[static_cast<std::size_t>(r)] == hashes[0], kWhere,
-                "step: the learning rates set on the parameter groups differ between rank 0 and rank ", r,
-                " (rank ", rank, "'s: ", c10::Join(", ", lrs),
-                "): set them alike on every rank (an LR scheduler stepped on some ranks only, or given other "
-                "settings?); the step is refused on every rank, and nothing was written");
+    if (hashes[static_cast<std::size_t>(r)] != hashes[0]) {
+      std::vector<std::string> texts;
+      for (const double lr : lrs) texts.push_back(value_text(lr));
+      TORCH_CHECK(false, kWhere, "step: the learning rates set on the parameter groups differ between rank 0 and rank ",
+                  r, " (rank ", rank, "'s: ", c10::Join(", ", texts),
+                  "): set them alike on every rank (an LR scheduler stepped on some ranks only, or given other "
+                  "settings?); the step is refused on every rank, and nothing was written");
+    }
 }
 
 // Whether a parameter's grad is another tensor than when the grads were
@@ -957,7 +968,7 @@ void ZeroOptimizer::copy_options_to_inner() const {
   auto& theirs = inner_->param_groups();
   for (std::size_t g = 0; g < mine.size(); ++g) {
     if (copy_options_) copy_options_(mine[g].options(), theirs[g].options());
-    else theirs[g].options().set_lr(mine[g].options().get_lr());
+    else if (const auto lr = lr_of(mine[g].options())) theirs[g].options().set_lr(*lr);
   }
 }
 

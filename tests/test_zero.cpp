@@ -808,6 +808,36 @@ struct PlainSGD : torch::optim::Optimizer {
   }
 };
 
+// A third party's options without an lr at all (get_lr is the base's, which
+// throws): constructed, and every step agreed, with no lr to compare.
+struct NoLrOptions : torch::optim::OptimizerCloneableOptions<NoLrOptions> {};
+struct HalvingOptimizer : torch::optim::Optimizer {
+  explicit HalvingOptimizer(std::vector<torch::optim::OptimizerParamGroup> groups)
+      : Optimizer(std::move(groups), std::make_unique<NoLrOptions>()) {}
+  torch::Tensor step(LossClosure = nullptr) override {
+    const at::NoGradGuard no_grad;
+    for (auto& g : param_groups())
+      for (auto& p : g.params())
+        if (p.grad().defined()) p.sub_(p.grad().mul(0.5));
+    return {};
+  }
+};
+
+TEST(ZeroOptimizer, OptionsWithoutALearningRateStep) {
+  on_ranks(2, [&](int rank, const Group& pg) {
+    auto p = torch::zeros({64}).requires_grad_();
+    ZeroOptimizer opt({torch::optim::OptimizerParamGroup({p})}, pg,
+                      [](std::vector<torch::optim::OptimizerParamGroup> g) -> std::unique_ptr<torch::optim::Optimizer> {
+                        return std::make_unique<HalvingOptimizer>(std::move(g));
+                      });
+    for (int step = 0; step < 3; ++step) {
+      p.mutable_grad() = torch::ones({64});
+      opt.step();
+    }
+    EXPECT_TRUE(bitwise_equal(p.detach(), torch::full({64}, -1.5f))) << "rank " << rank;
+  });
+}
+
 // The wrapped optimizer's type, the options ampfuse's optimizers take beside
 // their groups' (FusedAdamOptions::maximize), and a third party's lr where
 // its options do not serialize differ on one rank: refused on every rank. A
@@ -931,6 +961,11 @@ TEST(ZeroOptimizer, ManyViewsOfOneBufferAreCheckedInAddressOrder) {
     std::vector<torch::Tensor> views;
     for (std::int64_t i = 0; i < kViews; ++i) views.push_back(base.narrow(0, i, 1).detach().requires_grad_());
     views.push_back(base.narrow(0, 2999, 2).detach().requires_grad_());
+    EXPECT_THAT(error_of([&] { ZeroOptimizer::make<ampfuse::FusedSGD>(views, torch::optim::SGDOptions(0.5), pg); }),
+                ::testing::HasSubstr("group 0, parameter 5000 shares memory with group 0, parameter 2999"));
+    // An expanded view among others is compared by the addresses it stands
+    // for (2^32 elements here, one address): named, without an address per element.
+    views.back() = base.narrow(0, 2999, 1).view({1, 1}).expand({1 << 16, 1 << 16}).detach().requires_grad_();
     EXPECT_THAT(error_of([&] { ZeroOptimizer::make<ampfuse::FusedSGD>(views, torch::optim::SGDOptions(0.5), pg); }),
                 ::testing::HasSubstr("group 0, parameter 5000 shares memory with group 0, parameter 2999"));
     views.back() = base.narrow(0, kViews, 1).expand({3}).detach().requires_grad_();

@@ -343,15 +343,39 @@ void find_shared_memory(const std::vector<const at::Tensor*>& tensors,
   std::vector<Extent>& extents = kept_extents;
   extents.clear();
   const auto shared = [&](std::size_t x, std::size_t y) { found(std::min(x, y), std::max(x, y)); };
+  // An expanded tensor (a dimension of more than one element and stride 0)
+  // overlaps itself, reported at once; against the others it stands for the
+  // same addresses with those dimensions of one element (collapsed), so that
+  // no address is built per repeated element.
+  std::vector<std::pair<std::size_t, at::Tensor>> collapsed;
   for (std::size_t k = 0; k < tensors.size(); ++k) {
     const at::Tensor& p = *tensors[k];
     // (No memory to share: no element, no storage, or none allocated: meta.)
     if (!p.defined() || p.numel() == 0 || !p.has_storage() || p.const_data_ptr() == nullptr) continue;
     std::int64_t last = 0;  // the offset of the last element, in elements (strides are not negative)
-    for (std::int64_t d = 0; d < p.dim(); ++d) last += (p.size(d) - 1) * p.stride(d);
+    bool expanded = false;
+    for (std::int64_t d = 0; d < p.dim(); ++d) {
+      last += (p.size(d) - 1) * p.stride(d);
+      expanded |= p.size(d) > 1 && p.stride(d) == 0;
+    }
+    if (expanded) {
+      shared(k, k);
+      std::vector<std::int64_t> sizes = p.sizes().vec();
+      for (std::int64_t d = 0; d < p.dim(); ++d)
+        if (p.stride(d) == 0) sizes[static_cast<std::size_t>(d)] = 1;
+      collapsed.emplace_back(k, p.as_strided(sizes, p.strides()));
+    }
     const auto begin = reinterpret_cast<std::uintptr_t>(p.const_data_ptr());
     extents.push_back({p.device(), begin, begin + static_cast<std::uintptr_t>(last + 1) * p.itemsize(), k});
   }
+  thread_local std::vector<const at::Tensor*> kept_looked;
+  const std::vector<const at::Tensor*>* looked = &tensors;  // what each tensor is compared as
+  if (!collapsed.empty()) {
+    kept_looked = tensors;
+    for (const auto& [k, t] : collapsed) kept_looked[k] = &t;
+    looked = &kept_looked;
+  }
+  const auto tensor_at = [&](std::size_t i) -> const at::Tensor& { return *(*looked)[extents[i].place]; };
   auto key = [](const Extent& e) {
     return std::make_tuple(static_cast<int>(e.device.type()), static_cast<int>(e.device.index()), e.begin, e.place);
   };
@@ -366,7 +390,7 @@ void find_shared_memory(const std::vector<const at::Tensor*>& tensors,
     std::size_t furthest = extents.size();
     std::vector<std::size_t> views, dense;
     for (std::size_t i = j; i < k; ++i) {
-      if (!tensors[extents[i].place]->is_non_overlapping_and_dense()) {
+      if (!tensor_at(i).is_non_overlapping_and_dense()) {
         views.push_back(i);
         continue;
       }
@@ -375,20 +399,13 @@ void find_shared_memory(const std::vector<const at::Tensor*>& tensors,
         shared(extents[i].place, extents[furthest].place);
       if (furthest == extents.size() || extents[i].end > extents[furthest].end) furthest = i;
     }
-    if (views.size() == 1 && k - j == 1) {
-      // A view alone in its extent: only whether it overlaps itself. Its
-      // strides tell where they show no overlap, or where one of size > 1
-      // is 0 (an expanded view: reported without an address per element).
-      const at::Tensor& t = *tensors[extents[j].place];
-      bool expanded = false;
-      for (std::int64_t d = 0; d < t.dim(); ++d) expanded |= t.size(d) > 1 && t.stride(d) == 0;
-      if (expanded) shared(extents[j].place, extents[j].place);
-      if (expanded || strides_never_overlap(t)) views.clear();
-    }
+    // A view alone in its extent: only whether it overlaps itself, which its
+    // strides tell where they show no overlap.
+    if (views.size() == 1 && k - j == 1 && strides_never_overlap(tensor_at(j))) views.clear();
     if (dense.empty() && views.size() > 1) {
       // Views on one lattice (the column blocks of one matrix): by their strides.
       std::vector<const at::Tensor*> lattice;
-      for (const std::size_t i : views) lattice.push_back(tensors[extents[i].place]);
+      for (const std::size_t i : views) lattice.push_back(&tensor_at(i));
       const LatticeVerdict verdict = compare_on_one_lattice(lattice);
       if (verdict.kind == LatticeVerdict::kShared) shared(extents[views[verdict.a]].place, extents[views[verdict.b]].place);
       if (verdict.kind == LatticeVerdict::kDisjoint) views.clear();
@@ -398,7 +415,7 @@ void find_shared_memory(const std::vector<const at::Tensor*>& tensors,
       // ends past the next one's start shares memory with it.
       std::vector<at::Tensor> addresses, owners;
       for (const std::size_t i : views) {
-        addresses.push_back(element_addresses(*tensors[extents[i].place]));
+        addresses.push_back(element_addresses(tensor_at(i)));
         owners.push_back(at::full({addresses.back().numel()}, static_cast<std::int64_t>(i), at::kLong));
       }
       const auto [unsorted_order, order] = at::sort(at::cat(addresses));
@@ -408,11 +425,11 @@ void find_shared_memory(const std::vector<const at::Tensor*>& tensors,
       const std::int64_t* o = owner.const_data_ptr<std::int64_t>();
       const std::int64_t n = sorted.numel();
       const auto size_of = [&](std::int64_t e) {
-        return static_cast<std::int64_t>(tensors[extents[static_cast<std::size_t>(o[e])].place]->itemsize());
+        return static_cast<std::int64_t>(tensor_at(static_cast<std::size_t>(o[e])).itemsize());
       };
       std::int64_t widest = 1;  // the views' largest element, in bytes
       for (const std::size_t i : views)
-        widest = std::max(widest, static_cast<std::int64_t>(tensors[extents[i].place]->itemsize()));
+        widest = std::max(widest, static_cast<std::int64_t>(tensor_at(i).itemsize()));
       for (std::int64_t e = 0; e + 1 < n; ++e)
         if (a[e + 1] < a[e] + size_of(e))
           shared(extents[static_cast<std::size_t>(o[e])].place, extents[static_cast<std::size_t>(o[e + 1])].place);
