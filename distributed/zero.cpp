@@ -6,6 +6,7 @@
 
 #include "ampfuse/fused_adagrad.h"
 #include "ampfuse/fused_adam.h"
+#include "ampfuse/fused_lamb.h"
 #include "ampfuse/fused_rmsprop.h"
 #include "ampfuse/fused_sgd.h"
 #include "ampfuse/sdk/optimizer.h"
@@ -241,6 +242,42 @@ std::optional<double> lr_of(const torch::optim::OptimizerOptions& o) {
   } catch (const c10::Error&) {
     without_lr.insert(std::type_index(typeid(o)));
     return std::nullopt;
+  }
+}
+
+// The options a step reads from a group, as (name, value), appended to
+// `out`: every option of LibTorch's Adam, AdamW, SGD, Adagrad and RMSprop
+// options and of FusedLAMB's (an LR scheduler sets the lr; a one-cycle
+// schedule also cycles momentum or betas, a weight-decay schedule the
+// decay); the lr alone for other types (no serialization per step).
+using StepFields = std::vector<std::pair<const char*, c10::IValue>>;
+void step_fields(const torch::optim::OptimizerOptions& o, StepFields& out) {
+  using namespace torch::optim;
+  const auto pair = [](const std::tuple<double, double>& b) { return c10::IValue(b); };
+  if (const auto* a = dynamic_cast<const AdamOptions*>(&o)) {
+    out.insert(out.end(), {{"lr", a->lr()}, {"betas", pair(a->betas())}, {"eps", a->eps()},
+                           {"weight_decay", a->weight_decay()}, {"amsgrad", a->amsgrad()}});
+  } else if (const auto* w = dynamic_cast<const AdamWOptions*>(&o)) {
+    out.insert(out.end(), {{"lr", w->lr()}, {"betas", pair(w->betas())}, {"eps", w->eps()},
+                           {"weight_decay", w->weight_decay()}, {"amsgrad", w->amsgrad()}});
+  } else if (const auto* g = dynamic_cast<const SGDOptions*>(&o)) {
+    out.insert(out.end(), {{"lr", g->lr()}, {"momentum", g->momentum()}, {"dampening", g->dampening()},
+                           {"weight_decay", g->weight_decay()}, {"nesterov", g->nesterov()}});
+  } else if (const auto* d = dynamic_cast<const AdagradOptions*>(&o)) {
+    out.insert(out.end(), {{"lr", d->lr()}, {"lr_decay", d->lr_decay()}, {"weight_decay", d->weight_decay()},
+                           {"initial_accumulator_value", d->initial_accumulator_value()}, {"eps", d->eps()}});
+  } else if (const auto* r = dynamic_cast<const RMSpropOptions*>(&o)) {
+    out.insert(out.end(), {{"lr", r->lr()}, {"alpha", r->alpha()}, {"eps", r->eps()},
+                           {"weight_decay", r->weight_decay()}, {"momentum", r->momentum()},
+                           {"centered", r->centered()}});
+  } else if (const auto* l = dynamic_cast<const FusedLAMBOptions*>(&o)) {
+    out.insert(out.end(), {{"lr", l->lr()}, {"betas", pair(l->betas())}, {"eps", l->eps()},
+                           {"weight_decay", l->weight_decay()}, {"bias_correction", l->bias_correction()},
+                           {"grad_averaging", l->grad_averaging()}, {"max_grad_norm", l->max_grad_norm()},
+                           {"use_nvlamb", l->use_nvlamb()}, {"trust_ratio_min", l->trust_ratio_min()},
+                           {"trust_ratio_max", l->trust_ratio_max()}, {"master_weights", l->master_weights()}});
+  } else if (const auto lr = lr_of(o)) {
+    out.emplace_back("lr", *lr);
   }
 }
 
@@ -764,31 +801,37 @@ void ZeroOptimizer::agree(const std::string& refusal, std::vector<std::int32_t>*
 }
 
 // The step's agreement, which every rank reaches once per step whether it
-// refuses or not: each rank's refusal, and a hash of the learning rates set
-// on its groups (by the user or an LR scheduler, since the last step), so
+// refuses or not: each rank's refusal, and a hash of the options set on its
+// groups since construction (step_fields: by the user or a scheduler), so
 // that ranks whose schedules went apart are refused on every rank before
 // anything is written, rather than stepping their shards of one parameter
-// with different rates. (The other options were compared at construction.)
+// with different options. (Construction compared every option.)
 void ZeroOptimizer::agree_step(const std::string& refused) const {
   const int world = process_group_->getSize(), rank = process_group_->getRank();
-  thread_local std::vector<double> lrs;
-  lrs.clear();
-  std::uint64_t h = 1469598103934665603ull;
+  thread_local StepFields fields;
+  thread_local std::vector<std::size_t> group_ends;  // group g's fields end at group_ends[g]
+  fields.clear();
+  group_ends.clear();
   for (const auto& group : param_groups()) {
-    const double lr = lr_of(group.options()).value_or(0.0);
-    lrs.push_back(lr);
-    h = hash_value(h, lr);  // (-0 as 0)
+    step_fields(group.options(), fields);
+    group_ends.push_back(fields.size());
   }
+  std::uint64_t h = 1469598103934665603ull;
+  for (const auto& [name, value] : fields) h = hash_value(fnv_string(h, name), value);  // (-0 as 0)
   std::vector<std::int32_t> hashes(static_cast<std::size_t>(world), 0);  // rank r's in slot r, the others 0
   hashes[static_cast<std::size_t>(rank)] = static_cast<std::int32_t>((h ^ (h >> 32)) & 0x7FFFFFFFu) | 1;
   agree(refused, &hashes);
   if (buckets_.empty()) return;  // (agreed with no one: no parameters, nothing to step apart)
   for (int r = 1; r < world; ++r)
     if (hashes[static_cast<std::size_t>(r)] != hashes[0]) {
-      std::vector<std::string> texts;
-      for (const double lr : lrs) texts.push_back(value_text(lr));
-      TORCH_CHECK(false, kWhere, "step: the learning rates set on the parameter groups differ between rank 0 and rank ",
-                  r, " (rank ", rank, "'s: ", c10::Join(", ", texts),
+      std::string text;
+      for (std::size_t g = 0, f = 0; g < group_ends.size(); ++g) {
+        text += (g ? "; group " : "group ") + std::to_string(g) + ":";
+        for (const std::size_t first = f; f < group_ends[g]; ++f)
+          text += (f == first ? " " : ", ") + std::string(fields[f].first) + "=" + value_text(fields[f].second);
+      }
+      TORCH_CHECK(false, kWhere, "step: the options set on the parameter groups differ between rank 0 and rank ", r,
+                  " (rank ", rank, "'s: ", text,
                   "): set them alike on every rank (an LR scheduler stepped on some ranks only, or given other "
                   "settings?); the step is refused on every rank, and nothing was written");
     }

@@ -1011,12 +1011,12 @@ TEST(ZeroOptimizer, OptionsSetOnItsGroupsReachTheWrappedOptimizer) {
   });
 }
 
-// A learning rate set on one rank's groups alone (an LR scheduler stepped
-// there only) would step that rank's shards with another rate than the
-// rest of each parameter: refused at the step on every rank, before
+// A learning rate (or momentum) set on one rank's groups alone (a scheduler
+// stepped there only) would step that rank's shards with another rate than
+// the rest of each parameter: refused at the step on every rank, before
 // anything is written, with and without GradScaler; set alike, the step
 // goes on. A -0 is 0.
-TEST(ZeroOptimizer, LearningRatesThatDifferBetweenRanksAreRefusedAtTheStep) {
+TEST(ZeroOptimizer, OptionsThatDifferBetweenRanksAreRefusedAtTheStep) {
   for (const bool scaled : {false, true}) {
     SCOPED_TRACE(scaled ? "GradScaler::step" : "step");
     on_ranks(2, [&](int rank, const Group& pg) {
@@ -1035,14 +1035,21 @@ TEST(ZeroOptimizer, LearningRatesThatDifferBetweenRanksAreRefusedAtTheStep) {
         scaler.update();
       };
       if (rank == 1) opt->param_groups()[1].options().set_lr(0.25000000000000006);
-      EXPECT_THAT(error_of(step), ::testing::HasSubstr(
-                                      "step: the learning rates set on the parameter groups differ between rank 0 "
-                                      "and rank 1 (rank " +
-                                      std::to_string(rank) + "'s: " +
-                                      (rank == 0 ? "0.5, 0.5" : "0.5, 0.25000000000000006") + ")"));
+      const std::string group0 = "group 0: lr=0.5, momentum=0, dampening=0, weight_decay=0, nesterov=false";
+      EXPECT_THAT(error_of(step),
+                  ::testing::HasSubstr("step: the options set on the parameter groups differ between rank 0 and rank 1 "
+                                       "(rank " +
+                                       std::to_string(rank) + "'s: " + group0 + "; group 1: lr=" +
+                                       (rank == 0 ? "0.5" : "0.25000000000000006") + ", momentum=0"));
       EXPECT_TRUE(bitwise_equal(a.detach(), torch::zeros({40})));
       EXPECT_TRUE(bitwise_equal(b.detach(), torch::zeros({6})));
+      // Another option set on one rank only (a schedule of momentum): refused too.
       opt->param_groups()[1].options().set_lr(0.25);
+      static_cast<torch::optim::SGDOptions&>(opt->param_groups()[0].options()).momentum(rank == 1 ? 0.9 : 0.0);
+      EXPECT_THAT(error_of(step), ::testing::HasSubstr(std::string("(rank ") + std::to_string(rank) +
+                                                       "'s: group 0: lr=0.5, momentum=" + (rank == 1 ? "0.9" : "0")));
+      EXPECT_TRUE(bitwise_equal(a.detach(), torch::zeros({40})));
+      static_cast<torch::optim::SGDOptions&>(opt->param_groups()[0].options()).momentum(0.0);
       opt->param_groups()[0].options().set_lr(rank == 0 ? 0.0 : -0.0);
       step();
       EXPECT_TRUE(bitwise_equal(a.detach(), torch::zeros({40})));
