@@ -21,13 +21,16 @@
 #include <algorithm>
 #include <charconv>
 #include <chrono>
+#include <cmath>
 #include <cstring>
+#include <limits>
 #include <map>
 #include <optional>
 #include <random>
 #include <regex>
 #include <sstream>
 #include <string>
+#include <string_view>
 #include <typeindex>
 #include <typeinfo>
 #include <unordered_map>
@@ -233,13 +236,13 @@ std::int64_t check_same_parameters(c10d::ProcessGroup& group, const std::vector<
 
 // A group's lr, or none where its options type has none (the base's get_lr,
 // which throws: remembered per type, so that a step does not throw and catch
-// once per group).
+// once per group; a get_lr that throws is taken to throw for its type alone).
 std::optional<double> lr_of(const torch::optim::OptimizerOptions& o) {
   thread_local std::unordered_set<std::type_index> without_lr;
   if (without_lr.count(std::type_index(typeid(o))) != 0) return std::nullopt;
   try {
     return o.get_lr();
-  } catch (const c10::Error&) {
+  } catch (const std::exception&) {
     without_lr.insert(std::type_index(typeid(o)));
     return std::nullopt;
   }
@@ -249,10 +252,16 @@ std::optional<double> lr_of(const torch::optim::OptimizerOptions& o) {
 // `out`: every option of LibTorch's Adam, AdamW, SGD, Adagrad and RMSprop
 // options and of FusedLAMB's (an LR scheduler sets the lr; a one-cycle
 // schedule also cycles momentum or betas, a weight-decay schedule the
-// decay); the lr alone for other types (no serialization per step).
+// decay); the lr alone for other types (no serialization per step), or
+// where only the lr reaches the wrapped optimizer (`every` false: a factory
+// without CopyOptions).
 using StepFields = std::vector<std::pair<const char*, c10::IValue>>;
-void step_fields(const torch::optim::OptimizerOptions& o, StepFields& out) {
+void step_fields(const torch::optim::OptimizerOptions& o, bool every, StepFields& out) {
   using namespace torch::optim;
+  if (!every) {
+    if (const auto lr = lr_of(o)) out.emplace_back("lr", *lr);
+    return;
+  }
   const auto pair = [](const std::tuple<double, double>& b) { return c10::IValue(b); };
   if (const auto* a = dynamic_cast<const AdamOptions*>(&o)) {
     out.insert(out.end(), {{"lr", a->lr()}, {"betas", pair(a->betas())}, {"eps", a->eps()},
@@ -314,7 +323,7 @@ std::vector<std::pair<std::string, c10::IValue>> fused_fields(const torch::optim
   return {};
 }
 
-std::uint64_t fnv_string(std::uint64_t h, const std::string& s) {
+std::uint64_t fnv_string(std::uint64_t h, std::string_view s) {
   for (const char c : s) h = fnv(h, static_cast<unsigned char>(c));
   return fnv(h, static_cast<std::int64_t>(s.size()));
 }
@@ -324,7 +333,8 @@ std::uint64_t fnv_string(std::uint64_t h, const std::string& s) {
 std::uint64_t hash_value(std::uint64_t h, const c10::IValue& v) {
   h = fnv_string(h, v.tagKind());
   if (v.isDouble()) {
-    const double x = v.toDouble() == 0.0 ? 0.0 : v.toDouble();  // -0 as 0: the same step
+    double x = v.toDouble() == 0.0 ? 0.0 : v.toDouble();  // -0 as 0: the same step
+    if (std::isnan(x)) x = std::numeric_limits<double>::quiet_NaN();  // one NaN, whatever its payload
     std::int64_t bits;
     std::memcpy(&bits, &x, sizeof bits);
     return fnv(h, bits);
@@ -805,7 +815,8 @@ void ZeroOptimizer::agree(const std::string& refusal, std::vector<std::int32_t>*
 // groups since construction (step_fields: by the user or a scheduler), so
 // that ranks whose schedules went apart are refused on every rank before
 // anything is written, rather than stepping their shards of one parameter
-// with different options. (Construction compared every option.)
+// with different options. (Construction compared every option it could
+// read: all where the options serialize, else the lr.)
 void ZeroOptimizer::agree_step(const std::string& refused) const {
   const int world = process_group_->getSize(), rank = process_group_->getRank();
   thread_local StepFields fields;
@@ -813,7 +824,7 @@ void ZeroOptimizer::agree_step(const std::string& refused) const {
   fields.clear();
   group_ends.clear();
   for (const auto& group : param_groups()) {
-    step_fields(group.options(), fields);
+    step_fields(group.options(), static_cast<bool>(copy_options_), fields);
     group_ends.push_back(fields.size());
   }
   std::uint64_t h = 1469598103934665603ull;

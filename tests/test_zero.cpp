@@ -808,6 +808,26 @@ struct PlainSGD : torch::optim::Optimizer {
   }
 };
 
+// A hand-made factory without CopyOptions: only the lr reaches the wrapped
+// optimizer, so only the lr is compared at the step; a momentum set on one
+// rank's groups (which no step reads) is no refusal.
+TEST(ZeroOptimizer, AFactoryWithoutCopyOptionsComparesTheLearningRateAlone) {
+  on_ranks(2, [&](int rank, const Group& pg) {
+    auto p = torch::zeros({40}).requires_grad_();
+    ZeroOptimizer opt({torch::optim::OptimizerParamGroup({p})}, pg,
+                      [](std::vector<torch::optim::OptimizerParamGroup> g) -> std::unique_ptr<torch::optim::Optimizer> {
+                        return std::make_unique<ampfuse::FusedSGD>(std::move(g), torch::optim::SGDOptions(0.5));
+                      });
+    static_cast<torch::optim::SGDOptions&>(opt.param_groups()[0].options()).momentum(rank == 1 ? 0.9 : 0.0);
+    p.mutable_grad() = torch::ones({40});
+    EXPECT_EQ(error_of([&] { opt.step(); }), "(no error)") << "rank " << rank;
+    EXPECT_TRUE(bitwise_equal(p.detach(), torch::full({40}, -0.5f))) << "rank " << rank;
+    opt.param_groups()[0].options().set_lr(rank == 1 ? 0.25 : 0.5);
+    EXPECT_THAT(error_of([&] { opt.step(); }), ::testing::HasSubstr("(rank " + std::to_string(rank) + "'s: group 0: lr=" +
+                                                                    (rank == 1 ? "0.25)" : "0.5)")));
+  });
+}
+
 // A third party's options without an lr at all (get_lr is the base's, which
 // throws): constructed, and every step agreed, with no lr to compare.
 struct NoLrOptions : torch::optim::OptimizerCloneableOptions<NoLrOptions> {};

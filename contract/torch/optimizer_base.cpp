@@ -368,6 +368,8 @@ void find_shared_memory(const std::vector<const at::Tensor*>& tensors,
     const auto begin = reinterpret_cast<std::uintptr_t>(p.const_data_ptr());
     extents.push_back({p.device(), begin, begin + static_cast<std::uintptr_t>(last + 1) * p.itemsize(), k});
   }
+  // (kept_looked points into `collapsed`: read only while this call runs,
+  // and written anew before any later call reads it.)
   thread_local std::vector<const at::Tensor*> kept_looked;
   const std::vector<const at::Tensor*>* looked = &tensors;  // what each tensor is compared as
   if (!collapsed.empty()) {
