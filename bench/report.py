@@ -70,27 +70,45 @@ TARGETS = [
 def load(path):
     with open(path) as f:
         data = json.load(f)
-    rows = collections.OrderedDict()
+    # Per benchmark: its single run, or with repetitions its aggregates.
+    found = collections.OrderedDict()
     for b in data["benchmarks"]:
-        # With repetitions, only the medians; without, the single runs.
-        if b.get("run_type") == "aggregate" and b.get("aggregate_name") != "median":
-            continue
         if b.get("run_type") == "iteration" and b.get("repetitions", 1) > 1:
             continue
-        name = b["run_name"] if "run_name" in b else b["name"]
+        kind = b.get("aggregate_name") if b.get("run_type") == "aggregate" else "single"
+        if kind in ("min", "median", "single"):
+            found.setdefault(b["run_name"] if "run_name" in b else b["name"], {})[kind] = b
+    rows = collections.OrderedDict()
+    fastest = False
+    for name, runs in found.items():
+        # The fastest repetition where the benchmark computed it (bench/bench_engine.cpp
+        # says why), else the median (older results, such as bench/gpu/*.json), else
+        # the single run.
+        b = runs.get("min") or runs.get("median") or runs["single"]
+        fastest |= "min" in runs
+        bytes_per_second = b.get("bytes_per_second", 0.0)
+        if "min" in runs and "median" in runs and b["real_time"] > 0:
+            # The min aggregate of a rate is the slowest rate: the bytes per run are
+            # the same in every repetition, so the fastest run's rate is the median's
+            # scaled by their times.
+            median = runs["median"]
+            bytes_per_second = median.get("bytes_per_second", 0.0) * median["real_time"] / b["real_time"]
         parts = name.split("/")
         op, contender, pset = parts[0], parts[1], parts[2]
         unit = {"ns": 1e-9, "us": 1e-6, "ms": 1e-3, "s": 1.0}[b.get("time_unit", "ns")]
         rows[(op, pset, contender)] = {
             "seconds": b["real_time"] * unit,
-            "bytes_per_second": b.get("bytes_per_second", 0.0),
+            "bytes_per_second": bytes_per_second,
             # ZeroAdam's counters: what each rank sends per step and holds as optimizer state.
             "sent_bytes_per_rank": b.get("sent_bytes_per_rank"),
             "state_bytes_per_rank": b.get("state_bytes_per_rank"),
             # Adam8's counter: optimizer state kept per parameter.
             "state_bytes_per_param": b.get("state_bytes_per_param"),
         }
-    return data.get("context", {}), rows
+    context = dict(data.get("context", {}))
+    if fastest:
+        context["statistic"] = "fastest"
+    return context, rows
 
 
 OP_ORDER = ["Check", "CheckNorm", "Scale", "Scaler", "ScalerClip", "Adam", "AdamScaled", "AdamClip", "Adam8", "SGD", "LAMB",
@@ -167,7 +185,9 @@ def markdown(context, table, title, setup=None):
           f"{context.get('num_cpus', '?')} CPUs at {context.get('mhz_per_cpu', '?')} MHz; "
           f"every contender ran with **{context.get('threads', '?')} threads** "
           f"(`torch::set_num_threads`), CPU kernels on **{context.get('cpu_isa', '?')}**; "
-          f"LibTorch {context.get('torch_version', '?')}.", "",
+          f"LibTorch {context.get('torch_version', '?')}." +
+          (" Each time is the fastest of its interleaved repetitions (scripts/bench.sh says why)."
+           if context.get("statistic") == "fastest" else ""), "",
           "Speedup = contender time / ampfuse time (higher is better for ampfuse). "
           "Ceiling = ampfuse bandwidth / ceiling bandwidth, the ceiling measured in the same "
           "process on the same bytes (a traffic twin on CPU, a device-to-device copy on CUDA; for Host, "
@@ -281,7 +301,9 @@ def update_readme(path, context, table, gpu=None):
     head_row = ["| operation | parameter set | ampfuse vs contenders |", "| --- | --- | --- |"]
     lines = [BEGIN, "",
              f"{context.get('threads', '?')} threads for every contender, CPU kernels on "
-             f"{context.get('cpu_isa', '?')}; full tables in [bench/RESULTS.md](bench/RESULTS.md).", ""]
+             f"{context.get('cpu_isa', '?')}" +
+             ("; each time the fastest of its interleaved repetitions" if context.get("statistic") == "fastest" else "") +
+             "; full tables in [bench/RESULTS.md](bench/RESULTS.md).", ""]
     lines += head_row + readme_rows(table)
     if gpu:
         gpu_context, gpu_table = gpu

@@ -14,9 +14,12 @@ build --target ampfuse_bench
 python=${AMPFUSE_PYTHON:-$AMPFUSE_VENV/bin/python}
 torch_version=$("$python" -c 'import torch; print(torch.__version__)' 2>/dev/null || echo unknown)
 out="$AMPFUSE_BUILD_DIR/bench.json"
-# Five repetitions in random interleaved order, medians reported: a shared
-# 2-core VM is noisy (one contender's median of three moved by 15% between
-# runs), and interleaving spreads the noise over all contenders.
+# Five repetitions in random interleaved order, the fastest of each
+# contender's reported (bench/report.py): a shared 2-core VM is noisy, its
+# memory bandwidth bimodal (Adam 8x8M took 17-19 or 27-29 ms, every contender
+# alike), so a median moved with how many of a contender's repetitions met
+# the slow state (torch::optim's times by 2x between runs); interleaving
+# spreads the noise over all contenders, and slowdowns only add.
 run_bench() {
   "$AMPFUSE_BUILD_DIR/bench/ampfuse_bench" --benchmark_out_format=json \
     --benchmark_repetitions="${AMPFUSE_BENCH_REPETITIONS:-5}" --benchmark_enable_random_interleaving=true \
