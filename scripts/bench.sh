@@ -13,6 +13,9 @@ configure_build Release -DAMPFUSE_BUILD_TESTS=ON -DAMPFUSE_BUILD_BENCH=ON
 build --target ampfuse_bench
 python=${AMPFUSE_PYTHON:-$AMPFUSE_VENV/bin/python}
 torch_version=$("$python" -c 'import torch; print(torch.__version__)' 2>/dev/null || echo unknown)
+# The CPU's model, for the record's set-up line (VMs of one name have come
+# with other CPUs, and the subnormal penalty, for one, moves with it).
+cpu_model=$(sed -n 's/^model name[[:space:]]*: //p' /proc/cpuinfo 2>/dev/null | head -n 1)
 out="$AMPFUSE_BUILD_DIR/bench.json"
 # Five repetitions in random interleaved order, the fastest of each
 # contender's reported (bench/report.py): a shared 2-core VM is noisy, its
@@ -23,7 +26,8 @@ out="$AMPFUSE_BUILD_DIR/bench.json"
 run_bench() {
   "$AMPFUSE_BUILD_DIR/bench/ampfuse_bench" --benchmark_out_format=json \
     --benchmark_repetitions="${AMPFUSE_BENCH_REPETITIONS:-5}" --benchmark_enable_random_interleaving=true \
-    --benchmark_report_aggregates_only=true --benchmark_context=torch_version="$torch_version" "$@"
+    --benchmark_report_aggregates_only=true --benchmark_context=torch_version="$torch_version" \
+    --benchmark_context=cpu_model="${cpu_model:-unknown}" "$@"
 }
 # The host rows (Host*: 10,000 one-element parameters) run in a process of
 # their own. After the large rows, the objects they allocate at every
