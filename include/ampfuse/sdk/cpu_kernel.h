@@ -49,7 +49,8 @@ using ::ampfuse::sdk::cpu::PlanRef;
 // A block is one register of the target: GCC compiles the lane operations
 // of a wider vector piecewise (a square root becomes a scalar call per lane,
 // a comparison a branch per lane), several times slower.
-// cmake/ampfuseKernels.cmake makes such code an error.
+// With GCC it is warned about (-Wvector-operation-performance), an error in
+// ampfuse's own kernels (cmake/ampfuseKernels.cmake).
 #if defined(__AVX512F__)
 constexpr int kWidth = 16;
 #elif defined(__AVX2__)

@@ -1,13 +1,13 @@
 #pragma once
 // Torch side of the SDK: the optimizer base that FusedAdam, FusedAdamW,
-// FusedSGD and FusedLAMB are built on, and that a third-party optimizer
+// FusedSGD, FusedAdagrad, FusedRMSprop and FusedLAMB are built on, and that a third-party optimizer
 // derives from in the same way (docs/guide.md walks through Lion).
 //
 // FusedOptimizer<Base, Options, State> is a torch::optim::Optimizer (Base is
 // torch::optim::Optimizer itself, or an existing LibTorch optimizer whose
 // options, state and checkpoints should be shared, as FusedAdam shares
 // torch::optim::Adam's). It implements step() and the scaler contract's
-// step_with_signals() once for all, in two phases, so that a step that
+// step_with_signals() once for all, in three phases, so that a step that
 // throws changes nothing:
 //   1. validate every group, parameter, grad, existing state and scale
 //      signal, throwing an error that names the optimizer, the group and the
@@ -33,15 +33,17 @@
 // Step plans: a step keeps what it validated and grouped (its entries and
 // lists) and what each list's prepare_list kept in its ListSlot (pointer
 // arrays, a Plan, metadata). The next step compares every parameter with
-// what was kept: the same TensorImpl, storage, dtype and numel, the same grad
-// TensorImpl and storage, the same state object holding the same tensors
+// what was kept: the same TensorImpl, data address, dtype and numel, the
+// same grad TensorImpl, data address, dtype and numel, the same state object
+// holding the same tensors
 // (state_stamp). When all match, validation and grouping are skipped and
 // prepare_list finds its slot filled; when only grads moved (new grad
 // tensors, as after zero_grad(set_to_none)), the moved grads are checked and
 // prepare_list is told (ParamList::grads_moved); anything else (a parameter
 // added or replaced, set_data, state cleared or loaded, a state tensor
-// replaced) starts over. Changes made in place to a tensor's metadata
-// (resize_, set_ or as_strided_ on the same tensor) are not looked for.
+// replaced) starts over. A tensor re-pointed in place to other memory, numel
+// or dtype (set_, resize_) is seen; a change of shape or strides alone at the
+// same address (as_strided_) is not, unless it leaves the parameter not dense.
 //
 // State: every per-parameter tensor lives in the State object in state(),
 // so that save(), load() and state().clear() see it. Checkpoints are
@@ -1181,8 +1183,9 @@ class FusedOptimizer : public Base, public ScalerAware {
   }
   /// Validates a parameter's existing state (use check_state_tensor and
   /// check_required_state_tensor); throw to refuse. Runs when the step plan
-  /// is made (the first step, and any step that finds a parameter, its grad,
-  /// its state or a group's plan_key() changed), not at every step. load()
+  /// is made (the first step, and any step that finds a parameter, its state
+  /// or a group's plan_key() changed, or a parameter that gained or lost a
+  /// grad; new grad tensors alone do not make it again), not at every step. load()
   /// calls it for every state a checkpoint holds, so that what a step would
   /// refuse is refused when loaded. May run on several threads at once, for
   /// different parameters: read only.
