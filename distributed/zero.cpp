@@ -263,12 +263,14 @@ void step_fields(const torch::optim::OptimizerOptions& o, bool every, StepFields
     return;
   }
   const auto pair = [](const std::tuple<double, double>& b) { return c10::IValue(b); };
+  const auto adam = [&](const auto& a) {  // (AdamOptions and AdamWOptions: the same fields, unrelated types)
+    out.insert(out.end(), {{"lr", a.lr()}, {"betas", pair(a.betas())}, {"eps", a.eps()},
+                           {"weight_decay", a.weight_decay()}, {"amsgrad", a.amsgrad()}});
+  };
   if (const auto* a = dynamic_cast<const AdamOptions*>(&o)) {
-    out.insert(out.end(), {{"lr", a->lr()}, {"betas", pair(a->betas())}, {"eps", a->eps()},
-                           {"weight_decay", a->weight_decay()}, {"amsgrad", a->amsgrad()}});
+    adam(*a);
   } else if (const auto* w = dynamic_cast<const AdamWOptions*>(&o)) {
-    out.insert(out.end(), {{"lr", w->lr()}, {"betas", pair(w->betas())}, {"eps", w->eps()},
-                           {"weight_decay", w->weight_decay()}, {"amsgrad", w->amsgrad()}});
+    adam(*w);
   } else if (const auto* g = dynamic_cast<const SGDOptions*>(&o)) {
     out.insert(out.end(), {{"lr", g->lr()}, {"momentum", g->momentum()}, {"dampening", g->dampening()},
                            {"weight_decay", g->weight_decay()}, {"nesterov", g->nesterov()}});

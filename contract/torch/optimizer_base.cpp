@@ -363,6 +363,7 @@ void find_shared_memory(const std::vector<const at::Tensor*>& tensors,
       std::vector<std::int64_t> sizes = p.sizes().vec();
       for (std::int64_t d = 0; d < p.dim(); ++d)
         if (p.stride(d) == 0) sizes[static_cast<std::size_t>(d)] = 1;
+      const at::NoGradGuard no_grad;  // (read for its addresses alone: no autograd view)
       collapsed.emplace_back(k, p.as_strided(sizes, p.strides()));
     }
     const auto begin = reinterpret_cast<std::uintptr_t>(p.const_data_ptr());
