@@ -23,6 +23,9 @@ namespace ampfuse_bench {
 // Times fn on the device's own clock: CPU wall time, or CUDA events around a
 // batch of launches (so that launch latency is not mistaken for bandwidth).
 void run_timed(benchmark::State& state, torch::Device device, const Fn& fn, std::int64_t bytes) {
+  // The bytes of one call, a constant (its min statistic is itself), from
+  // which bench/report.py gives the fastest repetition's rate.
+  state.counters["bytes_per_call"] = static_cast<double>(bytes);
   fn();  // warm-up: first-touch, metadata upload
 #if defined(AMPFUSE_WITH_CUDA)
   if (device.is_cuda()) {

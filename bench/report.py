@@ -67,6 +67,9 @@ TARGETS = [
 ]
 
 
+UNITS = {"ns": 1e-9, "us": 1e-6, "ms": 1e-3, "s": 1.0}  # Google Benchmark's time units, in seconds
+
+
 def load(path):
     with open(path) as f:
         data = json.load(f)
@@ -87,20 +90,27 @@ def load(path):
         b = runs.get("min") or runs.get("median") or runs["single"]
         fastest |= "min" in runs
         bytes_per_second = b.get("bytes_per_second", 0.0)
-        if "min" in runs and "median" in runs and b["real_time"] > 0:
-            # The min aggregate of a rate is the slowest rate: the bytes per run are
-            # the same in every repetition, so the fastest run's rate is the median's
-            # scaled by their times.
-            median = runs["median"]
-            bytes_per_second = median.get("bytes_per_second", 0.0) * median["real_time"] / b["real_time"]
+        unit = UNITS[b.get("time_unit", "ns")]
+        if "min" in runs and b["real_time"] > 0:
+            # The min aggregate of a rate is the slowest rate. The fastest run's is
+            # its bytes (bench_engine.cpp's bytes_per_call, a constant) over its
+            # time; in results without that counter, the median's rate scaled by
+            # the two times, exact for an odd count of repetitions only.
+            median = runs.get("median", b)
+            if b.get("bytes_per_call"):
+                bytes_per_second = b["bytes_per_call"] / (b["real_time"] * unit)
+            else:
+                if b.get("repetitions", 1) % 2 == 0:
+                    print(f"{path}: {name}: an even count of repetitions and no bytes_per_call: its rate is "
+                          f"approximate", file=sys.stderr)
+                bytes_per_second = median.get("bytes_per_second", 0.0) * median["real_time"] / b["real_time"]
         parts = name.split("/")
         op, contender, pset = parts[0], parts[1], parts[2]
-        unit = {"ns": 1e-9, "us": 1e-6, "ms": 1e-3, "s": 1.0}[b.get("time_unit", "ns")]
         median = runs.get("median", b)
         rows[(op, pset, contender)] = {
             "seconds": b["real_time"] * unit,
             # The host-path budgets are medians (issue 13).
-            "median_seconds": median["real_time"] * {"ns": 1e-9, "us": 1e-6, "ms": 1e-3, "s": 1.0}[median.get("time_unit", "ns")],
+            "median_seconds": median["real_time"] * UNITS[median.get("time_unit", "ns")],
             "bytes_per_second": bytes_per_second,
             # ZeroAdam's counters: what each rank sends per step and holds as optimizer state.
             "sent_bytes_per_rank": b.get("sent_bytes_per_rank"),
@@ -109,8 +119,7 @@ def load(path):
             "state_bytes_per_param": b.get("state_bytes_per_param"),
         }
     context = dict(data.get("context", {}))
-    if fastest:
-        context["statistic"] = "fastest"
+    context["statistic"] = "fastest" if fastest else "other"
     return context, rows
 
 
@@ -209,9 +218,11 @@ def markdown(context, table, title, setup=None):
             md.append(f"| {contender} | {sec * 1e3:.2f} | {gbs:.1f} | {shown} |")
         md.append("")
         if op.startswith("Host") and num_params(pset):
-            per = [f"ampfuse: {ours['seconds'] * 1e9 / num_params(pset):.0f} ns per parameter"]
-            per += [f"{c}: {sec * 1e9 / num_params(pset):.0f} ns" for c, sec, _, _, kind, _ in lines if kind == "ceiling"]
-            md.append("; ".join(per) + ".")
+            # Per parameter: medians, as the host budgets are set (TIME_TARGETS).
+            per = [f"ampfuse: {ours['median_seconds'] * 1e9 / num_params(pset):.0f} ns per parameter"]
+            per += [f"{c}: {r['median_seconds'] * 1e9 / num_params(pset):.0f} ns" for c, _, _, _, kind, r in lines
+                    if kind == "ceiling"]
+            md.append("; ".join(per) + (" (medians)." if len(per) > 1 else " (median)."))
             md.append("")
         if op.startswith("ZeroAdam"):
             md += zero_lines(op, ours, lines) + [""]
@@ -287,7 +298,7 @@ def readme_rows(table):
     for (op, pset), (ours, lines) in table.items():
         cells = []
         if op.startswith("Host") and num_params(pset):
-            cells.append(f"{ours['seconds'] * 1e9 / num_params(pset):.0f} ns per parameter")
+            cells.append(f"{ours['median_seconds'] * 1e9 / num_params(pset):.0f} ns per parameter (median)")
         if op.startswith("ZeroAdam") and zero_memory(ours, lines):
             m = zero_memory(ours, lines)
             cells.append(f"optimizer state {m[0]:.0f} MB per rank (replicated: {m[1]:.0f} MB), sent {m[2]:.0f} MB "
@@ -349,10 +360,17 @@ def plot(table, path):
 
 def load_all(paths):
     context, rows = {}, collections.OrderedDict()
+    statistics = set()
     for path in paths:
         c, r = load(path)
+        statistics.add(c["statistic"])
         context = context or c
         rows.update(r)
+    # "Fastest" in the set-up line only where every file's times are.
+    context = dict(context, statistic="fastest" if statistics == {"fastest"} else "other")
+    if len(statistics) > 1:
+        print("report.py: some files hold the fastest repetitions and some do not: the set-up line names neither",
+              file=sys.stderr)
     return context, ratios(rows)
 
 

@@ -16,6 +16,7 @@ torch_version=$("$python" -c 'import torch; print(torch.__version__)' 2>/dev/nul
 # The CPU's model, for the record's set-up line (VMs of one name have come
 # with other CPUs, and the subnormal penalty, for one, moves with it).
 cpu_model=$(sed -n 's/^model name[[:space:]]*: //p' /proc/cpuinfo 2>/dev/null | head -n 1)
+cpu_model=${cpu_model//[,=]/;}  # (the context flag is key=value pairs split at commas)
 out="$AMPFUSE_BUILD_DIR/bench.json"
 # Five repetitions in random interleaved order, the fastest of each
 # contender's reported (bench/report.py): a shared 2-core VM is noisy, its
