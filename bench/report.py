@@ -88,6 +88,7 @@ def load(path):
         # says why), else the median (older results, such as bench/gpu/*.json), else
         # the single run.
         b = runs.get("min") or runs.get("median") or runs["single"]
+        median = runs.get("median", b)
         fastest |= "min" in runs
         bytes_per_second = b.get("bytes_per_second", 0.0)
         unit = UNITS[b.get("time_unit", "ns")]
@@ -96,7 +97,6 @@ def load(path):
             # its bytes (bench_engine.cpp's bytes_per_call, a constant) over its
             # time; in results without that counter, the median's rate scaled by
             # the two times, exact for an odd count of repetitions only.
-            median = runs.get("median", b)
             if b.get("bytes_per_call"):
                 bytes_per_second = b["bytes_per_call"] / (b["real_time"] * unit)
             else:
@@ -106,7 +106,6 @@ def load(path):
                 bytes_per_second = median.get("bytes_per_second", 0.0) * median["real_time"] / b["real_time"]
         parts = name.split("/")
         op, contender, pset = parts[0], parts[1], parts[2]
-        median = runs.get("median", b)
         rows[(op, pset, contender)] = {
             "seconds": b["real_time"] * unit,
             # The host-path budgets are medians (issue 13).
