@@ -197,8 +197,7 @@ void register_world(int world, bool eight_bit) {
   });
   for (auto* b : {zero, replicated}) {
     b->UseRealTime()->Unit(benchmark::kMillisecond)->MinTime(0.5);
-    // The fastest repetition, as register_one adds (bench_engine.cpp says why).
-    b->ComputeStatistics("min", [](const std::vector<double>& v) { return *std::min_element(v.begin(), v.end()); });
+    add_fastest_statistic(b);  // as register_one does
   }
 }
 

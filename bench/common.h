@@ -30,6 +30,10 @@ void register_one(const std::string& name, torch::Device device, std::function<F
 void register_one(const std::string& name, torch::Device device, std::function<Fn(benchmark::State&)> make,
                   std::int64_t bytes);
 
+// Adds the fastest repetition as a statistic ("min"), beside the mean and
+// median; bench/report.py reports it (bench_engine.cpp says why).
+void add_fastest_statistic(benchmark::internal::Benchmark* b);
+
 void register_engine(torch::Device device);
 void register_scaler(torch::Device device);
 void register_adam(torch::Device device);
