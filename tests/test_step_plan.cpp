@@ -388,6 +388,117 @@ TEST_P(StepPlanTest, AStateTensorDroppedAndReplacedIsValidatedAgain) {
   EXPECT_TRUE(bitwise_equal(p.detach(), before));
 }
 
+// A model converted after its optimizer made state (Module::to(dtype) and
+// set_data to channels_last give its parameters other memory): torch::optim
+// steps on with the old state, and so does every fused optimizer, whose
+// state follows the parameter (follow_param: a copy in the parameter's
+// dtype and layout). Checked against torch::optim over the steps after the
+// conversion (its state stays fp32 and contiguous: within fp32 rounding),
+// and the state's dtype and strides are the parameter's.
+template <class Ours, class Ref, class St, class Options, class TensorsOf>
+void expect_conversion_followed(const std::vector<torch::Tensor>& params, const Options& options,
+                                const std::function<void(torch::Tensor&)>& convert, const char* what,
+                                TensorsOf tensors_of) {
+  SCOPED_TRACE(what);
+  auto ours = ampfuse_test::leaf_copies(params), ref = ampfuse_test::leaf_copies(params);
+  Ours opt(ours, options);
+  Ref reference(ref, options);
+  auto step = [&](bool grads_like_params) {
+    for (std::size_t i = 0; i < ours.size(); ++i) {
+      const torch::Tensor g = torch::randn(ours[i].sizes(), ours[i].options());
+      // A backward gives grads laid out as the parameters (channels_last ones too).
+      ours[i].mutable_grad() = grads_like_params ? torch::empty_like(ours[i]).copy_(g) : g;
+      ref[i].mutable_grad() = ours[i].grad().clone();
+    }
+    opt.step();
+    reference.step();
+  };
+  for (int s = 0; s < 2; ++s) step(false);
+  for (auto* list : {&ours, &ref})
+    for (torch::Tensor& p : *list) convert(p);
+  for (int s = 0; s < 3; ++s) step(true);
+  ampfuse_test::expect_close(ours, ref, 1e-5, "after the conversion");
+  for (const torch::Tensor& p : ours) {  // every state tensor has the parameter's dtype and strides now
+    const auto& st = static_cast<const St&>(*opt.state().at(p.unsafeGetTensorImpl()));
+    for (const torch::Tensor& t : tensors_of(st)) {
+      if (!t.defined()) continue;
+      EXPECT_EQ(t.scalar_type(), p.scalar_type());
+      EXPECT_EQ(t.strides(), p.strides());
+    }
+  }
+}
+
+TEST_P(StepPlanTest, ConvertedParametersTakeTheirStateAlong) {
+  const std::vector<torch::Tensor> params{param({3, 4, 2, 2}, torch::kFloat), param({129}, torch::kFloat),
+                                          param({0}, torch::kFloat), param({5}, torch::kFloat)};
+  const auto to_double = [](torch::Tensor& p) { p.set_data(p.detach().to(torch::kDouble)); };
+  const auto channels_last = [](torch::Tensor& p) {
+    if (p.dim() == 4) p.set_data(p.detach().contiguous(torch::MemoryFormat::ChannelsLast));
+  };
+  for (const auto& [convert, what] : {std::pair<std::function<void(torch::Tensor&)>, const char*>{to_double, "to Double"},
+                                      {channels_last, "to channels_last"}}) {
+    const auto moments = [](const auto& st) {
+      return std::vector<torch::Tensor>{st.exp_avg(), st.exp_avg_sq(), st.max_exp_avg_sq()};
+    };
+    expect_conversion_followed<ampfuse::FusedAdam, torch::optim::Adam, ampfuse::FusedAdamParamState>(
+        params, torch::optim::AdamOptions(1e-2).amsgrad(true).weight_decay(0.1), convert, what, moments);
+    expect_conversion_followed<ampfuse::FusedAdamW, torch::optim::AdamW, ampfuse::FusedAdamWParamState>(
+        params, torch::optim::AdamWOptions(1e-2), convert, what, moments);
+    expect_conversion_followed<ampfuse::FusedSGD, torch::optim::SGD, ampfuse::FusedSGDParamState>(
+        params, torch::optim::SGDOptions(1e-2).momentum(0.9).nesterov(true), convert, what,
+        [](const auto& st) { return std::vector<torch::Tensor>{st.momentum_buffer()}; });
+    // FusedAdagrad makes its state in its constructor (as torch::optim::Adagrad).
+    expect_conversion_followed<ampfuse::FusedAdagrad, torch::optim::Adagrad, ampfuse::FusedAdagradParamState>(
+        params, torch::optim::AdagradOptions(1e-2).lr_decay(0.01), convert, what,
+        [](const auto& st) { return std::vector<torch::Tensor>{st.sum()}; });
+    expect_conversion_followed<ampfuse::FusedRMSprop, torch::optim::RMSprop, ampfuse::FusedRMSpropParamState>(
+        params, torch::optim::RMSpropOptions(1e-2).centered(true).momentum(0.5), convert, what,
+        [](const auto& st) { return std::vector<torch::Tensor>{st.square_avg(), st.momentum_buffer(), st.grad_avg()}; });
+  }
+}
+
+// Converted before the first step: FusedAdagrad's state, made by its
+// constructor, follows. A step refused after a conversion (a grad of the
+// wrong shape) puts every converted state tensor back: the same tensors, in
+// the old dtype; FusedLAMB's state follows as a copy made by hand would.
+TEST_P(StepPlanTest, AStepRefusedAfterAConversionPutsTheStateBack) {
+  auto a = param({6}, torch::kFloat), b = param({7}, torch::kFloat);
+  ampfuse::FusedAdagrad adagrad({a, b}, torch::optim::AdagradOptions(0.1));
+  auto sum_of = [&](const torch::Tensor& p) -> const torch::Tensor& {
+    return static_cast<ampfuse::FusedAdagradParamState&>(*adagrad.state().at(p.unsafeGetTensorImpl())).sum();
+  };
+  const at::TensorImpl* kept = sum_of(a).unsafeGetTensorImpl();
+  for (auto* p : {&a, &b}) p->set_data(p->detach().to(torch::kDouble));
+  a.mutable_grad() = torch::randn_like(a);
+  b.mutable_grad() = torch::randn({8}, b.options());
+  const torch::Tensor a_before = a.detach().clone();
+  ampfuse_test::expect_step_refused(adagrad, "param group 0, param 1");
+  EXPECT_EQ(sum_of(a).unsafeGetTensorImpl(), kept) << "the refused step put the converted sum back";
+  EXPECT_EQ(sum_of(a).scalar_type(), torch::kFloat);
+  EXPECT_TRUE(bitwise_equal(a.detach(), a_before));
+  b.mutable_grad() = torch::randn_like(b);
+  adagrad.step();
+  EXPECT_EQ(sum_of(a).scalar_type(), torch::kDouble);
+  EXPECT_EQ(sum_of(b).scalar_type(), torch::kDouble);
+
+  // FusedLAMB: the followed state against a twin whose state is converted by hand.
+  auto p = param({33}, torch::kFloat), q = p.detach().clone().requires_grad_();
+  ampfuse::FusedLAMB followed({p}, ampfuse::FusedLAMBOptions(1e-2)), by_hand({q}, ampfuse::FusedLAMBOptions(1e-2));
+  auto step_both = [&] {
+    p.mutable_grad() = torch::randn_like(p);
+    q.mutable_grad() = p.grad().clone();
+    followed.step();
+    by_hand.step();
+  };
+  step_both();
+  for (auto* t : {&p, &q}) t->set_data(t->detach().to(torch::kDouble));
+  auto& st = static_cast<ampfuse::FusedLAMBParamState&>(*by_hand.state().at(q.unsafeGetTensorImpl()));
+  st.exp_avg(st.exp_avg().to(torch::kDouble));
+  st.exp_avg_sq(st.exp_avg_sq().to(torch::kDouble));
+  for (int s = 0; s < 2; ++s) step_both();
+  EXPECT_TRUE(bitwise_equal(p.detach(), q.detach()));
+}
+
 // The scaler's check pass keeps its checked grads too: a grad replaced by a
 // new tensor holding an inf is still found, and the step is skipped.
 TEST_P(StepPlanTest, GradScalerSeesNewGrads) {

@@ -65,7 +65,19 @@ void check_state_tensor(const at::Tensor& s, const at::Tensor& p, c10::ScalarTyp
               name, ": param group ", g, ", param ", i, ": state ", what, " has shape ", s.sizes(), ", dtype ",
               s.scalar_type(), " on ", s.device(), ", strides ", s.strides(), " but ", name, " keeps it with shape ",
               p.sizes(), ", dtype ", dtype, " on ", p.device(), ", strides ", c10::IntArrayRef(kernel_strides(p)),
-              " (a checkpoint of another model, or of other options?)");
+              s.sizes() == p.sizes() && s.device() != p.device()
+                  ? " (was the parameter moved to another device after its state was made? torch::optim refuses "
+                    "that too: move the model before making the optimizer)"
+                  : " (a checkpoint of another model or of other options, or a parameter or state tensor given "
+                    "memory of another shape since?)");
+}
+
+at::Tensor followed_state_tensor(const at::Tensor& s, const at::Tensor& p, c10::ScalarType dtype) {
+  if (!s.defined() || s.layout() != at::kStrided || p.layout() != at::kStrided || s.sizes() != p.sizes() ||
+      s.device() != p.device() || !at::isFloatingType(s.scalar_type()) || !at::isFloatingType(dtype) ||
+      (s.scalar_type() == dtype && in_kernel_layout(s, p)))
+    return {};
+  return at::empty_strided(p.sizes(), kernel_strides(p), s.options().dtype(dtype)).copy_(s);
 }
 
 void check_required_state_tensor(const at::Tensor& s, const at::Tensor& p, c10::ScalarType dtype, const char* name,

@@ -54,6 +54,10 @@ class FusedLion : public ampfuse::sdk::FusedOptimizer<torch::optim::Optimizer, L
   const char* name() const override { return "FusedLion"; }
   void check_state(const torch::Tensor& param, const LionParamState& state, std::size_t group,
                    std::size_t index) const override;
+  // exp_avg follows its parameter when the model is converted (model->to(dtype)).
+  void follow_param(const torch::Tensor& param, LionParamState& state, const ampfuse::sdk::Follow& follow) override {
+    follow(state.exp_avg(), param.scalar_type());
+  }
   ampfuse::sdk::Launch prepare_list(const ampfuse::sdk::ParamList& list) override;
   std::size_t state_stamp(const LionParamState& s) const override { return stamp_tensors({&s.exp_avg()}); }
 };

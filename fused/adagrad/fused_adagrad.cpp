@@ -71,6 +71,10 @@ FusedAdagrad::FusedAdagrad(std::vector<at::Tensor> params, torch::optim::Adagrad
                            FusedAdagradOptions fused)
     : FusedAdagrad({torch::optim::OptimizerParamGroup(std::move(params))}, std::move(defaults), fused) {}
 
+void FusedAdagrad::follow_param(const at::Tensor& p, FusedAdagradParamState& st, const sdk::Follow& follow) {
+  follow(st.sum(), p.scalar_type());
+}
+
 void FusedAdagrad::check_state(const at::Tensor& p, const FusedAdagradParamState& st, std::size_t g,
                                std::size_t i) const {
   sdk::check_state_step(st.step(), name(), g, i);

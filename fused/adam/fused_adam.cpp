@@ -302,6 +302,16 @@ void FusedAdamImpl<Base, Options, State, kDecoupled>::check_adam_state(const at:
 }
 
 template <class Base, class Options, class State, bool kDecoupled>
+void FusedAdamImpl<Base, Options, State, kDecoupled>::follow_param(const at::Tensor& p, State& st,
+                                                                   const sdk::Follow& follow) {
+  const c10::ScalarType dtype = state_dtype(p, fused_);
+  follow(st.exp_avg(), dtype);
+  follow(st.exp_avg_sq(), dtype);
+  follow(st.max_exp_avg_sq(), dtype);
+  follow(st.master(), at::kFloat);
+}
+
+template <class Base, class Options, class State, bool kDecoupled>
 void FusedAdamImpl<Base, Options, State, kDecoupled>::check_entries(const std::vector<sdk::Entry>& entries) const {
   if (fused_.moments_8bit()) {
     TORCH_CHECK(!fused_.bf16_moments(), name(), ": moments_8bit and bf16_moments both asked for; choose one");

@@ -145,6 +145,12 @@ FusedLAMB::FusedLAMB(std::vector<at::Tensor> params, FusedLAMBOptions defaults)
 
 FusedLAMB::~FusedLAMB() = default;
 
+void FusedLAMB::follow_param(const at::Tensor& p, FusedLAMBParamState& st, const sdk::Follow& follow) {
+  follow(st.exp_avg(), lamb_state_dtype(p));
+  follow(st.exp_avg_sq(), lamb_state_dtype(p));
+  follow(st.master(), at::kFloat);
+}
+
 void FusedLAMB::check_state(const at::Tensor& p, const FusedLAMBParamState& st, std::size_t g, std::size_t i) const {
   sdk::check_required_state_tensor(st.exp_avg(), p, lamb_state_dtype(p), name(), "exp_avg", g, i);
   sdk::check_required_state_tensor(st.exp_avg_sq(), p, lamb_state_dtype(p), name(), "exp_avg_sq", g, i);

@@ -44,6 +44,12 @@ FusedRMSprop::FusedRMSprop(std::vector<at::Tensor> params, torch::optim::RMSprop
                            FusedRMSpropOptions fused)
     : FusedRMSprop({torch::optim::OptimizerParamGroup(std::move(params))}, std::move(defaults), fused) {}
 
+void FusedRMSprop::follow_param(const at::Tensor& p, FusedRMSpropParamState& st, const sdk::Follow& follow) {
+  follow(st.square_avg(), p.scalar_type());
+  follow(st.momentum_buffer(), p.scalar_type());
+  follow(st.grad_avg(), p.scalar_type());
+}
+
 void FusedRMSprop::check_state(const at::Tensor& p, const FusedRMSpropParamState& st, std::size_t g,
                                std::size_t i) const {
   sdk::check_state_step(st.step(), name(), g, i);

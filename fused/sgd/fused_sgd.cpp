@@ -63,6 +63,10 @@ FusedSGD::FusedSGD(std::vector<at::Tensor> params, torch::optim::SGDOptions defa
 
 FusedSGD::~FusedSGD() = default;
 
+void FusedSGD::follow_param(const at::Tensor& p, FusedSGDParamState& st, const sdk::Follow& follow) {
+  follow(st.momentum_buffer(), p.scalar_type());
+}
+
 void FusedSGD::check_state(const at::Tensor& p, const FusedSGDParamState& st, std::size_t g, std::size_t i) const {
   const at::Tensor& buf = st.momentum_buffer();
   if (buf.defined() && buf.is_sparse()) {

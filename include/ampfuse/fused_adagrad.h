@@ -71,6 +71,8 @@ class FusedAdagrad
  protected:
   const char* name() const override { return "FusedAdagrad"; }
   bool takes_float64() const override { return true; }
+  /// The sum.
+  void follow_param(const at::Tensor& param, FusedAdagradParamState& state, const sdk::Follow& follow) override;
   void check_state(const at::Tensor& param, const FusedAdagradParamState& state, std::size_t group,
                    std::size_t index) const override;
   sdk::Launch prepare_list(const sdk::ParamList& list) override;

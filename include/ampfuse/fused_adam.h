@@ -171,6 +171,8 @@ class FusedAdamImpl : public sdk::FusedOptimizer<Base, Options, State>, public s
   void check_loaded_state(const at::Tensor& param, const State& state, std::size_t group,
                           std::size_t index) const override;
   void check_entries(const std::vector<sdk::Entry>& entries) const override;
+  /// The moments (32-bit) and the master copy.
+  void follow_param(const at::Tensor& param, State& state, const sdk::Follow& follow) override;
   /// amsgrad, which adds max_exp_avg_sq to a group's state.
   std::uint64_t plan_key(std::size_t group) const final { return this->options_of(group).amsgrad() ? 1 : 0; }
   sdk::Launch prepare_list(const sdk::ParamList& list) override;

@@ -110,6 +110,8 @@ class FusedLAMB : public sdk::FusedOptimizer<torch::optim::Optimizer, FusedLAMBO
  protected:
   const char* name() const override { return "FusedLAMB"; }
   bool takes_float64() const override { return true; }
+  /// The moments and the master copy.
+  void follow_param(const at::Tensor& param, FusedLAMBParamState& state, const sdk::Follow& follow) override;
   void check_state(const at::Tensor& param, const FusedLAMBParamState& state, std::size_t group,
                    std::size_t index) const override;
   /// check_state, and a step count that is a whole number from 0.

@@ -65,6 +65,8 @@ class FusedRMSprop
  protected:
   const char* name() const override { return "FusedRMSprop"; }
   bool takes_float64() const override { return true; }
+  /// square_avg, momentum_buffer and grad_avg.
+  void follow_param(const at::Tensor& param, FusedRMSpropParamState& state, const sdk::Follow& follow) override;
   void check_state(const at::Tensor& param, const FusedRMSpropParamState& state, std::size_t group,
                    std::size_t index) const override;
   sdk::Launch prepare_list(const sdk::ParamList& list) override;

@@ -264,6 +264,20 @@ PlanMatch match_plan(torch::optim::Optimizer& opt, const StateStamp& stamp, cons
 void check_state_tensor(const at::Tensor& s, const at::Tensor& p, c10::ScalarType dtype, const char* name,
                         const char* what, std::size_t group, std::size_t index);
 
+/// For FusedOptimizer::follow_param: state tensor `s` as the step keeps it
+/// for parameter p, when `s` has p's shape and device and is a floating
+/// tensor of another dtype than `dtype` or laid out otherwise than the
+/// kernels walk p: a copy in `dtype`, in p's kernel layout (a parameter
+/// converted since its state was made: Module::to(dtype), set_data to
+/// channels_last). Undefined when `s` fits already, or differs in what no
+/// copy mends (shape, device, a sparse or integer tensor: check_state
+/// refuses those).
+at::Tensor followed_state_tensor(const at::Tensor& s, const at::Tensor& p, c10::ScalarType dtype);
+
+/// FusedOptimizer::follow_param's callback: state tensor `field`, kept in
+/// `dtype` with the parameter's shape, in its kernel layout.
+using Follow = std::function<void(at::Tensor& field, c10::ScalarType dtype)>;
+
 /// check_state_tensor for a tensor that every state of the optimizer holds:
 /// also throws when `s` is undefined (a state made by hand, or read from a
 /// checkpoint that lacks the key).
@@ -1191,6 +1205,19 @@ class FusedOptimizer : public Base, public ScalerAware {
   /// different parameters: read only.
   virtual void check_state(const at::Tensor& /*param*/, const State& /*state*/, std::size_t /*group*/,
                            std::size_t /*index*/) const {}
+  /// Names the state tensors that follow their parameter: call follow(field,
+  /// dtype) for each tensor of `state` kept with the parameter's shape, in
+  /// `dtype` (what check_state asks of it). When the step plan is made, a
+  /// step calls it for every parameter that has a state, before any
+  /// validation; a field whose dtype or layout is no longer what the
+  /// parameter asks for (the parameter was converted since: Module::to(dtype),
+  /// set_data to channels_last) is replaced by a converted copy
+  /// (followed_state_tensor), put back if the step is refused, as
+  /// torch::optim steps on such state. The default names none: check_state
+  /// then refuses such state. Not called by load(), which refuses a
+  /// checkpoint's tensor of another dtype (another layout it lays out as
+  /// the parameter's).
+  virtual void follow_param(const at::Tensor& /*param*/, State& /*state*/, const Follow& /*follow*/) {}
   /// What load() calls for every state a checkpoint holds: check_state,
   /// unless overridden to check more, such as values a step reads on the
   /// device, which check_state must not wait for (a loaded step count).
@@ -1429,6 +1456,24 @@ class FusedOptimizer : public Base, public ScalerAware {
     return ref;
   }
 
+  // follow_param for every parameter with a state of this optimizer's type
+  // (one in no group, or of another type, is left to validation), each
+  // replaced field recorded in undo_.
+  void follow_params() {
+    for (const auto& group : this->param_groups())
+      for (const at::Tensor& p : group.params()) {
+        if (!p.defined()) continue;
+        const auto it = this->state().find(p.unsafeGetTensorImpl());
+        if (it == this->state().end() || typeid(*it->second) != typeid(State)) continue;
+        follow_param(p, static_cast<State&>(*it->second), [&](at::Tensor& field, c10::ScalarType dtype) {
+          at::Tensor followed = followed_state_tensor(field, p, dtype);
+          if (!followed.defined()) return;
+          undo_.push_back([&field, before = field]() mutable { field = std::move(before); });
+          field = std::move(followed);
+        });
+      }
+  }
+
   // check_grads: GradScaler's check, after validation and before found_inf
   // is read; before_writes: after everything that can refuse the step
   // (preparing every list included), before the first write.
@@ -1462,6 +1507,7 @@ class FusedOptimizer : public Base, public ScalerAware {
       }
       if (match == PlanMatch::kChanged) {
         forget_plan();
+        follow_params();
         plan_entries_ = validate_params(
             *this, name(), signals,
             [&](const at::Tensor& p, std::size_t g, std::size_t i) -> torch::optim::OptimizerParamState* {
