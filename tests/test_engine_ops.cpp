@@ -383,6 +383,17 @@ TEST_P(EngineOps, MixedDtypesInOneList) {
   EXPECT_EQ(found_inf.item<float>(), 0.f);
   const float r = reference_sum_sq(list);
   EXPECT_NEAR(sum_sq.item<float>(), r, 1e-6 * r);
+
+  // An fp32 sum_sq over several dtypes is summed in fp64 and rounded once, on
+  // every device: 1 + 2^-24 + 2^-24 is 1 + 2^-23, where rounding after each
+  // dtype (1 + 2^-24 rounds to 1, twice) would give 1.
+  const float tiny = std::ldexp(1.f, -12);  // squares to 2^-24
+  const std::vector<torch::Tensor> ties{torch::tensor({1.f, 0.f}, opts().dtype(torch::kFloat)),
+                                        torch::tensor({tiny}, opts().dtype(torch::kFloat)).to(torch::kHalf),
+                                        torch::tensor({tiny}, opts().dtype(torch::kFloat)).to(torch::kBFloat16)};
+  auto once = scalar(0.f);
+  ampfuse::check_non_finite(ties, scalar(0.f), once);
+  EXPECT_EQ(once.item<float>(), 1.f + std::ldexp(1.f, -23));
 }
 
 // A tensor whose last byte is the last one before an unmapped page, or a

@@ -7,6 +7,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
+#include <ATen/ops/zeros_like.h>
 #include <c10/util/Exception.h>
 
 #include <algorithm>
@@ -334,17 +335,26 @@ void check_non_finite(const CheckedList& list, c10::Device device, const at::Ten
     return;
   }
 #if defined(AMPFUSE_WITH_CUDA)
+  // An fp32 sum_sq over several dtypes (one launch each): summed in fp64 and
+  // rounded once, as on CPU, not once per launch.
+  const std::vector<TensorView>& views = list.views.lists[0];
+  at::Tensor sum_f64;
+  if (sum_sq && sum_sq->scalar_type() != c10::ScalarType::Double &&
+      std::any_of(views.begin(), views.end(), [&](const TensorView& v) { return v.dtype != views.front().dtype; }))
+    sum_f64 = at::zeros_like(*sum_sq, sum_sq->options().dtype(at::kDouble));
   for_each_cuda_group(list.views, device, [&](const Group& g, const sdk::cuda::LaunchMeta& meta, sdk::cuda::Stream stream) {
     at::Tensor workspace;
     if (sum_sq)
       workspace = at::empty({static_cast<std::int64_t>(cuda::check_workspace_bytes(meta.num_chunks))},
                             found_inf.options().dtype(at::kByte));
     cuda::SumSq out{};
-    if (sum_sq && sum_sq->scalar_type() == c10::ScalarType::Double) out.f64 = sum_sq->data_ptr<double>();
+    if (sum_f64.defined()) out.f64 = sum_f64.data_ptr<double>();
+    else if (sum_sq && sum_sq->scalar_type() == c10::ScalarType::Double) out.f64 = sum_sq->data_ptr<double>();
     else if (sum_sq) out.f32 = sum_sq->data_ptr<float>();
     cuda::check_non_finite(meta, g.dtype, found_inf.data_ptr<float>(), out, sum_sq ? workspace.data_ptr() : nullptr,
                            stream);
   });
+  if (sum_f64.defined()) sum_sq->copy_(sum_sq->to(at::kDouble).add_(sum_f64));  // on the current stream
 #endif
 }
 
