@@ -348,12 +348,37 @@ const GradScaler::GradsPlan& GradScaler::grads_plan(torch::optim::Optimizer& opt
   return *kept;
 }
 
+namespace {
+
+void check_options(const GradScalerOptions& o) {
+  TORCH_CHECK(o.growth_factor() > 1.0, "The growth factor must be > 1.0.");
+  TORCH_CHECK(o.backoff_factor() < 1.0, "The backoff factor must be < 1.0.");
+  TORCH_CHECK(o.growth_interval() > 0, "ampfuse::GradScaler: growth_interval must be > 0, got ", o.growth_interval());
+  TORCH_CHECK(o.min_scale() >= 0.0, "ampfuse::GradScaler: min_scale must be >= 0, got ", o.min_scale());
+}
+
+}  // namespace
+
 GradScaler::GradScaler(GradScalerOptions options) : options_(options), init_scale_(options.init_scale()) {
-  TORCH_CHECK(options_.growth_factor() > 1.0, "The growth factor must be > 1.0.");
-  TORCH_CHECK(options_.backoff_factor() < 1.0, "The backoff factor must be < 1.0.");
-  TORCH_CHECK(options_.growth_interval() > 0, "ampfuse::GradScaler: growth_interval must be > 0, got ",
-              options_.growth_interval());
-  TORCH_CHECK(options_.min_scale() >= 0.0, "ampfuse::GradScaler: min_scale must be >= 0, got ", options_.min_scale());
+  check_options(options_);
+}
+
+void GradScaler::set_growth_factor(double growth_factor) {
+  GradScalerOptions options = options_;
+  check_options(options.growth_factor(growth_factor));
+  options_ = options;
+}
+
+void GradScaler::set_backoff_factor(double backoff_factor) {
+  GradScalerOptions options = options_;
+  check_options(options.backoff_factor(backoff_factor));
+  options_ = options;
+}
+
+void GradScaler::set_growth_interval(std::int64_t growth_interval) {
+  GradScalerOptions options = options_;
+  check_options(options.growth_interval(growth_interval));
+  options_ = options;
 }
 
 at::Tensor GradScaler::scale(const at::Tensor& outputs) {
@@ -839,16 +864,16 @@ void GradScaler::load(torch::serialize::InputArchive& archive) {
               options.growth_factor(), " and backoff_factor ", options.backoff_factor(),
               ": a scale grows by a finite factor and backs off by a positive one");
   try {
-    GradScaler check(options);  // the factors PyTorch would refuse
+    check_options(options);  // the factors PyTorch would refuse
   } catch (const c10::Error& e) {
     TORCH_CHECK(false, "GradScaler::load: ", e.what_without_backtrace());
   }
   const std::int64_t tracker = values[4].toInt();
-  // The tracker counts clean steps since the last growth: below the interval,
-  // and an int32 on the device.
-  TORCH_CHECK(tracker >= 0 && tracker < options.growth_interval() && tracker <= std::numeric_limits<std::int32_t>::max(),
-              "GradScaler::load: '_growth_tracker' is ", tracker, "; expected 0 <= it < growth_interval (",
-              options.growth_interval(), ")");
+  // The tracker counts clean steps since the last growth, an int32 on the
+  // device; at or past the interval (PyTorch's set_growth_interval can leave
+  // it there) it grows the scale at the next clean update().
+  TORCH_CHECK(tracker >= 0 && tracker <= std::numeric_limits<std::int32_t>::max(), "GradScaler::load: '_growth_tracker' is ",
+              tracker, "; a count of clean steps is from 0 to 2^31 - 1");
   options_ = options;
   init_scale_ = new_scale;
   if (scale_.defined()) scale_.fill_(new_scale);

@@ -20,7 +20,10 @@ struct UpdateScaleParams {
 
 /// at::_amp_update_scale_'s arithmetic (float scale times double factor,
 /// rounded to float; never grows to a non-finite scale), plus the optional
-/// lower bound on back-off.
+/// lower bound on back-off. A count of clean steps at or past the interval
+/// (set_growth_interval lowered it) grows at the next clean step, where ATen
+/// grows only when the count reaches the interval exactly (and never again
+/// until an inf/NaN resets it); the same otherwise.
 AMPFUSE_HOST_DEVICE void update_scale_math(float* scale, std::int32_t* growth_tracker, float found_inf,
                                            const UpdateScaleParams& p) {
   if (found_inf != 0.f) {
@@ -30,7 +33,7 @@ AMPFUSE_HOST_DEVICE void update_scale_math(float* scale, std::int32_t* growth_tr
     *growth_tracker = 0;
   } else {
     const std::int64_t successful = static_cast<std::int64_t>(*growth_tracker) + 1;
-    if (successful == p.growth_interval) {
+    if (successful >= p.growth_interval) {
       const float grown = static_cast<float>(static_cast<double>(*scale) * p.growth_factor);
 #if defined(__CUDA_ARCH__)
       const bool finite = isfinite(grown);

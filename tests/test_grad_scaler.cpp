@@ -159,6 +159,80 @@ std::vector<torch::Tensor> clone_grads(const std::vector<torch::Tensor>& params)
 
 // ---------------------------------------------------------------- unscale_
 
+// PyTorch's set_growth_factor, set_backoff_factor and set_growth_interval:
+// the next updates follow the new values (against at::_amp_update_scale_
+// with them), a value the constructor refuses is refused and changes
+// nothing, and an interval lowered below the clean steps counted so far
+// grows the scale at the next clean update (ATen's count would pass the
+// interval and never grow again), as does a loaded count past the interval.
+TEST(GradScaler, GrowthSettersTakeEffectAtTheNextUpdate) {
+  auto p = torch::randn({8}).requires_grad_();
+  ampfuse::FusedSGD opt({p}, torch::optim::SGDOptions(0.0));
+  ampfuse::GradScaler scaler(ampfuse::GradScalerOptions().init_scale(1024.0).growth_interval(10));
+  auto ref_scale = torch::full({}, 1024.f), ref_tracker = torch::zeros({}, torch::kInt);
+  double growth = 2.0, backoff = 0.5;
+  std::int64_t interval = 10;
+  auto iteration = [&](bool inf) {
+    p.mutable_grad() = scaler.scale(torch::full({8}, inf ? INFINITY : 1.f));
+    scaler.step(opt);
+    scaler.update();
+    at::_amp_update_scale_(ref_scale, ref_tracker, torch::full({}, inf ? 1.f : 0.f), growth, backoff, interval);
+  };
+  for (int i = 0; i < 3; ++i) iteration(false);
+  scaler.set_growth_factor(3.5);
+  scaler.set_backoff_factor(0.25);
+  scaler.set_growth_interval(4);
+  growth = 3.5, backoff = 0.25, interval = 4;
+  EXPECT_EQ(scaler.get_growth_factor(), 3.5);
+  EXPECT_EQ(scaler.get_backoff_factor(), 0.25);
+  EXPECT_EQ(scaler.get_growth_interval(), 4);
+  for (const bool inf : {false, false, true, false, false, false, false, false, true}) {
+    iteration(inf);
+    ASSERT_EQ(scaler.get_scale(), ref_scale.item<double>());
+    ASSERT_EQ(scaler.get_growth_tracker(), ref_tracker.item<std::int64_t>());
+  }
+  EXPECT_THAT(ampfuse_test::error_of([&] { scaler.set_growth_factor(1.0); }),
+              ::testing::HasSubstr("The growth factor must be > 1.0."));
+  EXPECT_THAT(ampfuse_test::error_of([&] { scaler.set_backoff_factor(1.0); }),
+              ::testing::HasSubstr("The backoff factor must be < 1.0."));
+  EXPECT_THAT(ampfuse_test::error_of([&] { scaler.set_growth_interval(0); }),
+              ::testing::HasSubstr("growth_interval must be > 0"));
+  EXPECT_EQ(scaler.get_growth_factor(), 3.5);
+  EXPECT_EQ(scaler.get_backoff_factor(), 0.25);
+  EXPECT_EQ(scaler.get_growth_interval(), 4);
+
+  // Three clean steps counted, then the interval lowered to 2: the next clean update grows.
+  for (int i = 0; i < 3; ++i) iteration(false);
+  ASSERT_EQ(scaler.get_growth_tracker(), 3);
+  const double before = scaler.get_scale();
+  scaler.set_growth_interval(2);
+  p.mutable_grad() = scaler.scale(torch::ones({8}));
+  scaler.step(opt);
+  scaler.update();
+  EXPECT_EQ(scaler.get_scale(), static_cast<double>(static_cast<float>(before * 3.5)));
+  EXPECT_EQ(scaler.get_growth_tracker(), 0);
+
+  // A checkpoint whose count is past its interval (PyTorch's set_growth_interval leaves such) loads, and grows next.
+  torch::serialize::OutputArchive out;
+  out.write("scale", c10::IValue(64.0));
+  out.write("growth_factor", c10::IValue(2.0));
+  out.write("backoff_factor", c10::IValue(0.5));
+  out.write("growth_interval", c10::IValue(std::int64_t{3}));
+  out.write("_growth_tracker", c10::IValue(std::int64_t{7}));
+  std::ostringstream bytes;
+  out.save_to(bytes);
+  std::istringstream in_bytes(bytes.str());
+  torch::serialize::InputArchive in;
+  in.load_from(in_bytes);
+  scaler.load(in);
+  EXPECT_EQ(scaler.get_growth_tracker(), 7);
+  p.mutable_grad() = scaler.scale(torch::ones({8}));
+  scaler.step(opt);
+  scaler.update();
+  EXPECT_EQ(scaler.get_scale(), 128.0);
+  EXPECT_EQ(scaler.get_growth_tracker(), 0);
+}
+
 TEST(GradScaler, UnscaleIsBitIdenticalToAten) {
   const auto seed = ampfuse_test::seed_for_test();
   for (auto dtype : {torch::kFloat, torch::kHalf, torch::kBFloat16}) {

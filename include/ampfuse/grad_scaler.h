@@ -124,6 +124,19 @@ class GradScaler {
   bool is_enabled() const { return options_.enabled(); }
   const GradScalerOptions& options() const { return options_; }
 
+  /// PyTorch's getters and setters of the growth options, for the next
+  /// update() on. The setters refuse what the constructor refuses (a growth
+  /// factor <= 1, a backoff factor >= 1, an interval <= 0), changing nothing.
+  /// A growth interval lowered to or below the clean steps counted so far
+  /// grows the scale at the next clean update() (PyTorch's scaler stops
+  /// growing until an inf/NaN resets its count).
+  double get_growth_factor() const { return options_.growth_factor(); }
+  void set_growth_factor(double growth_factor);
+  double get_backoff_factor() const { return options_.backoff_factor(); }
+  void set_backoff_factor(double backoff_factor);
+  std::int64_t get_growth_interval() const { return options_.growth_interval(); }
+  void set_growth_interval(std::int64_t growth_interval);
+
   /// PyTorch's state_dict keys: scale, growth_factor, backoff_factor,
   /// growth_interval, _growth_tracker (nothing when disabled).
   void save(torch::serialize::OutputArchive& archive) const;
