@@ -1288,7 +1288,8 @@ std::vector<std::int64_t> ZeroOptimizer::load_here(torch::serialize::InputArchiv
   TORCH_CHECK(world == process_group_->getSize() && rank == process_group_->getRank(), kWhere,
               "load: the checkpoint is rank ", rank, " of ", world, ", this optimizer is rank ",
               process_group_->getRank(), " of ", process_group_->getSize(),
-              " (a sharded checkpoint loads at the same world size and rank)");
+              " (load() takes a sharded checkpoint at the same world size and rank; load_sharded() takes every "
+              "rank's part at another world size, load_consolidated() a consolidated one)");
   TORCH_CHECK(hash == layout_hash_, kWhere,
               "load: the checkpoint was saved for other parameters (groups, shapes, dtypes or devices differ)");
   std::vector<std::int64_t> stamp = read_stamp(archive, "load: the checkpoint");
@@ -1475,7 +1476,9 @@ void ZeroOptimizer::consolidate(std::vector<torch::serialize::InputArchive>& par
           TORCH_CHECK(layout.options[g].try_read(key, theirs) && same_value(first, theirs), kWhere,
                       "consolidating: param group ", g, ": part ", r, "'s option ", key, " is ",
                       layout.options[g].try_read(key, theirs) ? value_text(theirs) : std::string("missing"),
-                      ", part 0's ", value_text(first), ": the parts are of different saves, or damaged");
+                      ", part 0's ", value_text(first),
+                      ": the parts are of different saves, or damaged; in a save, the ranks' options differ (an LR "
+                      "scheduler stepped on some ranks only?)");
         }
     }
     for (auto& saved : layout.states) {

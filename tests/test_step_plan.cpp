@@ -499,6 +499,78 @@ TEST_P(StepPlanTest, AStepRefusedAfterAConversionPutsTheStateBack) {
   EXPECT_TRUE(bitwise_equal(p.detach(), q.detach()));
 }
 
+// The state kinds that follow otherwise than by a plain copy: 8-bit moments
+// of a parameter given channels_last are decoded and coded again in its
+// layout (against a twin left contiguous: one more rounding to the map); a
+// sparse momentum buffer converted to Double stays sparse (against
+// torch::optim::SGD); a bf16 parameter's master copy keeps its fp32 bits
+// across a change of layout (bit for bit the twin's steps).
+TEST_P(StepPlanTest, EightBitSparseAndMasterStateFollowAConversion) {
+  {
+    auto w = param({64, 16, 3, 3}, torch::kFloat);  // 9,216 elements: 8-bit moments
+    auto twin = w.detach().clone().requires_grad_();
+    const auto options = torch::optim::AdamOptions(1e-3);
+    ampfuse::FusedAdam coded({w}, options, ampfuse::FusedAdamOptions().moments_8bit(true));
+    ampfuse::FusedAdam coded_twin({twin}, options, ampfuse::FusedAdamOptions().moments_8bit(true));
+    for (int step = 0; step < 5; ++step) {
+      if (step == 2) w.set_data(w.detach().contiguous(torch::MemoryFormat::ChannelsLast));
+      const torch::Tensor g = torch::randn_like(twin);
+      w.mutable_grad() = torch::empty_like(w).copy_(g);
+      twin.mutable_grad() = g;
+      coded.step();
+      coded_twin.step();
+    }
+    const auto& st = static_cast<ampfuse::FusedAdamParamState&>(*coded.state().at(w.unsafeGetTensorImpl()));
+    EXPECT_EQ(st.exp_avg_8bit().strides(), w.strides());
+    EXPECT_EQ(st.exp_avg_sq_8bit().strides(), w.strides());
+    // Each step moves an element by up to about lr (1e-3). Coded once more in other blocks, the moments
+    // differ by the map's resolution at their new block's absmax: a fraction of a step (1.4e-4 seen).
+    // Moments paired with the wrong elements would move elements by whole steps the other way.
+    EXPECT_LT((w.detach() - twin.detach()).abs().max().item<double>(), 3e-4);
+  }
+  {
+    auto options = torch::TensorOptions().device(device_);
+    auto ours = torch::randn({10, 4}, options).requires_grad_(), ref = ours.detach().clone().requires_grad_();
+    const auto sgd = torch::optim::SGDOptions(0.1).momentum(0.9);
+    ampfuse::FusedSGD opt({ours}, sgd);
+    torch::optim::SGD reference({ref}, sgd);
+    for (int step = 0; step < 4; ++step) {
+      if (step == 2)
+        for (auto* p : {&ours, &ref}) p->set_data(p->detach().to(torch::kDouble));
+      const auto indices = torch::tensor({{1, 3, 3, 7}}, options.dtype(torch::kLong));
+      const auto grad = torch::sparse_coo_tensor(indices, torch::randn({4, 4}, ours.options()), {10, 4});
+      ours.mutable_grad() = grad;
+      ref.mutable_grad() = grad.clone();
+      opt.step();
+      reference.step();
+    }
+    const auto& buf = static_cast<ampfuse::FusedSGDParamState&>(*opt.state().at(ours.unsafeGetTensorImpl()))
+                          .momentum_buffer();
+    EXPECT_TRUE(buf.is_sparse());
+    EXPECT_EQ(buf.scalar_type(), torch::kDouble);
+    ampfuse_test::expect_close({ours}, {ref}, 1e-6, "sparse momentum after to(Double)");
+  }
+  {
+    auto w = param({4, 3, 2, 2}, torch::kBFloat16), twin = w.detach().clone().requires_grad_();
+    const auto master = ampfuse::FusedAdamOptions().master_weights(true);
+    ampfuse::FusedAdam opt({w}, torch::optim::AdamOptions(1e-3), master);
+    ampfuse::FusedAdam twin_opt({twin}, torch::optim::AdamOptions(1e-3), master);
+    for (int step = 0; step < 5; ++step) {
+      if (step == 2) w.set_data(w.detach().contiguous(torch::MemoryFormat::ChannelsLast));
+      const torch::Tensor g = torch::randn_like(twin);
+      w.mutable_grad() = torch::empty_like(w).copy_(g);
+      twin.mutable_grad() = g;
+      opt.step();
+      twin_opt.step();
+      ASSERT_TRUE(bitwise_equal(w.detach().contiguous(), twin.detach())) << "step " << step;
+    }
+    const auto master_of = [](ampfuse::FusedAdam& o, const torch::Tensor& p) {
+      return static_cast<ampfuse::FusedAdamParamState&>(*o.state().at(p.unsafeGetTensorImpl())).master();
+    };
+    EXPECT_TRUE(bitwise_equal(master_of(opt, w).contiguous(), master_of(twin_opt, twin)));
+  }
+}
+
 // The scaler's check pass keeps its checked grads too: a grad replaced by a
 // new tensor holding an inf is still found, and the step is skipped.
 TEST_P(StepPlanTest, GradScalerSeesNewGrads) {

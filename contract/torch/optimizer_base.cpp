@@ -73,10 +73,15 @@ void check_state_tensor(const at::Tensor& s, const at::Tensor& p, c10::ScalarTyp
 }
 
 at::Tensor followed_state_tensor(const at::Tensor& s, const at::Tensor& p, c10::ScalarType dtype) {
-  if (!s.defined() || s.layout() != at::kStrided || p.layout() != at::kStrided || s.sizes() != p.sizes() ||
-      s.device() != p.device() || !at::isFloatingType(s.scalar_type()) || !at::isFloatingType(dtype) ||
-      (s.scalar_type() == dtype && in_kernel_layout(s, p)))
+  if (!s.defined() || p.layout() != at::kStrided || s.sizes() != p.sizes() || s.device() != p.device() ||
+      !at::isFloatingType(s.scalar_type()) || !at::isFloatingType(dtype))
     return {};
+  if (s.is_sparse()) return s.scalar_type() == dtype ? at::Tensor() : s.to(dtype);  // kept sparse (FusedSGD)
+  if (s.layout() != at::kStrided || (s.scalar_type() == dtype && in_kernel_layout(s, p))) return {};
+#if defined(AMPFUSE_WITH_CUDA)
+  // Read on this stream, and freed after the step: not reused by the stream it was made on before then.
+  if (s.is_cuda()) s.record_stream(c10::cuda::getCurrentCUDAStream(s.device().index()));
+#endif
   return at::empty_strided(p.sizes(), kernel_strides(p), s.options().dtype(dtype)).copy_(s);
 }
 

@@ -6,6 +6,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
+#include <ATen/ops/empty_strided.h>
 #include <ATen/ops/full.h>
 #include <ATen/ops/zeros.h>
 #include <ATen/ops/zeros_like.h>
@@ -309,6 +310,21 @@ void FusedAdamImpl<Base, Options, State, kDecoupled>::follow_param(const at::Ten
   follow(st.exp_avg_sq(), dtype);
   follow(st.max_exp_avg_sq(), dtype);
   follow(st.master(), at::kFloat);
+  const auto recode = [&](at::Tensor& codes, at::Tensor& absmax, Moment8 which) {
+    // What check_codes would refuse for more than its layout is left to it.
+    if (!codes.defined() || !absmax.defined() || codes.scalar_type() != at::kByte || codes.sizes() != p.sizes() ||
+        codes.device() != p.device() || absmax.device() != p.device() || !codes.is_non_overlapping_and_dense() ||
+        absmax.scalar_type() != at::kFloat || absmax.dim() != 1 || absmax.numel() != fused::quant_blocks(p.numel()) ||
+        codes.strides() == c10::IntArrayRef(sdk::kernel_strides(p)))
+      return;
+    const at::Tensor values = at::empty_strided(p.sizes(), sdk::kernel_strides(p), absmax.options());
+    values.copy_(dequantize_8bit(codes, absmax, which));
+    Coded8 coded = quantize_8bit(values, which);
+    follow.replace(codes, std::move(coded.codes));
+    follow.replace(absmax, std::move(coded.absmax));
+  };
+  recode(st.exp_avg_8bit(), st.exp_avg_absmax(), Moment8::kExpAvg);
+  recode(st.exp_avg_sq_8bit(), st.exp_avg_sq_absmax(), Moment8::kExpAvgSq);
 }
 
 template <class Base, class Options, class State, bool kDecoupled>

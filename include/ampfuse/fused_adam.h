@@ -171,7 +171,9 @@ class FusedAdamImpl : public sdk::FusedOptimizer<Base, Options, State>, public s
   void check_loaded_state(const at::Tensor& param, const State& state, std::size_t group,
                           std::size_t index) const override;
   void check_entries(const std::vector<sdk::Entry>& entries) const override;
-  /// The moments (32-bit) and the master copy.
+  /// The moments and the master copy; 8-bit moments of a parameter given
+  /// another layout are decoded and coded again in it (their blocks follow
+  /// memory order: one more rounding to the 8-bit map).
   void follow_param(const at::Tensor& param, State& state, const sdk::Follow& follow) override;
   /// amsgrad, which adds max_exp_avg_sq to a group's state.
   std::uint64_t plan_key(std::size_t group) const final { return this->options_of(group).amsgrad() ? 1 : 0; }

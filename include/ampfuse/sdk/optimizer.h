@@ -55,6 +55,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/full.h>
+#include <ATen/ops/where.h>
 #include <c10/core/impl/COWDeleter.h>
 #include <c10/util/Exception.h>
 #include <c10/util/ParallelGuard.h>
@@ -269,14 +270,32 @@ void check_state_tensor(const at::Tensor& s, const at::Tensor& p, c10::ScalarTyp
 /// tensor of another dtype than `dtype` or laid out otherwise than the
 /// kernels walk p: a copy in `dtype`, in p's kernel layout (a parameter
 /// converted since its state was made: Module::to(dtype), set_data to
-/// channels_last). Undefined when `s` fits already, or differs in what no
-/// copy mends (shape, device, a sparse or integer tensor: check_state
-/// refuses those).
+/// channels_last; a sparse `s` keeps its layout and takes `dtype`).
+/// Undefined when `s` fits already, or differs in what no copy mends (shape,
+/// device, an integer tensor: check_state refuses those).
 at::Tensor followed_state_tensor(const at::Tensor& s, const at::Tensor& p, c10::ScalarType dtype);
 
-/// FusedOptimizer::follow_param's callback: state tensor `field`, kept in
-/// `dtype` with the parameter's shape, in its kernel layout.
-using Follow = std::function<void(at::Tensor& field, c10::ScalarType dtype)>;
+/// What FusedOptimizer::follow_param is given for one parameter: replaces
+/// state tensors, each put back if the step is refused.
+class Follow {
+ public:
+  using Replace = std::function<void(at::Tensor& field, at::Tensor value)>;
+  Follow(const at::Tensor& param, Replace replace) : param_(param), replace_(std::move(replace)) {}
+  /// State tensor `field`, kept in `dtype` with the parameter's shape, in
+  /// its kernel layout: replaced by followed_state_tensor's copy where it
+  /// has one.
+  void operator()(at::Tensor& field, c10::ScalarType dtype) const {
+    at::Tensor followed = followed_state_tensor(field, param_, dtype);
+    if (followed.defined()) replace_(field, std::move(followed));
+  }
+  /// `field` set to `value` (state that follows otherwise than by a copy,
+  /// such as 8-bit codes, blocked in memory order, coded again).
+  void replace(at::Tensor& field, at::Tensor value) const { replace_(field, std::move(value)); }
+
+ private:
+  const at::Tensor& param_;
+  Replace replace_;
+};
 
 /// check_state_tensor for a tensor that every state of the optimizer holds:
 /// also throws when `s` is undefined (a state made by hand, or read from a
@@ -1042,7 +1061,11 @@ void follow_loaded_master(const at::Tensor& param, S& state) {
 /// launch phase does it for FusedOptimizer::prepare_master).
 template <class S>
 void refresh_master(const at::Tensor& param, S& state) {
-  state.master().copy_(param);
+  // Where the parameter still holds the master's rounding (a parameter given
+  // other memory with the same values: a layout conversion), the master
+  // keeps its fp32 bits; elsewhere it takes the parameter's value.
+  const at::Tensor& master = state.master();
+  master.copy_(at::where(master.to(param.scalar_type()).eq(param), master, param.to(at::kFloat)));
   state.master_version(param._version());
 }
 
@@ -1207,13 +1230,14 @@ class FusedOptimizer : public Base, public ScalerAware {
                            std::size_t /*index*/) const {}
   /// Names the state tensors that follow their parameter: call follow(field,
   /// dtype) for each tensor of `state` kept with the parameter's shape, in
-  /// `dtype` (what check_state asks of it). When the step plan is made, a
-  /// step calls it for every parameter that has a state, before any
-  /// validation; a field whose dtype or layout is no longer what the
-  /// parameter asks for (the parameter was converted since: Module::to(dtype),
-  /// set_data to channels_last) is replaced by a converted copy
-  /// (followed_state_tensor), put back if the step is refused, as
-  /// torch::optim steps on such state. The default names none: check_state
+  /// `dtype` (what check_state asks of it), or follow.replace(field, value)
+  /// for state that follows otherwise. When the step plan is made, a step
+  /// calls it for every parameter that has a state, before any validation;
+  /// a field whose dtype or layout is no longer what the parameter asks for
+  /// (the parameter was converted since: Module::to(dtype), set_data to
+  /// channels_last) is replaced by a converted copy (followed_state_tensor),
+  /// put back if the step is refused, as torch::optim steps on such state.
+  /// Refused under CUDA graph capture. The default names none: check_state
   /// then refuses such state. Not called by load(), which refuses a
   /// checkpoint's tensor of another dtype (another layout it lays out as
   /// the parameter's).
@@ -1460,17 +1484,21 @@ class FusedOptimizer : public Base, public ScalerAware {
   // (one in no group, or of another type, is left to validation), each
   // replaced field recorded in undo_.
   void follow_params() {
-    for (const auto& group : this->param_groups())
-      for (const at::Tensor& p : group.params()) {
+    const auto& groups = this->param_groups();
+    for (std::size_t g = 0; g < groups.size(); ++g)
+      for (std::size_t i = 0; i < groups[g].params().size(); ++i) {
+        const at::Tensor& p = groups[g].params()[i];
         if (!p.defined()) continue;
         const auto it = this->state().find(p.unsafeGetTensorImpl());
         if (it == this->state().end() || typeid(*it->second) != typeid(State)) continue;
-        follow_param(p, static_cast<State&>(*it->second), [&](at::Tensor& field, c10::ScalarType dtype) {
-          at::Tensor followed = followed_state_tensor(field, p, dtype);
-          if (!followed.defined()) return;
-          undo_.push_back([&field, before = field]() mutable { field = std::move(before); });
-          field = std::move(followed);
-        });
+        follow_param(p, static_cast<State&>(*it->second), Follow(p, [&](at::Tensor& field, at::Tensor value) {
+                       TORCH_CHECK(!stream_capturing(p.device()), name(), ": param group ", g, ", param ", i,
+                                   ": its state must follow the parameter (converted to another dtype or layout "
+                                   "since the last step) under CUDA graph capture; run one step outside the "
+                                   "capture first");
+                       undo_.push_back([&field, before = field]() mutable { field = std::move(before); });
+                       field = std::move(value);
+                     }));
       }
   }
 
