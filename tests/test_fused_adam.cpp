@@ -642,6 +642,13 @@ TEST(FusedAdamMaster, CheckpointKeepsTheMasterAndRefusesFp32) {
   }
   ampfuse::FusedAdam second(b, torch::optim::AdamOptions(1e-3), fused);
   torch::load(second, file);
+  // Without master_weights the master is dropped: it would be neither stepped nor refreshed, and saved stale.
+  std::vector<torch::Tensor> c = {a[0].detach().clone().requires_grad_()};
+  ampfuse::FusedAdam without(c, torch::optim::AdamOptions(1e-3));
+  torch::load(without, file);
+  EXPECT_FALSE(static_cast<ampfuse::FusedAdamParamState&>(*without.state().at(c[0].unsafeGetTensorImpl()))
+                   .master()
+                   .defined());
   std::remove(file.c_str());
   for (int s = 5; s < 10; ++s) {
     a[0].mutable_grad() = grads[s];

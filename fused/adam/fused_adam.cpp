@@ -388,6 +388,9 @@ std::vector<std::string> FusedAdamImpl<Base, Options, State, kDecoupled>::saved_
 template <class Base, class Options, class State, bool kDecoupled>
 void FusedAdamImpl<Base, Options, State, kDecoupled>::after_load(const at::Tensor& param, State& state) {
   // (The loaded master follows the parameter already: sdk::follow_loaded_master.)
+  // A master copy that these options do not keep would be neither stepped
+  // nor refreshed, and saved again, stale: dropped.
+  if (!fused_.master_weights()) state.master(at::Tensor());
   // The moments as these options keep them: coded or decoded once, here.
   const bool want = coded_8bit(param) && param.scalar_type() != at::kDouble;
   if (want && !holds_coded(state)) code_moments(state);
