@@ -397,6 +397,8 @@ TEST_P(FusedAdamTest, BadInputNamesGroupAndParamAndChangesNothing) {
   {
     auto p = good();
     expect_refused({{good(), p}, {p}}, "param group 1, param 0 is also param 1 of group 0");
+    expect_refused({{p, good(), p}},
+                   "param group 0, param 2 is also param 0 of group 0; a parameter is listed once (twice, a step");
   }
   // Thousands of parameters are checked on several threads: still the first
   // bad parameter in group order is named, whichever thread saw it.

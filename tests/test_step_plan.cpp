@@ -388,6 +388,106 @@ TEST_P(StepPlanTest, AStateTensorDroppedAndReplacedIsValidatedAgain) {
   EXPECT_TRUE(bitwise_equal(p.detach(), before));
 }
 
+// Tensors whose negative bit is set (x._neg_view(); at::imag(z.conj()) makes
+// one) hold their values negated in memory: a grad, a parameter and a state
+// tensor of that kind are stepped as their values, as torch::optim steps
+// them (a grad through a copy, a parameter through a dense copy written
+// back, a state tensor replaced by a copy of its values), on the first step
+// and under a plan, for FusedSGD and FusedAdam.
+TEST_P(StepPlanTest, NegativeBitTensorsAreSteppedAsTheirValues) {
+  auto neg_of = [](const torch::Tensor& values) { return values.neg()._neg_view(); };  // same values, negated memory
+  for (const bool adam : {false, true}) {
+    SCOPED_TRACE(adam ? "FusedAdam" : "FusedSGD");
+    auto values = torch::randn({7}, torch::TensorOptions().device(device_));
+    auto ours = neg_of(values).detach().requires_grad_(), ref = values.clone().requires_grad_();
+    ASSERT_TRUE(ours.is_neg());
+    std::unique_ptr<torch::optim::Optimizer> opt, reference;
+    if (adam) {
+      opt = std::make_unique<ampfuse::FusedAdam>(std::vector<torch::Tensor>{ours}, torch::optim::AdamOptions(0.1));
+      reference = std::make_unique<torch::optim::Adam>(std::vector<torch::Tensor>{ref}, torch::optim::AdamOptions(0.1));
+    } else {
+      const auto o = torch::optim::SGDOptions(0.1).momentum(0.9);
+      opt = std::make_unique<ampfuse::FusedSGD>(std::vector<torch::Tensor>{ours}, o);
+      reference = std::make_unique<torch::optim::SGD>(std::vector<torch::Tensor>{ref}, o);
+    }
+    for (int step = 0; step < 4; ++step) {
+      const auto g = torch::randn_like(values);
+      ours.mutable_grad() = neg_of(g);
+      ref.mutable_grad() = g.clone();
+      if (step == 2 && adam) {  // a state tensor replaced by hand with one of the same values, negated in memory
+        auto& st = static_cast<ampfuse::FusedAdamParamState&>(*opt->state().at(ours.unsafeGetTensorImpl()));
+        st.exp_avg(neg_of(st.exp_avg().clone()));
+      }
+      opt->step();
+      reference->step();
+      ampfuse_test::expect_close({ours.detach().resolve_neg()}, {ref.detach()}, 1e-6, "step " + std::to_string(step));
+    }
+  }
+}
+
+// A parameter made under InferenceMode is refused outside it, naming it,
+// as ATen's in-place ops (and so torch::optim) refuse to update it; nothing
+// is written.
+TEST(ParamKinds, AnInferenceTensorParameterIsRefusedAsTorchOptimRefusesIt) {
+  torch::Tensor p;
+  {
+    c10::InferenceMode guard;
+    p = torch::randn({5});
+  }
+  p.mutable_grad() = torch::randn({5});
+  const torch::Tensor before = p.clone();
+  ampfuse::FusedAdam opt({p}, torch::optim::AdamOptions(0.1));
+  ampfuse_test::expect_step_refused(opt, "param group 0, param 0 is an inference tensor");
+  EXPECT_TRUE(torch::equal(p, before));
+  EXPECT_TRUE(opt.state().empty());
+  torch::optim::Adam reference({p}, torch::optim::AdamOptions(0.1));
+  EXPECT_THROW(reference.step(), c10::Error);
+}
+
+// A state tensor given other memory in place under a plan: set_ (which
+// torch::load into a tensor does) is not seen, the step writing the memory
+// the plan keeps pointers to, which the plan holds (it was freed, and the
+// step wrote freed memory: a crash at 1M elements, their pages unmapped);
+// resize_ past its bytes is refused by LibTorch, the storage being made
+// non-resizable (it reallocated, freeing the kept memory alike). Each
+// optimizer's way of keeping pointers: FusedAdam's and FusedLAMB's own,
+// FusedSGD's KeptLists.
+TEST_P(StepPlanTest, StateTensorsGivenOtherMemoryInPlaceAreNeverFreedUnderAPlan) {
+  constexpr std::int64_t kN = 1 << 20;
+  auto run = [&](torch::optim::Optimizer& opt, torch::Tensor& p, const std::function<torch::Tensor&()>& state) {
+    for (int step = 0; step < 4; ++step) {
+      if (step == 2) {
+        EXPECT_THAT(ampfuse_test::error_of([&] { state().resize_({4 * kN}); }), HasSubstr("not resizable"));
+        state().set_(torch::zeros({kN}, p.options()));
+      }
+      p.mutable_grad() = torch::randn_like(p);
+      opt.step();
+    }
+    EXPECT_EQ(state().abs().sum().item<double>(), 0.0) << "set_ is not seen under a plan";
+  };
+  {
+    auto p = param({kN}, torch::kFloat);
+    ampfuse::FusedAdam opt({p}, torch::optim::AdamOptions(1e-3));
+    run(opt, p, [&]() -> torch::Tensor& {
+      return static_cast<ampfuse::FusedAdamParamState&>(*opt.state().at(p.unsafeGetTensorImpl())).exp_avg();
+    });
+  }
+  {
+    auto p = param({kN}, torch::kFloat);
+    ampfuse::FusedLAMB opt({p}, ampfuse::FusedLAMBOptions(1e-3));
+    run(opt, p, [&]() -> torch::Tensor& {
+      return static_cast<ampfuse::FusedLAMBParamState&>(*opt.state().at(p.unsafeGetTensorImpl())).exp_avg_sq();
+    });
+  }
+  {
+    auto p = param({kN}, torch::kFloat);
+    ampfuse::FusedSGD opt({p}, torch::optim::SGDOptions(1e-3).momentum(0.9));
+    run(opt, p, [&]() -> torch::Tensor& {
+      return static_cast<ampfuse::FusedSGDParamState&>(*opt.state().at(p.unsafeGetTensorImpl())).momentum_buffer();
+    });
+  }
+}
+
 // A model converted after its optimizer made state (Module::to(dtype) and
 // set_data to channels_last give its parameters other memory): torch::optim
 // steps on with the old state, and so does every fused optimizer, whose
@@ -506,20 +606,27 @@ TEST_P(StepPlanTest, AStepRefusedAfterAConversionPutsTheStateBack) {
 // torch::optim::SGD); a bf16 parameter's master copy keeps its fp32 bits
 // across a change of layout (bit for bit the twin's steps).
 TEST_P(StepPlanTest, EightBitSparseAndMasterStateFollowAConversion) {
+  // Five steps of w and its twin on the same grads, w given channels_last before the third.
+  const auto channels_last_at_third_step = [](torch::Tensor& w, torch::Tensor& twin, torch::optim::Optimizer& opt,
+                                              torch::optim::Optimizer& twin_opt,
+                                              const std::function<void(int)>& after_step) {
+    for (int step = 0; step < 5; ++step) {
+      if (step == 2) w.set_data(w.detach().contiguous(torch::MemoryFormat::ChannelsLast));
+      const torch::Tensor g = torch::randn_like(twin);
+      w.mutable_grad() = torch::empty_like(w).copy_(g);  // laid out as w, as a backward makes it
+      twin.mutable_grad() = g;
+      opt.step();
+      twin_opt.step();
+      after_step(step);
+    }
+  };
   {
     auto w = param({64, 16, 3, 3}, torch::kFloat);  // 9,216 elements: 8-bit moments
     auto twin = w.detach().clone().requires_grad_();
     const auto options = torch::optim::AdamOptions(1e-3);
     ampfuse::FusedAdam coded({w}, options, ampfuse::FusedAdamOptions().moments_8bit(true));
     ampfuse::FusedAdam coded_twin({twin}, options, ampfuse::FusedAdamOptions().moments_8bit(true));
-    for (int step = 0; step < 5; ++step) {
-      if (step == 2) w.set_data(w.detach().contiguous(torch::MemoryFormat::ChannelsLast));
-      const torch::Tensor g = torch::randn_like(twin);
-      w.mutable_grad() = torch::empty_like(w).copy_(g);
-      twin.mutable_grad() = g;
-      coded.step();
-      coded_twin.step();
-    }
+    channels_last_at_third_step(w, twin, coded, coded_twin, [](int) {});
     const auto& st = static_cast<ampfuse::FusedAdamParamState&>(*coded.state().at(w.unsafeGetTensorImpl()));
     EXPECT_EQ(st.exp_avg_8bit().strides(), w.strides());
     EXPECT_EQ(st.exp_avg_sq_8bit().strides(), w.strides());
@@ -555,15 +662,9 @@ TEST_P(StepPlanTest, EightBitSparseAndMasterStateFollowAConversion) {
     const auto master = ampfuse::FusedAdamOptions().master_weights(true);
     ampfuse::FusedAdam opt({w}, torch::optim::AdamOptions(1e-3), master);
     ampfuse::FusedAdam twin_opt({twin}, torch::optim::AdamOptions(1e-3), master);
-    for (int step = 0; step < 5; ++step) {
-      if (step == 2) w.set_data(w.detach().contiguous(torch::MemoryFormat::ChannelsLast));
-      const torch::Tensor g = torch::randn_like(twin);
-      w.mutable_grad() = torch::empty_like(w).copy_(g);
-      twin.mutable_grad() = g;
-      opt.step();
-      twin_opt.step();
-      ASSERT_TRUE(bitwise_equal(w.detach().contiguous(), twin.detach())) << "step " << step;
-    }
+    channels_last_at_third_step(w, twin, opt, twin_opt, [&](int step) {
+      EXPECT_TRUE(bitwise_equal(w.detach().contiguous(), twin.detach())) << "step " << step;
+    });
     const auto master_of = [](ampfuse::FusedAdam& o, const torch::Tensor& p) {
       return static_cast<ampfuse::FusedAdamParamState&>(*o.state().at(p.unsafeGetTensorImpl())).master();
     };

@@ -12,6 +12,7 @@
 #include <ATen/ops/full.h>
 #include <ATen/ops/full_like.h>
 #include <ATen/ops/zeros.h>
+#include <c10/core/InferenceMode.h>
 #include <c10/core/impl/COW.h>
 #include <c10/util/Exception.h>
 #include <c10/util/strides.h>
@@ -60,6 +61,9 @@ bool in_kernel_layout(const at::Tensor& t, const at::Tensor& p) {
 void check_state_tensor(const at::Tensor& s, const at::Tensor& p, c10::ScalarType dtype, const char* name,
                         const char* what, std::size_t g, std::size_t i) {
   if (!s.defined()) return;
+  TORCH_CHECK(!s.is_neg(), name, ": param group ", g, ", param ", i, ": state ", what,
+              " has its negative bit set (a _neg_view()): its memory holds the values negated, and the kernels "
+              "read memory; resolve it with resolve_neg()");
   TORCH_CHECK(s.sizes() == p.sizes() && s.scalar_type() == dtype && s.device() == p.device() &&
                   in_kernel_layout(s, p),
               name, ": param group ", g, ", param ", i, ": state ", what, " has shape ", s.sizes(), ", dtype ",
@@ -77,7 +81,7 @@ at::Tensor followed_state_tensor(const at::Tensor& s, const at::Tensor& p, c10::
       !at::isFloatingType(s.scalar_type()) || !at::isFloatingType(dtype))
     return {};
   if (s.is_sparse()) return s.scalar_type() == dtype ? at::Tensor() : s.to(dtype);  // kept sparse (FusedSGD)
-  if (s.layout() != at::kStrided || (s.scalar_type() == dtype && in_kernel_layout(s, p))) return {};
+  if (s.layout() != at::kStrided || (s.scalar_type() == dtype && in_kernel_layout(s, p) && !s.is_neg())) return {};
 #if defined(AMPFUSE_WITH_CUDA)
   // Read on this stream, and freed after the step: not reused by the stream it was made on before then.
   if (s.is_cuda()) s.record_stream(c10::cuda::getCurrentCUDAStream(s.device().index()));
@@ -154,11 +158,17 @@ class ImplSet {
 // A grad the kernels cannot read in place: laid out otherwise than its
 // parameter's dense layout (other strides, or a view with gaps), read
 // through a copy in that layout.
-// A grad laid out otherwise than its parameter, or a ZeroTensor (no memory:
-// its dense copy holds the zeros it stands for, as torch::optim reads it).
+// A grad laid out otherwise than its parameter, a ZeroTensor (no memory:
+// its dense copy holds the zeros it stands for, as torch::optim reads it),
+// or one whose negative bit is set (x._neg_view(), at::imag(z.conj()): its
+// memory holds the values negated; the copy holds them).
 bool grad_needs_staging(const at::Tensor& p, const at::Tensor& grad) {
-  return grad.defined() && (!in_kernel_layout(grad, p) || grad._is_zerotensor());
+  return grad.defined() && (!in_kernel_layout(grad, p) || grad._is_zerotensor() || grad.is_neg());
 }
+
+// A parameter the kernels cannot update in place: a view with gaps, or one
+// whose negative bit is set; stepped through a dense copy written back.
+bool param_needs_staging(const at::Tensor& p) { return !p.is_non_overlapping_and_dense() || p.is_neg(); }
 
 enum class GradKind { kNone, kInPlace, kStaged, kSparse };
 
@@ -184,6 +194,12 @@ GradKind check_param(const at::Tensor& p, std::size_t g, std::size_t i, const ch
     TORCH_CHECK(stage_params, name, ": param group ", g, ", param ", i, " is not dense (a view with gaps, strides ",
                 p.strides(), "); this optimizer updates dense parameters only");
   }
+  TORCH_CHECK(!p.is_inference() || c10::InferenceMode::is_enabled(), name, ": param group ", g, ", param ", i,
+              " is an inference tensor (made under InferenceMode), which ATen's in-place ops, and so torch::optim, "
+              "do not update outside InferenceMode; clone() it outside InferenceMode");
+  TORCH_CHECK(!p.is_neg() || stage_params, name, ": param group ", g, ", param ", i,
+              " has its negative bit set (a _neg_view()); this optimizer updates parameters in place only: "
+              "resolve it with resolve_neg()");
   const at::Tensor& grad = p.grad();
   if (!grad.defined()) return GradKind::kNone;
   TORCH_CHECK((grad.layout() == c10::kStrided && !grad.is_nested()) || grad.layout() == c10::kSparse, name,
@@ -514,7 +530,7 @@ std::vector<Entry> validate_params(torch::optim::Optimizer& opt, const char* nam
             check_param(p, place.group, place.index, name, signals, float64, staged != nullptr, sparse != nullptr,
                         staged_params != nullptr);
         if (kind == GradKind::kNone) continue;
-        if (kind == GradKind::kStaged || (kind != GradKind::kSparse && !p.is_non_overlapping_and_dense()))
+        if (kind == GradKind::kStaged || (kind != GradKind::kSparse && param_needs_staging(p)))
           any_staged.store(true, std::memory_order_relaxed);
         if (copy_on_write(p.unsafeGetTensorImpl())) any_copy_on_write.store(true, std::memory_order_relaxed);
         torch::optim::OptimizerParamState* state = check_state(p, place.group, place.index);
@@ -539,7 +555,9 @@ std::vector<Entry> validate_params(torch::optim::Optimizer& opt, const char* nam
       return q.param->unsafeGetTensorImpl() == dup.param->unsafeGetTensorImpl();
     });
     TORCH_CHECK(false, name, ": param group ", dup.group, ", param ", dup.index, " is also param ", first.index,
-                " of group ", first.group, "; a parameter may belong to one group only");
+                " of group ", first.group,
+                first.group == dup.group ? "; a parameter is listed once (twice, a step would update it twice)"
+                                         : "; a parameter may belong to one group only");
   }
   if (error) std::rethrow_exception(error);
   // A parameter the step writes whose storage is copy-on-write gets its own
@@ -586,7 +604,7 @@ std::vector<Entry> validate_params(torch::optim::Optimizer& opt, const char* nam
   for (const auto& part : parts)
     for (const Entry& e : part.second) {  // Entry holds references: not assignable
       const bool stage_grad = grad_needs_staging(e.param, e.grad);
-      const bool stage_param = !e.param.is_non_overlapping_and_dense();
+      const bool stage_param = param_needs_staging(e.param);
       if (!stage_grad && !stage_param) {
         entries.push_back(e);
         continue;
@@ -603,6 +621,7 @@ std::vector<Entry> validate_params(torch::optim::Optimizer& opt, const char* nam
       if (stage_param) {
         at::Tensor alias = at::empty({0}, e.param.options());
         alias.set_(e.param.storage(), e.param.storage_offset(), e.param.sizes(), e.param.strides());
+        if (e.param.is_neg()) alias = alias._neg_view();  // written back negated, as the parameter reads it
         staged_params->push_back({&e.param, at::empty_like(e.param, at::MemoryFormat::Preserve), std::move(alias)});
         param = &staged_params->back().buffer;
         owner = &e.param;
@@ -1109,8 +1128,8 @@ PlanMatch match_plan(torch::optim::Optimizer& opt, const StateStamp& stamp, cons
                              bool float64_ok, bool staged_ok) {
     if (grad != nullptr) {
       const c10::TensorImpl* impl = p.unsafeGetTensorImpl();
-      if (grad->layout() == c10::kStrided && grad->dtype() == impl->dtype() && grad->device() == impl->device() &&
-          grad->sizes() == impl->sizes() && grad->strides() == impl->strides() &&
+      if (grad->layout() == c10::kStrided && !grad->is_neg() && grad->dtype() == impl->dtype() &&
+          grad->device() == impl->device() && grad->sizes() == impl->sizes() && grad->strides() == impl->strides() &&
           (signals == nullptr || signals->contains(impl->device())))
         return GradKind::kInPlace;
     }

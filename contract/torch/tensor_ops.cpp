@@ -219,6 +219,7 @@ void check_and_append(At at, std::size_t n, First first, const char* op, const s
 
 TensorListsView make_list_views(const std::vector<at::TensorList>& lists, const std::vector<std::string>& names,
                                 const char* op) {
+  if (op == nullptr) op = "make_list_views";  // (a null const char* streamed into a message is undefined)
   TORCH_CHECK(lists.size() == names.size(), op, ": internal error: ", lists.size(), " lists but ", names.size(),
               " names");
   TensorListsView views;

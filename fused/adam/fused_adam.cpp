@@ -415,8 +415,8 @@ struct AdamKept {
   std::vector<State*> states;
   // The state tensors pointed to, held so that none is freed (and another
   // made at its address, which its state stamp would not tell apart) while
-  // kept.
-  std::vector<at::Tensor> held;
+  // kept, with their storages (sdk::HeldState).
+  sdk::HeldState held;
   std::vector<std::int64_t> numels;
   std::vector<char> coded;  // moments_8bit: which tensors are coded (left out of `numels`' plan)
   std::vector<std::int64_t> numels8;  // their numels, 0 for the others (empty when none is coded)
@@ -526,7 +526,7 @@ sdk::Launch FusedAdamImpl<Base, Options, State, kDecoupled>::prepare_list(const 
       for (const at::Tensor* t : {&s->exp_avg(), &s->exp_avg_sq(), &s->max_exp_avg_sq(), &s->master(), &s->device_step(),
                                   &s->exp_avg_8bit(), &s->exp_avg_absmax(), &s->exp_avg_sq_8bit(),
                                   &s->exp_avg_sq_absmax()})
-        if (t->defined()) kept->held.push_back(*t);
+        if (t->defined()) kept->held.hold(*t);
 
   auto& ptrs = kept->ptrs;
   if (!on_cuda) {

@@ -274,8 +274,8 @@ struct LambKept {
   std::vector<FusedLAMBParamState*> states;
   // The state tensors pointed to, held so that none is freed (and another
   // made at its address, which its state stamp would not tell apart) while
-  // kept.
-  std::vector<at::Tensor> held;
+  // kept, with their storages (sdk::HeldState).
+  sdk::HeldState held;
   std::vector<std::int64_t> numels;
   // CPU: the pointer arrays, the plan, and each step's counters and scalars.
   std::vector<void*> param, grad, m, v, masters;
@@ -338,7 +338,7 @@ sdk::Launch FusedLAMB::prepare_list(const sdk::ParamList& pl) {
   if (fresh)
     for (const FusedLAMBParamState* s : kept->states)
       for (const at::Tensor* t : {&s->step(), &s->exp_avg(), &s->exp_avg_sq(), &s->master()})
-        if (t->defined()) kept->held.push_back(*t);
+        if (t->defined()) kept->held.hold(*t);
   const std::vector<FusedLAMBParamState*>& states = kept->states;
   at::Tensor grad_sum_sq;
   for (const auto& [d, sum] : workspace_->grad_sum_sq)

@@ -645,6 +645,35 @@ inline void* writable_data(const at::Tensor& t) {
   return t.data_ptr();
 }
 
+/// The state tensors whose data a step plan keeps pointers to (KeptLists,
+/// KeptLaunch, an optimizer's own kept pointers), held while it holds, with
+/// their storages: a tensor set_ to other memory (torch::load into a state
+/// tensor does that) leaves the kept memory alive, stepped and not seen (see
+/// "Step plans" above), and each storage is made non-resizable, so that a
+/// resize_ past its bytes throws (LibTorch's "Trying to resize storage that
+/// is not resizable") instead of freeing memory the plan writes. hold() on
+/// the calling thread only.
+class HeldState {
+ public:
+  void hold(const at::Tensor& t) {
+    if (!t.defined()) return;
+    tensors_.push_back(t);
+    if (!t.has_storage()) return;
+    c10::StorageImpl* storage = t.storage().unsafeGetStorageImpl();
+    if (!storages_.empty() && storages_.back().unsafeGetStorageImpl() == storage) return;  // side by side (pooled)
+    storage->set_resizable(false);
+    storages_.push_back(t.storage());
+  }
+  void clear() {
+    tensors_.clear();
+    storages_.clear();
+  }
+
+ private:
+  std::vector<at::Tensor> tensors_;
+  std::vector<c10::Storage> storages_;
+};
+
 /// parallel_entries for an fn that fills pointer arrays through
 /// writable_data: when some tensor is copy-on-write (a lazy clone of a state
 /// tensor, say), fn runs again for every entry on the calling thread, where
@@ -896,6 +925,9 @@ struct KeptLists {
         held_[static_cast<std::size_t>(l)][i] = t;
       });
     });
+    held_storages_.clear();  // (held_ was filled on several threads)
+    for (const std::vector<at::Tensor>& list : held_)
+      for (const at::Tensor& t : list) held_storages_.hold(t);
     empty.clear();
     for (std::size_t i = 0; i < n; ++i)
       if (numels[i] == 0) empty.push_back(i);
@@ -914,6 +946,7 @@ struct KeptLists {
  private:
   int grad_ = -1;
   std::vector<std::vector<at::Tensor>> held_;  ///< by list, then tensor; empty for param and grad
+  HeldState held_storages_;                    ///< the same, with their storages (HeldState)
 };
 
 #if defined(AMPFUSE_WITH_CUDA)
@@ -927,7 +960,7 @@ struct KeptLaunch {
   TensorListsView views;
   std::vector<std::int64_t> numels;
   std::shared_ptr<const ListMeta> meta;
-  std::vector<at::Tensor> held;
+  HeldState held;
 
   /// `lists` lists of views, tensor i's each {null, its numel, the list's
   /// kernel dtype}, with the parameters' and grads' data in lists `param`
@@ -947,13 +980,13 @@ struct KeptLaunch {
   /// Tensor i's view in list l points into state tensor t, held while kept.
   void put(int l, std::size_t i, const at::Tensor& t) {
     views.lists[static_cast<std::size_t>(l)][i].data = t.data_ptr();
-    held.push_back(t);
+    held.hold(t);
   }
   /// The same with a numel and dtype of its own (a per-tensor counter or
   /// flag that travels as a pointer: {data, 1, Float32}, its tag not read).
   void put(int l, std::size_t i, const at::Tensor& t, std::int64_t numel, ScalarType dtype) {
     views.lists[static_cast<std::size_t>(l)][i] = {t.data_ptr(), numel, dtype};
-    held.push_back(t);
+    held.hold(t);
   }
 
   /// This step's metadata (for the Launch to hold): packed from `views` at
