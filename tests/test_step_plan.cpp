@@ -442,6 +442,20 @@ TEST(ParamKinds, AnInferenceTensorParameterIsRefusedAsTorchOptimRefusesIt) {
   EXPECT_TRUE(opt.state().empty());
   torch::optim::Adam reference({p}, torch::optim::AdamOptions(0.1));
   EXPECT_THROW(reference.step(), c10::Error);
+
+  // Inside InferenceMode they are taken, also where ATen's threads check them (past 512 parameters),
+  // which do not see the calling thread's InferenceMode.
+  std::vector<torch::Tensor> many;
+  {
+    c10::InferenceMode guard;
+    for (int i = 0; i < 1500; ++i) many.push_back(torch::randn({2}));
+  }
+  for (auto& q : many) q.mutable_grad() = torch::randn({2});
+  ampfuse::FusedAdam inside(many, torch::optim::AdamOptions(0.1));
+  {
+    c10::InferenceMode guard;
+    EXPECT_NO_THROW(inside.step());
+  }
 }
 
 // A state tensor given other memory in place under a plan: set_ (which

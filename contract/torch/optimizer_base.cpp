@@ -76,16 +76,21 @@ void check_state_tensor(const at::Tensor& s, const at::Tensor& p, c10::ScalarTyp
                     "memory of another shape since?)");
 }
 
-at::Tensor followed_state_tensor(const at::Tensor& s, const at::Tensor& p, c10::ScalarType dtype) {
+bool state_tensor_follows(const at::Tensor& s, const at::Tensor& p, c10::ScalarType dtype) {
   if (!s.defined() || p.layout() != at::kStrided || s.sizes() != p.sizes() || s.device() != p.device() ||
       !at::isFloatingType(s.scalar_type()) || !at::isFloatingType(dtype))
-    return {};
-  if (s.is_sparse()) return s.scalar_type() == dtype ? at::Tensor() : s.to(dtype);  // kept sparse (FusedSGD)
-  if (s.layout() != at::kStrided || (s.scalar_type() == dtype && in_kernel_layout(s, p) && !s.is_neg())) return {};
+    return false;
+  if (s.is_sparse()) return s.scalar_type() != dtype;  // kept sparse (FusedSGD)
+  return s.layout() == at::kStrided && !(s.scalar_type() == dtype && in_kernel_layout(s, p) && !s.is_neg());
+}
+
+at::Tensor followed_state_tensor(const at::Tensor& s, const at::Tensor& p, c10::ScalarType dtype) {
+  if (!state_tensor_follows(s, p, dtype)) return {};
 #if defined(AMPFUSE_WITH_CUDA)
   // Read on this stream, and freed after the step: not reused by the stream it was made on before then.
   if (s.is_cuda()) s.record_stream(c10::cuda::getCurrentCUDAStream(s.device().index()));
 #endif
+  if (s.is_sparse()) return s.to(dtype);
   return at::empty_strided(p.sizes(), kernel_strides(p), s.options().dtype(dtype)).copy_(s);
 }
 
@@ -178,7 +183,7 @@ enum class GradKind { kNone, kInPlace, kStaged, kSparse };
 // refused; a sparse grad is kSparse when `sparse_grads`, else refused.
 GradKind check_param(const at::Tensor& p, std::size_t g, std::size_t i, const char* name,
                      const StepSignals* signals, bool float64, bool stage_grads, bool sparse_grads = false,
-                     bool stage_params = false) {
+                     bool stage_params = false, bool inference_mode = false) {
   TORCH_CHECK(p.defined(), name, ": param group ", g, ", param ", i, " is undefined");
   TORCH_CHECK(supported_dtype(p.scalar_type(), float64), name, ": param group ", g, ", param ", i, ": dtype ",
               p.scalar_type(), " is not supported (expected Float, Half, BFloat16",
@@ -194,7 +199,7 @@ GradKind check_param(const at::Tensor& p, std::size_t g, std::size_t i, const ch
     TORCH_CHECK(stage_params, name, ": param group ", g, ", param ", i, " is not dense (a view with gaps, strides ",
                 p.strides(), "); this optimizer updates dense parameters only");
   }
-  TORCH_CHECK(!p.is_inference() || c10::InferenceMode::is_enabled(), name, ": param group ", g, ", param ", i,
+  TORCH_CHECK(!p.is_inference() || inference_mode, name, ": param group ", g, ", param ", i,
               " is an inference tensor (made under InferenceMode), which ATen's in-place ops, and so torch::optim, "
               "do not update outside InferenceMode; clone() it outside InferenceMode");
   TORCH_CHECK(!p.is_neg() || stage_params, name, ": param group ", g, ", param ", i,
@@ -519,6 +524,7 @@ std::vector<Entry> validate_params(torch::optim::Optimizer& opt, const char* nam
   std::atomic<bool> any_staged{false}, any_copy_on_write{false};
   std::int64_t first_error = n;
   std::exception_ptr error;
+  const bool inference_mode = c10::InferenceMode::is_enabled();  // thread-local: read here, not on ATen's threads
   at::parallel_for(0, n, kEntriesGrain, [&](std::int64_t begin, std::int64_t end) {
     std::vector<Entry> local, local_sparse;
     local.reserve(static_cast<std::size_t>(end - begin));
@@ -528,7 +534,7 @@ std::vector<Entry> validate_params(torch::optim::Optimizer& opt, const char* nam
       try {
         const GradKind kind =
             check_param(p, place.group, place.index, name, signals, float64, staged != nullptr, sparse != nullptr,
-                        staged_params != nullptr);
+                        staged_params != nullptr, inference_mode);
         if (kind == GradKind::kNone) continue;
         if (kind == GradKind::kStaged || (kind != GradKind::kSparse && param_needs_staging(p)))
           any_staged.store(true, std::memory_order_relaxed);
@@ -1124,6 +1130,7 @@ PlanMatch match_plan(torch::optim::Optimizer& opt, const StateStamp& stamp, cons
   // same dense tensor: only the grad's own checks are left. A grad that does
   // not pass them, or is laid out otherwise than its parameter, goes
   // through check_param, for its kind or its error.
+  const bool inference_mode = c10::InferenceMode::is_enabled();  // thread-local: read here, not on ATen's threads
   auto moved_grad_kind = [&](const at::Tensor& p, const c10::TensorImpl* grad, std::size_t g, std::size_t i,
                              bool float64_ok, bool staged_ok) {
     if (grad != nullptr) {
@@ -1133,7 +1140,7 @@ PlanMatch match_plan(torch::optim::Optimizer& opt, const StateStamp& stamp, cons
           (signals == nullptr || signals->contains(impl->device())))
         return GradKind::kInPlace;
     }
-    return check_param(p, g, i, name, signals, float64_ok, staged_ok, false, staged_ok);
+    return check_param(p, g, i, name, signals, float64_ok, staged_ok, false, staged_ok, inference_mode);
   };
   std::atomic<bool> changed{false};
   std::atomic<bool> moved{false};

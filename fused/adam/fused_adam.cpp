@@ -317,6 +317,7 @@ void FusedAdamImpl<Base, Options, State, kDecoupled>::follow_param(const at::Ten
         absmax.scalar_type() != at::kFloat || absmax.dim() != 1 || absmax.numel() != fused::quant_blocks(p.numel()) ||
         codes.strides() == c10::IntArrayRef(sdk::kernel_strides(p)))
       return;
+    follow.refuse_under_capture();  // (decoding reads the codes on the host)
     const at::Tensor values = at::empty_strided(p.sizes(), sdk::kernel_strides(p), absmax.options());
     values.copy_(dequantize_8bit(codes, absmax, which));
     Coded8 coded = quantize_8bit(values, which);

@@ -274,26 +274,37 @@ void check_state_tensor(const at::Tensor& s, const at::Tensor& p, c10::ScalarTyp
 /// Undefined when `s` fits already, or differs in what no copy mends (shape,
 /// device, an integer tensor: check_state refuses those).
 at::Tensor followed_state_tensor(const at::Tensor& s, const at::Tensor& p, c10::ScalarType dtype);
+/// Whether followed_state_tensor(s, p, dtype) makes a copy (reads metadata only).
+bool state_tensor_follows(const at::Tensor& s, const at::Tensor& p, c10::ScalarType dtype);
 
 /// What FusedOptimizer::follow_param is given for one parameter: replaces
 /// state tensors, each put back if the step is refused.
 class Follow {
  public:
   using Replace = std::function<void(at::Tensor& field, at::Tensor value)>;
-  Follow(const at::Tensor& param, Replace replace) : param_(param), replace_(std::move(replace)) {}
+  Follow(const at::Tensor& param, std::function<void()> refuse_under_capture, Replace replace)
+      : param_(param), refuse_under_capture_(std::move(refuse_under_capture)), replace_(std::move(replace)) {}
   /// State tensor `field`, kept in `dtype` with the parameter's shape, in
   /// its kernel layout: replaced by followed_state_tensor's copy where it
   /// has one.
   void operator()(at::Tensor& field, c10::ScalarType dtype) const {
-    at::Tensor followed = followed_state_tensor(field, param_, dtype);
-    if (followed.defined()) replace_(field, std::move(followed));
+    if (!state_tensor_follows(field, param_, dtype)) return;
+    refuse_under_capture_();
+    replace_(field, followed_state_tensor(field, param_, dtype));
   }
+  /// Throws under CUDA graph capture, naming the parameter: call it before
+  /// the work whose result replace() takes.
+  void refuse_under_capture() const { refuse_under_capture_(); }
   /// `field` set to `value` (state that follows otherwise than by a copy,
   /// such as 8-bit codes, blocked in memory order, coded again).
-  void replace(at::Tensor& field, at::Tensor value) const { replace_(field, std::move(value)); }
+  void replace(at::Tensor& field, at::Tensor value) const {
+    refuse_under_capture_();
+    replace_(field, std::move(value));
+  }
 
  private:
   const at::Tensor& param_;
+  std::function<void()> refuse_under_capture_;
   Replace replace_;
 };
 
@@ -1090,16 +1101,13 @@ void follow_loaded_master(const at::Tensor& param, S& state) {
   }
 }
 
-/// An fp32 master copy kept in State takes the parameter's values (the
-/// launch phase does it for FusedOptimizer::prepare_master).
-template <class S>
-void refresh_master(const at::Tensor& param, S& state) {
-  // Where the parameter still holds the master's rounding (a parameter given
-  // other memory with the same values: a layout conversion), the master
-  // keeps its fp32 bits; elsewhere it takes the parameter's value.
-  const at::Tensor& master = state.master();
-  master.copy_(at::where(master.to(param.scalar_type()).eq(param), master, param.to(at::kFloat)));
-  state.master_version(param._version());
+/// What an fp32 master copy takes from its parameter when the parameter was
+/// written from outside (FusedOptimizer::prepare_master makes it, and the
+/// launch phase copies it in): where the parameter still holds the master's
+/// rounding (a parameter given other memory with the same values: a layout
+/// conversion), the master's fp32 bits; elsewhere the parameter's value.
+inline at::Tensor refreshed_master(const at::Tensor& param, const at::Tensor& master) {
+  return at::where(master.to(param.scalar_type()).eq(param), master, param.to(at::kFloat));
 }
 
 /// The optimizer base (see the top of this file).
@@ -1488,11 +1496,11 @@ class FusedOptimizer : public Base, public ScalerAware {
     }
     refuse_under_capture(e, name(), "the refresh of its fp32 master copy (the parameter was written from outside "
                                     "since the last step)");
-    // The step's entries outlive its launch phase; a staged parameter's
-    // buffer holds its values by now.
-    const at::Tensor& param = e.param;
-    stale_masters_.emplace_back([&param, &followed, &state] {
-      refresh_master(param, state);
+    // Made now (a staged parameter's buffer holds this step's values), where
+    // running out of memory still refuses the step; copied in at launch.
+    at::Tensor refreshed = refreshed_master(e.param, state.master());
+    stale_masters_.emplace_back([refreshed = std::move(refreshed), &followed, &state] {
+      state.master().copy_(refreshed);
       state.master_version(followed._version());
       set_master_source(state, followed);
     });
@@ -1524,11 +1532,12 @@ class FusedOptimizer : public Base, public ScalerAware {
         if (!p.defined()) continue;
         const auto it = this->state().find(p.unsafeGetTensorImpl());
         if (it == this->state().end() || typeid(*it->second) != typeid(State)) continue;
-        follow_param(p, static_cast<State&>(*it->second), Follow(p, [&](at::Tensor& field, at::Tensor value) {
-                       TORCH_CHECK(!stream_capturing(p.device()), name(), ": param group ", g, ", param ", i,
-                                   ": its state must follow the parameter (converted to another dtype or layout "
-                                   "since the last step) under CUDA graph capture; run one step outside the "
-                                   "capture first");
+        const auto refuse = [&] {
+          TORCH_CHECK(!stream_capturing(p.device()), name(), ": param group ", g, ", param ", i,
+                      ": its state must follow the parameter (converted to another dtype or layout since the last "
+                      "step) under CUDA graph capture; run one step outside the capture first");
+        };
+        follow_param(p, static_cast<State&>(*it->second), Follow(p, refuse, [&](at::Tensor& field, at::Tensor value) {
                        undo_.push_back([&field, before = field]() mutable { field = std::move(before); });
                        field = std::move(value);
                      }));
