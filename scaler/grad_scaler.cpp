@@ -350,11 +350,25 @@ const GradScaler::GradsPlan& GradScaler::grads_plan(torch::optim::Optimizer& opt
 
 namespace {
 
+// What the setters and load() take: PyTorch's setters and load_state_dict
+// take any value; refused are only those that would make the scale 0,
+// negative, inf or NaN, and an interval that never comes (a growth factor of
+// 1 never grows).
+void check_factors(const GradScalerOptions& o) {
+  TORCH_CHECK(std::isfinite(o.growth_factor()) && o.growth_factor() > 0.0, "ampfuse::GradScaler: growth_factor is ",
+              o.growth_factor(), "; a scale grows by a finite factor > 0 (1 never grows)");
+  TORCH_CHECK(std::isfinite(o.backoff_factor()) && o.backoff_factor() > 0.0, "ampfuse::GradScaler: backoff_factor is ",
+              o.backoff_factor(), "; a scale backs off by a finite factor > 0 (1 never backs off)");
+  TORCH_CHECK(o.growth_interval() > 0, "ampfuse::GradScaler: growth_interval is ", o.growth_interval(),
+              "; it is at least 1 clean step (a growth_factor of 1 never grows)");
+  TORCH_CHECK(o.min_scale() >= 0.0, "ampfuse::GradScaler: min_scale must be >= 0, got ", o.min_scale());
+}
+
+// What the constructor takes: PyTorch's constructor asserts these too.
 void check_options(const GradScalerOptions& o) {
   TORCH_CHECK(o.growth_factor() > 1.0, "The growth factor must be > 1.0.");
   TORCH_CHECK(o.backoff_factor() < 1.0, "The backoff factor must be < 1.0.");
-  TORCH_CHECK(o.growth_interval() > 0, "ampfuse::GradScaler: growth_interval must be > 0, got ", o.growth_interval());
-  TORCH_CHECK(o.min_scale() >= 0.0, "ampfuse::GradScaler: min_scale must be >= 0, got ", o.min_scale());
+  check_factors(o);
 }
 
 }  // namespace
@@ -365,19 +379,19 @@ GradScaler::GradScaler(GradScalerOptions options) : options_(options), init_scal
 
 void GradScaler::set_growth_factor(double growth_factor) {
   GradScalerOptions options = options_;
-  check_options(options.growth_factor(growth_factor));
+  check_factors(options.growth_factor(growth_factor));
   options_ = options;
 }
 
 void GradScaler::set_backoff_factor(double backoff_factor) {
   GradScalerOptions options = options_;
-  check_options(options.backoff_factor(backoff_factor));
+  check_factors(options.backoff_factor(backoff_factor));
   options_ = options;
 }
 
 void GradScaler::set_growth_interval(std::int64_t growth_interval) {
   GradScalerOptions options = options_;
-  check_options(options.growth_interval(growth_interval));
+  check_factors(options.growth_interval(growth_interval));
   options_ = options;
 }
 
@@ -617,23 +631,32 @@ void GradScaler::step(torch::optim::Optimizer& optimizer) {
   if (aware) {
     if (!one_pass) {
       const bool checked_here = !state.checked;
-      if (checked_here) check_grads(optimizer, state, /*unscale_in_place=*/false, "GradScaler::step");
-      if (state.devices.empty()) {
-        // No grads at all (every parameter frozen for now): as PyTorch's
-        // path for optimizers that take the scale (fused=True), found_inf
-        // is 0 and the step has nothing to update.
-        aware->step_with_signals(StepSignals{});
-        last_found_inf_.erase(&optimizer);
-        state.stage = Stage::kStepped;
-        return;
+      try {
+        if (checked_here) check_grads(optimizer, state, /*unscale_in_place=*/false, "GradScaler::step");
+        if (state.devices.empty()) {
+          // No grads at all (every parameter frozen for now): as PyTorch's
+          // path for optimizers that take the scale (fused=True), found_inf
+          // is 0 and the step has nothing to update.
+          aware->step_with_signals(StepSignals{});
+          last_found_inf_.erase(&optimizer);
+          state.stage = Stage::kStepped;
+          return;
+        }
+        // The grads will be written after the step: check them for that before it.
+        if (options_.unscaled_grads_after_step())
+          grads_plan(optimizer, "GradScaler::step", /*in_place=*/true, /*for_norm=*/false);
+        StepSignals signals;
+        for (const DeviceState& ds : state.devices)
+          signals.set(ds.device, {ds.inv_scale, combined_found_inf(state, ds.device), ds.clip_coef});
+        aware->step_with_signals(signals);
+      } catch (...) {
+        // The step was refused: as PyTorch's stage stays READY, a step
+        // retried in this iteration checks its grads again (update() reads
+        // this check's found_inf meanwhile). A check made by unscale_ or
+        // clip_grad_norm_ stands, as PyTorch's UNSCALED does.
+        if (checked_here) state.checked = false;
+        throw;
       }
-      // The grads will be written after the step: check them for that before it.
-      if (options_.unscaled_grads_after_step())
-        grads_plan(optimizer, "GradScaler::step", /*in_place=*/true, /*for_norm=*/false);
-      StepSignals signals;
-      for (const DeviceState& ds : state.devices)
-        signals.set(ds.device, {ds.inv_scale, combined_found_inf(state, ds.device), ds.clip_coef});
-      aware->step_with_signals(signals);
       // (After unscale_ or clip_grad_norm_, the grads may have been replaced since they were checked.)
       if (checked_here) remember_grads_id(optimizer, *aware);
     }
@@ -698,10 +721,11 @@ bool GradScaler::step_in_one_pass(torch::optim::Optimizer& optimizer, ScalerAwar
   } catch (...) {
     if (!checked) return false;
     // The optimizer's own error, after the check: retrying could step twice.
-    // The check stands, as the two passes' does when the optimizer throws:
-    // update() reads its found_inf (and backs off when it found an inf).
+    // As the two passes' when the optimizer throws: update() reads this
+    // check's found_inf (and backs off when it found an inf), and a step
+    // retried in this iteration checks its grads again (PyTorch's READY).
     state.devices = {std::move(ds)};
-    state.checked = true;
+    state.checked = false;
     throw;
   }
   if (!taken) return false;
@@ -860,11 +884,8 @@ void GradScaler::load(torch::serialize::InputArchive& archive) {
   TORCH_CHECK(new_scale >= 0, "GradScaler::load: 'scale' is ", new_scale, "; a scale is >= 0 (0 and inf included)");
   GradScalerOptions options = options_;
   options.growth_factor(values[1].toDouble()).backoff_factor(values[2].toDouble()).growth_interval(values[3].toInt());
-  TORCH_CHECK(std::isfinite(options.growth_factor()) && options.backoff_factor() > 0, "GradScaler::load: growth_factor ",
-              options.growth_factor(), " and backoff_factor ", options.backoff_factor(),
-              ": a scale grows by a finite factor and backs off by a positive one");
   try {
-    check_options(options);  // the factors PyTorch would refuse
+    check_factors(options);
   } catch (const c10::Error& e) {
     TORCH_CHECK(false, "GradScaler::load: ", e.what_without_backtrace());
   }

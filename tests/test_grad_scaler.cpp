@@ -161,8 +161,10 @@ std::vector<torch::Tensor> clone_grads(const std::vector<torch::Tensor>& params)
 
 // PyTorch's set_growth_factor, set_backoff_factor and set_growth_interval:
 // the next updates follow the new values (against at::_amp_update_scale_
-// with them), a value the constructor refuses is refused and changes
-// nothing, and an interval lowered below the clean steps counted so far
+// with them), as do factors the constructor refuses (1, which freezes the
+// scale, and past 1) as PyTorch's setters take them, a factor that would
+// make the scale 0, inf or NaN is refused and changes nothing, and an
+// interval lowered below the clean steps counted so far
 // grows the scale at the next clean update (ATen's count would pass the
 // interval and never grow again), as does a loaded count past the interval.
 TEST(GradScaler, GrowthSettersTakeEffectAtTheNextUpdate) {
@@ -191,15 +193,33 @@ TEST(GradScaler, GrowthSettersTakeEffectAtTheNextUpdate) {
     ASSERT_EQ(scaler.get_scale(), ref_scale.item<double>());
     ASSERT_EQ(scaler.get_growth_tracker(), ref_tracker.item<std::int64_t>());
   }
-  EXPECT_THAT(ampfuse_test::error_of([&] { scaler.set_growth_factor(1.0); }),
-              ::testing::HasSubstr("The growth factor must be > 1.0."));
-  EXPECT_THAT(ampfuse_test::error_of([&] { scaler.set_backoff_factor(1.0); }),
-              ::testing::HasSubstr("The backoff factor must be < 1.0."));
+  EXPECT_THAT(ampfuse_test::error_of([&] { scaler.set_growth_factor(0.0); }),
+              ::testing::HasSubstr("growth_factor is 0; a scale grows by a finite factor > 0"));
+  EXPECT_THAT(ampfuse_test::error_of([&] { scaler.set_growth_factor(INFINITY); }),
+              ::testing::HasSubstr("growth_factor is inf"));
+  EXPECT_THAT(ampfuse_test::error_of([&] { scaler.set_backoff_factor(NAN); }),
+              ::testing::HasSubstr("backoff_factor is nan; a scale backs off by a finite factor > 0"));
+  EXPECT_THAT(ampfuse_test::error_of([&] { scaler.set_backoff_factor(-0.5); }),
+              ::testing::HasSubstr("backoff_factor is -0.5"));
   EXPECT_THAT(ampfuse_test::error_of([&] { scaler.set_growth_interval(0); }),
-              ::testing::HasSubstr("growth_interval must be > 0"));
+              ::testing::HasSubstr("growth_interval is 0; it is at least 1 clean step"));
   EXPECT_EQ(scaler.get_growth_factor(), 3.5);
   EXPECT_EQ(scaler.get_backoff_factor(), 0.25);
   EXPECT_EQ(scaler.get_growth_interval(), 4);
+  // A growth factor of 1 and a backoff factor of 1 freeze the scale; 0.5 shrinks it on clean steps. As ATen's.
+  for (const auto& [g, b] : {std::pair{1.0, 1.0}, std::pair{0.5, 1.5}}) {
+    scaler.set_growth_factor(g);
+    scaler.set_backoff_factor(b);
+    growth = g, backoff = b;
+    for (const bool inf : {false, false, false, false, true, false, false, false, false}) {
+      iteration(inf);
+      ASSERT_EQ(scaler.get_scale(), ref_scale.item<double>());
+      ASSERT_EQ(scaler.get_growth_tracker(), ref_tracker.item<std::int64_t>());
+    }
+  }
+  scaler.set_growth_factor(3.5);
+  scaler.set_backoff_factor(0.25);
+  growth = 3.5, backoff = 0.25;
 
   // Three clean steps counted, then the interval lowered to 2: the next clean update grows.
   for (int i = 0; i < 3; ++i) iteration(false);
@@ -212,11 +232,12 @@ TEST(GradScaler, GrowthSettersTakeEffectAtTheNextUpdate) {
   EXPECT_EQ(scaler.get_scale(), static_cast<double>(static_cast<float>(before * 3.5)));
   EXPECT_EQ(scaler.get_growth_tracker(), 0);
 
-  // A checkpoint whose count is past its interval (PyTorch's set_growth_interval leaves such) loads, and grows next.
+  // A checkpoint whose count is past its interval (PyTorch's set_growth_interval leaves such) loads, and grows next;
+  // so does one of a scaler that never backs off (set_backoff_factor(1.0)).
   torch::serialize::OutputArchive out;
   out.write("scale", c10::IValue(64.0));
   out.write("growth_factor", c10::IValue(2.0));
-  out.write("backoff_factor", c10::IValue(0.5));
+  out.write("backoff_factor", c10::IValue(1.0));
   out.write("growth_interval", c10::IValue(std::int64_t{3}));
   out.write("_growth_tracker", c10::IValue(std::int64_t{7}));
   std::ostringstream bytes;
@@ -226,6 +247,7 @@ TEST(GradScaler, GrowthSettersTakeEffectAtTheNextUpdate) {
   in.load_from(in_bytes);
   scaler.load(in);
   EXPECT_EQ(scaler.get_growth_tracker(), 7);
+  EXPECT_EQ(scaler.get_backoff_factor(), 1.0);
   p.mutable_grad() = scaler.scale(torch::ones({8}));
   scaler.step(opt);
   scaler.update();
@@ -423,6 +445,44 @@ TEST(GradScalerMisuse, AClassicStepThatThrowsLeavesTheGradsUnscaledOnce) {
     scaler.step(opt);
     EXPECT_TRUE(bitwise_equal(m.params[0].detach(), before - 8.f));
     scaler.update();
+  }
+}
+
+// A step that the optimizer refuses (a sparse grad here), retried in the
+// same iteration with new grads: the new grads are checked, as PyTorch's
+// stage stays READY when optimizer.step() throws. The retried step used the
+// refused one's found_inf: an inf in the new grads was stepped on (and a
+// refused step's inf skipped clean ones). Both of GradScaler::step's paths:
+// its first step (two passes) and after a clean one (one pass).
+TEST(GradScalerMisuse, AStepRetriedAfterTheOptimizerRefusedItChecksTheNewGrads) {
+  for (const bool after_a_clean_step : {false, true}) {
+    for (const bool inf_in_refused : {false, true}) {
+      SCOPED_TRACE(std::string(after_a_clean_step ? "after a clean step" : "first step") +
+                   (inf_in_refused ? ", inf in the refused step's grads" : ", inf in the retried step's grads"));
+      auto p = torch::tensor({1.f, 2.f, 3.f, 4.f}).requires_grad_();
+      ampfuse::FusedAdam opt({p}, torch::optim::AdamOptions(0.1));
+      ampfuse::GradScaler scaler(ampfuse::GradScalerOptions().init_scale(256.0));
+      const torch::Tensor clean = torch::full({4}, 256.f), poisoned = torch::tensor({256.f, INFINITY, 256.f, 256.f});
+      if (after_a_clean_step) {
+        scaler.scale(torch::ones({}));
+        p.mutable_grad() = clean.clone();
+        scaler.step(opt);
+        scaler.update();
+      }
+      scaler.scale(torch::ones({}));
+      // Refused by the optimizer after the scaler's check (an inf values tensor: found_inf set).
+      const torch::Tensor refused_values = inf_in_refused ? poisoned : clean;
+      p.mutable_grad() = at::sparse_coo_tensor(torch::tensor({{0, 1, 2, 3}}), refused_values, {4});
+      const torch::Tensor before = p.detach().clone();
+      expect_error([&] { scaler.step(opt); }, "sparse");
+      EXPECT_TRUE(bitwise_equal(p.detach(), before));
+      p.mutable_grad() = (inf_in_refused ? clean : poisoned).clone();
+      scaler.step(opt);
+      scaler.update();
+      EXPECT_EQ(scaler.last_step_skipped(opt), !inf_in_refused);
+      EXPECT_EQ(bitwise_equal(p.detach(), before), !inf_in_refused);
+      EXPECT_EQ(scaler.get_scale(), inf_in_refused ? 256.0 : 128.0);
+    }
   }
 }
 

@@ -483,6 +483,48 @@ TEST_P(StateModelTest, StateOfAnotherTypeIsRefusedNamingTheParameter) {
   EXPECT_THROW(opt.save(archive), c10::Error) << "save() read a torch::optim::AdamParamState as a FusedAdam state";
 }
 
+// A null entry in state(), as `state()[key]` used as a lookup inserts one:
+// refused naming the parameter, at a step that reuses its plan too (it
+// crashed: the plan's stamp read the null state), and by save(), nothing
+// changed; a null entry for a tensor that is no parameter is passed over.
+// Erased, the parameter's state is made afresh. (torch::optim crashes.)
+TEST_P(StateModelTest, ANullStateIsRefusedNamingTheParameter) {
+  auto p = param({10}, torch::kFloat), q = param({3}, torch::kFloat), other = param({2}, torch::kFloat);
+  ampfuse::FusedAdam opt({p, q}, torch::optim::AdamOptions(1e-2));
+  fill_grads(opt);
+  opt.step();
+  opt.step();  // the plan is kept
+  auto* const q_key = q.unsafeGetTensorImpl();
+  const auto before = p.detach().clone();
+  const auto q_before = q.detach().clone();
+  opt.state()[q_key].reset();
+  opt.state()[other.unsafeGetTensorImpl()];  // a null entry for a tensor of no group
+  for (int attempt = 0; attempt < 2; ++attempt) {
+    try {
+      opt.step();
+      ADD_FAILURE() << "a null state was stepped";
+    } catch (const c10::Error& e) {
+      EXPECT_THAT(e.what_without_backtrace(), HasSubstr("FusedAdam: param group 0, param 1: its state is null"));
+    }
+    EXPECT_TRUE(bitwise_equal(p.detach(), before));
+    EXPECT_TRUE(bitwise_equal(q.detach(), q_before));
+  }
+  torch::serialize::OutputArchive archive;
+  try {
+    opt.save(archive);
+    ADD_FAILURE() << "save() read a null state";
+  } catch (const c10::Error& e) {
+    EXPECT_THAT(e.what_without_backtrace(), HasSubstr("param group 0, param 1: its state is null"));
+  }
+  opt.state().erase(q_key);
+  opt.step();
+  EXPECT_FALSE(bitwise_equal(p.detach(), before));
+  EXPECT_FALSE(bitwise_equal(q.detach(), q_before));
+  EXPECT_EQ(static_cast<const ampfuse::FusedAdamParamState&>(*opt.state().at(q_key)).step(), 1);
+  torch::serialize::OutputArchive saved;
+  opt.save(saved);
+}
+
 #if defined(AMPFUSE_WITH_CUDA)
 // The device step counter is fp64: exact past 2^24, where fp32 stops counting.
 TEST_P(StateModelTest, DeviceStepCountersAreExactPast2To24) {

@@ -94,6 +94,20 @@ at::Tensor followed_state_tensor(const at::Tensor& s, const at::Tensor& p, c10::
   return at::empty_strided(p.sizes(), kernel_strides(p), s.options().dtype(dtype)).copy_(s);
 }
 
+void check_state_not_null(const torch::optim::OptimizerParamState* state, const char* name, std::size_t g,
+                          std::size_t i) {
+  TORCH_CHECK(state != nullptr, name, ": param group ", g, ", param ", i, ": its state is null (state()[key] used as a lookup "
+              "inserts one: use state().find(key)); erase it, and the next step makes its state afresh");
+}
+
+std::pair<std::size_t, std::size_t> place_of(const torch::optim::Optimizer& opt, const void* key) {
+  const auto& groups = opt.param_groups();
+  for (std::size_t g = 0; g < groups.size(); ++g)
+    for (std::size_t i = 0; i < groups[g].params().size(); ++i)
+      if (groups[g].params()[i].unsafeGetTensorImpl() == key) return {g, i};
+  return {kNoGroup, kNoGroup};
+}
+
 void check_required_state_tensor(const at::Tensor& s, const at::Tensor& p, c10::ScalarType dtype, const char* name,
                                  const char* what, std::size_t g, std::size_t i) {
   TORCH_CHECK(s.defined(), name, ": param group ", g, ", param ", i, ": state ", what,
@@ -1027,7 +1041,7 @@ PlanParam plan_param(const at::Tensor& p, const torch::optim::Optimizer& opt, co
   if (it != states.end()) {
     k.state_entry = &*it;
     k.state = it->second.get();
-    k.stamp = stamp(*it->second);
+    if (k.state != nullptr) k.stamp = stamp(*it->second);  // (null: validation refuses it)
   }
   return k;
 }

@@ -754,6 +754,7 @@ at::Tensor FusedAdamImpl<Base, Options, State, kDecoupled>::lr_tensor(std::size_
 template <class Base, class Options, class State, bool kDecoupled>
 void FusedAdamImpl<Base, Options, State, kDecoupled>::sync_state() {
   for (auto& entry : this->state()) {
+    if (!entry.second || typeid(*entry.second) != typeid(State)) continue;  // (validation refuses those)
     State& s = static_cast<State&>(*entry.second);
     if (s.device_step().defined()) s.step(static_cast<std::int64_t>(s.device_step().template item<double>()));
   }

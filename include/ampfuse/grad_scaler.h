@@ -125,8 +125,11 @@ class GradScaler {
   const GradScalerOptions& options() const { return options_; }
 
   /// PyTorch's getters and setters of the growth options, for the next
-  /// update() on. The setters refuse what the constructor refuses (a growth
-  /// factor <= 1, a backoff factor >= 1, an interval <= 0), changing nothing.
+  /// update() on. As PyTorch's, the setters (and load()) take factors the
+  /// constructor refuses: a growth factor of 1 never grows the scale, a
+  /// backoff factor of 1 never backs off. Refused, changing nothing: a factor
+  /// <= 0, inf or NaN (the scale would leave the positive finite numbers;
+  /// PyTorch takes it) and an interval <= 0.
   /// A growth interval lowered to or below the clean steps counted so far
   /// grows the scale at the next clean update() (PyTorch's scaler stops
   /// growing until an inf/NaN resets its count).

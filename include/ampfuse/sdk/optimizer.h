@@ -265,6 +265,16 @@ PlanMatch match_plan(torch::optim::Optimizer& opt, const StateStamp& stamp, cons
 void check_state_tensor(const at::Tensor& s, const at::Tensor& p, c10::ScalarType dtype, const char* name,
                         const char* what, std::size_t group, std::size_t index);
 
+/// Throws unless `state` is non-null: a null entry in state() is what
+/// `state()[key]` inserts when used as a lookup (torch::optim's step
+/// crashes on one). `group` and `index` name the parameter.
+void check_state_not_null(const torch::optim::OptimizerParamState* state, const char* name, std::size_t group,
+                          std::size_t index);
+/// The group and index of the parameter whose TensorImpl is `key` in
+/// opt's groups; {kNoGroup, kNoGroup} when none is.
+inline constexpr std::size_t kNoGroup = ~std::size_t{0};
+std::pair<std::size_t, std::size_t> place_of(const torch::optim::Optimizer& opt, const void* key);
+
 /// For FusedOptimizer::follow_param: state tensor `s` as the step keeps it
 /// for parameter p, when `s` has p's shape and device and is a floating
 /// tensor of another dtype than `dtype` or laid out otherwise than the
@@ -922,10 +932,11 @@ struct KeptLists {
     const std::size_t n = entries.size();
     grad_ = grad;
     ptrs.assign(static_cast<std::size_t>(lists), std::vector<void*>(n, nullptr));
-    held_.assign(static_cast<std::size_t>(lists), std::vector<at::Tensor>());
+    // Filled on several threads, then held on this one (HeldState::hold).
+    std::vector<std::vector<at::Tensor>> put_tensors(static_cast<std::size_t>(lists));
     std::vector<std::int64_t> numels(n);
     for (int l = 0; l < lists; ++l)
-      if (l != param && l != grad) held_[static_cast<std::size_t>(l)].resize(n);
+      if (l != param && l != grad) put_tensors[static_cast<std::size_t>(l)].resize(n);
     fill_entries(n, [&](std::size_t i) {
       numels[i] = entries[i]->param.numel();
       ptrs[static_cast<std::size_t>(param)][i] = writable_data(entries[i]->param);
@@ -933,12 +944,12 @@ struct KeptLists {
       state_tensors(i, [&](int l, const at::Tensor& t) {
         TORCH_INTERNAL_ASSERT(l >= 0 && l < lists && l != param && l != grad, "KeptLists: put into list ", l);
         ptrs[static_cast<std::size_t>(l)][i] = writable_data(t);
-        held_[static_cast<std::size_t>(l)][i] = t;
+        put_tensors[static_cast<std::size_t>(l)][i] = t;
       });
     });
-    held_storages_.clear();  // (held_ was filled on several threads)
-    for (const std::vector<at::Tensor>& list : held_)
-      for (const at::Tensor& t : list) held_storages_.hold(t);
+    held_.clear();
+    for (const std::vector<at::Tensor>& list : put_tensors)
+      for (const at::Tensor& t : list) held_.hold(t);
     empty.clear();
     for (std::size_t i = 0; i < n; ++i)
       if (numels[i] == 0) empty.push_back(i);
@@ -956,8 +967,7 @@ struct KeptLists {
 
  private:
   int grad_ = -1;
-  std::vector<std::vector<at::Tensor>> held_;  ///< by list, then tensor; empty for param and grad
-  HeldState held_storages_;                    ///< the same, with their storages (HeldState)
+  HeldState held_;  ///< the state tensors put, with their storages
 };
 
 #if defined(AMPFUSE_WITH_CUDA)
@@ -1160,6 +1170,11 @@ class FusedOptimizer : public Base, public ScalerAware {
     archive.write("pytorch_version", c10::IValue("1.5.0"));
     torch::serialize::OutputArchive state_archive(archive.compilation_unit());
     for (const auto& [key, state] : this->state()) {
+      if (!state) {  // refused for a parameter; left out for a tensor that is none (as a step leaves it)
+        const auto [g, i] = place_of(*this, key);
+        if (g == kNoGroup) continue;
+        check_state_not_null(nullptr, name(), g, i);
+      }
       TORCH_CHECK(typeid(*state) == typeid(State), name(), ": a state is not a ", name(),
                   " state (was it put into state() by hand?)");
       const State& s = static_cast<const State&>(*state);
@@ -1531,7 +1546,7 @@ class FusedOptimizer : public Base, public ScalerAware {
         const at::Tensor& p = groups[g].params()[i];
         if (!p.defined()) continue;
         const auto it = this->state().find(p.unsafeGetTensorImpl());
-        if (it == this->state().end() || typeid(*it->second) != typeid(State)) continue;
+        if (it == this->state().end() || !it->second || typeid(*it->second) != typeid(State)) continue;
         const auto refuse = [&] {
           TORCH_CHECK(!stream_capturing(p.device()), name(), ": param group ", g, ", param ", i,
                       ": its state must follow the parameter (converted to another dtype or layout since the last "
@@ -1585,6 +1600,7 @@ class FusedOptimizer : public Base, public ScalerAware {
               // is undefined behaviour even before it is used (UBSan's vptr check reports it).
               const auto it = this->state().find(p.unsafeGetTensorImpl());
               if (it == this->state().end()) return nullptr;
+              check_state_not_null(it->second.get(), name(), g, i);
               torch::optim::OptimizerParamState& base = *it->second;
               TORCH_CHECK(typeid(base) == typeid(State), name(), ": param group ", g, ", param ", i,
                           ": its state is not a ", name(), " state (was it put into state() by hand?)");
@@ -1660,7 +1676,8 @@ class FusedOptimizer : public Base, public ScalerAware {
           ~Holding() { flag = false; }
         } holding(holding_state_);
         for (const auto& kept : this->state())
-          if (typeid(*kept.second) == typeid(State)) state_stamp(static_cast<const State&>(*kept.second));
+          if (kept.second && typeid(*kept.second) == typeid(State))
+            state_stamp(static_cast<const State&>(*kept.second));
       }
       for (Entry& e : plan_entries_)
         if (e.state == nullptr) e.state = find_state(e.user_param());
