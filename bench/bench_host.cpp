@@ -13,6 +13,10 @@
 //               _fused_adam_ with found_inf, _foreach_sub_ of the steps,
 //               _amp_update_scale_)
 //   HostScalerMovedGrads  the same as ours with new grad tensors at every step
+//   HostGroups  FusedAdam::step against torch::optim::Adam with the
+//               parameters in 1,000 groups of 10 (a list per group: each
+//               list's kernel runs on the calling thread, sdk::cpu::
+//               chunks_grain, where it opened a parallel region)
 // bench/report.py shows ampfuse's time per parameter beside the table.
 //
 // ceiling_objects bounds what any step can reach here that checks, every
@@ -33,6 +37,7 @@
 #include <ampfuse/fused_sgd.h>
 #include <ampfuse/grad_scaler.h>
 
+#include <algorithm>
 #include <array>
 #include <atomic>
 #include <cmath>
@@ -213,6 +218,22 @@ void register_host(torch::Device device) {
         auto k = keep_objects(data().params, kLr);
         return Fn([=] { objects_ceiling_step(*k, kLr, two_passes); });
       }, bytes);
+  // 1,000 groups of 10: what each list costs beside the per-parameter work.
+  const auto in_groups = [](const std::vector<torch::Tensor>& params) {
+    std::vector<torch::optim::OptimizerParamGroup> groups;
+    for (std::size_t i = 0; i < params.size(); i += 10)
+      groups.emplace_back(std::vector<torch::Tensor>(params.begin() + static_cast<std::ptrdiff_t>(i),
+                                                     params.begin() + static_cast<std::ptrdiff_t>(std::min(i + 10, params.size()))));
+    return groups;
+  };
+  register_one("HostGroups/ours" + tail, device, [=] {
+    auto opt = std::make_shared<ampfuse::FusedAdam>(in_groups(data().params), torch::optim::AdamOptions(kLr));
+    return Fn([=] { opt->step(); });
+  }, bytes);
+  register_one("HostGroups/torch_optim_adam" + tail, device, [=] {
+    auto opt = std::make_shared<torch::optim::Adam>(in_groups(data().params), torch::optim::AdamOptions(kLr));
+    return Fn([=] { opt->step(); });
+  }, bytes);
   register_one("Host/torch_optim_adam" + tail, device, [=] {
     auto opt = std::make_shared<torch::optim::Adam>(data().params, torch::optim::AdamOptions(kLr));
     return Fn([=] { opt->step(); });

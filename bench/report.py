@@ -124,7 +124,8 @@ def load(path):
 
 OP_ORDER = ["Check", "CheckNorm", "Scale", "Scaler", "ScalerClip", "Adam", "AdamScaled", "AdamClip", "Adam8", "SGD", "LAMB",
             "Adagrad", "RMSprop", "AdamSubnormal", "AdamScaledTiny", "AdamF64", "SGDF64", "Host", "HostMovedGrads", "HostLAMB",
-            "HostSGD", "HostAdagrad", "HostRMSprop", "HostScaler", "HostScalerMovedGrads", "ZeroAdam", "ZeroAdam8"]
+            "HostSGD", "HostAdagrad", "HostRMSprop", "HostScaler", "HostScalerMovedGrads", "HostGroups", "ZeroAdam",
+            "ZeroAdam8"]
 
 # (operation, parameter set, most nanoseconds per parameter, what is timed): host-path budgets.
 TIME_TARGETS = [

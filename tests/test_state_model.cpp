@@ -525,6 +525,68 @@ TEST_P(StateModelTest, ANullStateIsRefusedNamingTheParameter) {
   opt.save(saved);
 }
 
+// A state tensor that shares memory with another state tensor, a parameter
+// or a grad (put into state() as a view of it) is refused, naming both, and
+// nothing is written: the kernels read every tensor of an element before
+// writing, where torch::optim's ops run one after the other, so the step
+// gave other numbers (finite where torch::optim's are NaN). Found by
+// helper-77. Put back, the step goes on.
+TEST_P(StateModelTest, AStateTensorSharingMemoryIsRefusedNamingBoth) {
+  auto p = param({6}, torch::kFloat), q = param({6}, torch::kFloat);
+  ampfuse::FusedAdam adam({p, q}, torch::optim::AdamOptions(1e-2));
+  fill_grads(adam);
+  adam.step();
+  auto& sp = static_cast<ampfuse::FusedAdamParamState&>(*adam.state().at(p.unsafeGetTensorImpl()));
+  auto& sq = static_cast<ampfuse::FusedAdamParamState&>(*adam.state().at(q.unsafeGetTensorImpl()));
+  const torch::Tensor exp_avg = sq.exp_avg();
+  struct Case {
+    const char* name;
+    torch::Tensor value;
+    const char* expected;
+  };
+  const std::vector<Case> cases = {
+      {"its exp_avg_sq", sq.exp_avg_sq(),
+       "param group 0, param 1: a state tensor shares memory with a state tensor of param group 0, param 1"},
+      {"the parameter", q.detach(), "param group 0, param 1: a state tensor shares memory with the parameter of param "
+                                    "group 0, param 1"},
+      {"another parameter's grad", p.grad(),
+       "param group 0, param 1: a state tensor shares memory with the grad of param group 0, param 0"},
+      {"another parameter's exp_avg", sp.exp_avg(),
+       "a state tensor shares memory with a state tensor of param group 0, param"},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.name);
+    sq.exp_avg(c.value);
+    const auto p_before = p.detach().clone(), q_before = q.detach().clone();
+    const auto exp_avg_sq = sq.exp_avg_sq().clone();
+    try {
+      adam.step();
+      ADD_FAILURE() << "a state tensor sharing memory was stepped";
+    } catch (const c10::Error& e) {
+      EXPECT_THAT(e.what_without_backtrace(), HasSubstr(c.expected));
+    }
+    EXPECT_TRUE(bitwise_equal(p.detach(), p_before));
+    EXPECT_TRUE(bitwise_equal(q.detach(), q_before));
+    EXPECT_TRUE(bitwise_equal(sq.exp_avg_sq(), exp_avg_sq));
+  }
+  sq.exp_avg(exp_avg);
+  const auto before = q.detach().clone();
+  adam.step();
+  EXPECT_FALSE(bitwise_equal(q.detach(), before));
+  // FusedSGD's momentum buffer given its own grad.
+  ampfuse::FusedSGD sgd({p}, torch::optim::SGDOptions(0.1).momentum(0.9));
+  sgd.step();
+  static_cast<ampfuse::FusedSGDParamState&>(*sgd.state().at(p.unsafeGetTensorImpl())).momentum_buffer(p.grad());
+  try {
+    sgd.step();
+    ADD_FAILURE() << "a momentum buffer that is its grad was stepped";
+  } catch (const c10::Error& e) {
+    EXPECT_THAT(e.what_without_backtrace(),
+                HasSubstr("FusedSGD: param group 0, param 0: a state tensor shares memory with the grad of param "
+                          "group 0, param 0"));
+  }
+}
+
 #if defined(AMPFUSE_WITH_CUDA)
 // The device step counter is fp64: exact past 2^24, where fp32 stops counting.
 TEST_P(StateModelTest, DeviceStepCountersAreExactPast2To24) {

@@ -789,6 +789,87 @@ TEST_P(StepPlanTest, GradsThatMovedAtASkippedStepAreReadAtTheNext) {
   EXPECT_FALSE(sa.last_step_skipped(*t.reused));
 }
 
+// A first step skipped on CPU made its plan before any state was made; the
+// next step made the state under that plan without recording it, so a
+// state().clear() after it went unseen: the steps went on with the old
+// (hidden) state, and state() stayed empty (save() wrote none). Found by
+// helper-75's differential fuzz.
+TEST_P(StepPlanTest, StateClearedAfterASkippedFirstStepIsMadeAfresh) {
+  const auto check = [&](auto& t) {
+    ampfuse::GradScaler sa(ampfuse::GradScalerOptions().init_scale(4.0)),
+        sb(ampfuse::GradScalerOptions().init_scale(4.0));
+    const auto step = [&](bool inf) {
+      t.grads(false);
+      if (inf)
+        for (torch::Tensor* p : {&t.a[0], &t.b[0]}) p->mutable_grad()[0] = std::numeric_limits<float>::infinity();
+      sa.scale(torch::ones({}, t.a[0].options()));
+      sb.scale(torch::ones({}, t.b[0].options()));
+      sa.step(*t.reused);
+      sa.update();
+      t.fresh->forget();
+      sb.step(*t.fresh);
+      sb.update();
+      EXPECT_EQ(sa.last_step_skipped(*t.reused), inf);
+      for (std::size_t i = 0; i < t.a.size(); ++i) EXPECT_TRUE(bitwise_equal(t.a[i].detach(), t.b[i].detach()));
+    };
+    step(true);
+    step(false);
+    t.apply([](auto& opt, auto&) { opt.state().clear(); });
+    step(false);
+    step(false);
+    EXPECT_EQ(t.reused->state().size(), t.a.size());
+  };
+  const std::vector<torch::Tensor> params = {param({7}, torch::kFloat), param({2, 3}, torch::kFloat)};
+  {
+    SCOPED_TRACE("FusedAdam");
+    Twins<ampfuse::FusedAdam> t(params, maker<ampfuse::FusedAdam>(torch::optim::AdamOptions(0.1)));
+    check(t);
+  }
+  {
+    SCOPED_TRACE("FusedSGD");
+    Twins<ampfuse::FusedSGD> t(params, maker<ampfuse::FusedSGD>(torch::optim::SGDOptions(0.1).momentum(0.9)));
+    check(t);
+  }
+  {
+    SCOPED_TRACE("FusedRMSprop");
+    Twins<ampfuse::FusedRMSprop> t(params, maker<ampfuse::FusedRMSprop>(torch::optim::RMSpropOptions(0.1)));
+    check(t);
+  }
+  {
+    SCOPED_TRACE("FusedLAMB");
+    Twins<ampfuse::FusedLAMB> t(params, maker<ampfuse::FusedLAMB>(ampfuse::FusedLAMBOptions(0.1)));
+    check(t);
+  }
+}
+
+// A grad read in place whose TensorImpl and data are the ones recorded, in
+// another layout: what a new grad made where a freed one was is (a view of
+// a gradient bucket after zero_grad(set_to_none), found by helper-75's
+// fuzz), made here by as_strided_. The plan read it in the old layout; it
+// is read through a copy now, as a fresh step reads it.
+TEST_P(StepPlanTest, AGradInAnotherLayoutAtTheSameTensorIsReadInIt) {
+  Twins<ampfuse::FusedSGD> t({param({4, 3}, torch::kFloat), param({5}, torch::kFloat)},
+                             maker<ampfuse::FusedSGD>(torch::optim::SGDOptions(0.1).momentum(0.9)));
+  t.grads(false);
+  ASSERT_TRUE(t.step(PlanMatch::kChanged));
+  t.grads(true);
+  ASSERT_TRUE(t.step(PlanMatch::kSame));
+  // Column-major: the plan is made again, the grad staged; row-major again
+  // and back: read through the copy, which reads any layout.
+  for (const auto& [column_major, expected] :
+       {std::pair{true, PlanMatch::kChanged}, std::pair{false, PlanMatch::kSame}, std::pair{true, PlanMatch::kSame}}) {
+    const torch::Tensor values = torch::randn({4, 3}, t.a[0].options());
+    for (torch::Tensor* p : {&t.a[0], &t.b[0]}) {
+      torch::Tensor g = p->mutable_grad();
+      const void* before = g.unsafeGetTensorImpl();
+      g.as_strided_({4, 3}, column_major ? std::vector<std::int64_t>{1, 4} : std::vector<std::int64_t>{3, 1});
+      g.copy_(values);
+      ASSERT_EQ(p->grad().unsafeGetTensorImpl(), before);
+    }
+    ASSERT_TRUE(t.step(expected)) << (column_major ? "column-major" : "row-major");
+  }
+}
+
 // A step that throws after its grads were compared (no signal for a
 // device) forgets the plan, so the grads that moved are read at the next.
 TEST_P(StepPlanTest, AStepThatThrowsForgetsItsPlan) {

@@ -200,6 +200,8 @@ PlanRef plan_ref(const Plan& plan) {
           static_cast<std::int64_t>(plan.tensors().size()), plan.chunk_size()};
 }
 
+std::int64_t chunks_grain(const Plan& plan) { return chunks_grain(plan.num_chunks(), plan.total_elements()); }
+
 }  // namespace ampfuse::sdk::cpu
 
 namespace ampfuse::cpu {

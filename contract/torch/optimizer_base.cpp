@@ -100,6 +100,45 @@ void check_state_not_null(const torch::optim::OptimizerParamState* state, const 
               "inserts one: use state().find(key)); erase it, and the next step makes its state afresh");
 }
 
+void check_state_memory(const torch::optim::Optimizer& opt, const std::vector<StateField>& fields, const char* name) {
+  if (fields.empty()) return;
+  // Each parameter and its grad, then the state tensors; what each is.
+  struct Place {
+    std::size_t group, index;
+    const char* what;
+  };
+  std::vector<const at::Tensor*> tensors;
+  std::vector<Place> places;
+  const auto& groups = opt.param_groups();
+  for (std::size_t g = 0; g < groups.size(); ++g)
+    for (std::size_t i = 0; i < groups[g].params().size(); ++i) {
+      const at::Tensor& p = groups[g].params()[i];
+      if (!p.defined()) continue;
+      tensors.push_back(&p);
+      places.push_back({g, i, "the parameter"});
+      if (!p.grad().defined()) continue;
+      tensors.push_back(&p.grad());
+      places.push_back({g, i, "the grad"});
+    }
+  const std::size_t first_state = tensors.size();
+  for (const StateField& f : fields) {
+    tensors.push_back(f.tensor);
+    places.push_back({f.group, f.index, "a state tensor"});
+  }
+  find_shared_memory(tensors, [&](std::size_t x, std::size_t y) {
+    // (x < y: y is a state tensor where either is. Parameters that share
+    // memory, and a tensor that overlaps itself, are validate_params'.)
+    if (x == y || y < first_state) return;
+    const Place& s = places[y];
+    const Place& o = places[x];
+    TORCH_CHECK(false, name, ": param group ", s.group, ", param ", s.index, ": a state tensor shares memory with ",
+                o.what, " of param group ", o.group, ", param ", o.index,
+                "; a step reads both before writing either, where torch::optim's ops run one after the other: give "
+                "each state tensor memory of its own (was one put into state() as a view of another tensor, or "
+                "twice?)");
+  });
+}
+
 std::pair<std::size_t, std::size_t> place_of(const torch::optim::Optimizer& opt, const void* key) {
   const auto& groups = opt.param_groups();
   for (std::size_t g = 0; g < groups.size(); ++g)
@@ -1069,13 +1108,33 @@ void record_plan(torch::optim::Optimizer& opt, const StateStamp& stamp, PlanKeys
   });
 }
 
+namespace {
+
+// dst.copy_(src) with both seen in dst's memory order, so that dst is
+// contiguous where it is dense: ATen then copies a transposed src into it
+// by blocks (its transpose path wants a contiguous destination), where
+// writing a transposed dst element by element took 5x as long.
+void copy_into_dense(const at::Tensor& dst, const at::Tensor& src) {
+  if (dst.dim() < 2 || dst.is_contiguous() || !dst.is_non_overlapping_and_dense() || src.sizes() != dst.sizes() ||
+      src._is_zerotensor()) {
+    dst.copy_(src);
+    return;
+  }
+  std::vector<std::int64_t> order(static_cast<std::size_t>(dst.dim()));
+  for (std::size_t d = 0; d < order.size(); ++d) order[d] = static_cast<std::int64_t>(d);
+  std::stable_sort(order.begin(), order.end(), [&](std::int64_t a, std::int64_t b) { return dst.stride(a) > dst.stride(b); });
+  dst.permute(order).copy_(src.permute(order));
+}
+
+}  // namespace
+
 void refresh_staged_grads(std::deque<StagedGrad>& staged) {
-  for (StagedGrad& s : staged) s.buffer.copy_(s.param->grad());
+  for (StagedGrad& s : staged) copy_into_dense(s.buffer, s.param->grad());
 }
 
 void refresh_staged_params(std::deque<StagedParam>& staged, bool cpu) {
   for (StagedParam& s : staged)
-    if (cpu || !s.buffer.is_cpu()) s.buffer.copy_(*s.param);
+    if (cpu || !s.buffer.is_cpu()) copy_into_dense(s.buffer, *s.param);
 }
 
 void write_back_staged_params(std::deque<StagedParam>& staged, bool cpu) {
@@ -1113,6 +1172,14 @@ PlanMatch match_plan(torch::optim::Optimizer& opt, const StateStamp& stamp, cons
     c10::ScalarType grad_dtype;
     const void* grad_storage;
   };
+  // A grad read where it is (not staged) whose TensorImpl and data are the
+  // recorded ones may still be a new grad: made where a freed one was (a
+  // view of a gradient bucket after zero_grad(set_to_none)), in another
+  // layout. Read in place only while laid out as its parameter (a dense
+  // one's strides here; below, grad_needs_staging's kernel layout).
+  auto relaid = [](const c10::TensorImpl* grad, const c10::TensorImpl* param) {
+    return grad->is_neg() || grad->sizes() != param->sizes() || grad->strides() != param->strides();
+  };
   auto compare = [&](const at::Tensor& p, const PlanParam& kept, GradNow* grad_now) {
     const c10::TensorImpl* impl = p.unsafeGetTensorImpl();
     if (impl != kept.param || kept.layout != 0 || kept.grad_sparse ||
@@ -1134,7 +1201,7 @@ PlanMatch match_plan(torch::optim::Optimizer& opt, const StateStamp& stamp, cons
     const c10::ScalarType grad_dtype = grad->dtype().toScalarType();
     if (grad == kept.grad && grad->numel() == kept.grad_numel && grad_dtype == kept.grad_dtype &&
         grad_data == kept.grad_data)
-      return Same::kAll;
+      return kept.grad_staged || !relaid(grad, impl) ? Same::kAll : Same::kNo;
     *grad_now = {grad, grad_data, grad->numel(), grad_dtype, grad->unsafe_storage().unsafeGetStorageImpl()};
     return Same::kAllButGrad;
   };
@@ -1188,9 +1255,12 @@ PlanMatch match_plan(torch::optim::Optimizer& opt, const StateStamp& stamp, cons
             full.layout != kept.layout || full.dtype != kept.dtype || full.state != kept.state ||
             full.stamp != kept.stamp || (full.state != nullptr && full.stamp == kNoStamp) ||
             (full.grad == nullptr) != (kept.grad == nullptr) || kept.grad_sparse ||
-            (full.grad != nullptr && (full.grad->is_sparse() || copy_on_write(p.unsafeGetTensorImpl())))) {
+            (full.grad != nullptr && (full.grad->is_sparse() || copy_on_write(p.unsafeGetTensorImpl()))) ||
+            (full.grad != nullptr && full.grad == kept.grad && !kept.grad_staged &&
+             (p.grad().sizes() != p.sizes() || grad_needs_staging(p, p.grad())))) {
           // A step with sparse grads validates from scratch (they are new tensors each step); a parameter
-          // made copy-on-write since (a lazy clone of it was taken) gets its own copy in validate_params.
+          // made copy-on-write since (a lazy clone of it was taken) gets its own copy in validate_params;
+          // a grad read in place, now laid out otherwise, is read through a copy (or refused).
           changed = true;
           break;
         }

@@ -318,7 +318,7 @@ void check_non_finite(const CheckedList& list, c10::Device device, const at::Ten
       std::vector<double> chunk_sum_sq(sum_sq ? static_cast<std::size_t>(num_chunks) : 0);
       const cpu::CheckArgs args{sdk::cpu::plan_ref(g.plan), g.ptrs.data(), g.dtype, &any_non_finite,
                                 sum_sq ? chunk_sum_sq.data() : nullptr};
-      at::parallel_for(0, num_chunks, 1, [&](std::int64_t b, std::int64_t e) {
+      at::parallel_for(0, num_chunks, sdk::cpu::chunks_grain(g.plan), [&](std::int64_t b, std::int64_t e) {
         const sdk::cpu::FlushSubnormals flush;
         k.check(args, b, e);
       });
@@ -369,7 +369,7 @@ void scale(const CheckedList& list, c10::Device device, const at::Tensor& scale,
     for (const CpuGroups::One& g : cpu_groups(list).groups) {
       const cpu::ScaleArgs args{sdk::cpu::plan_ref(g.plan), g.ptrs.data(), g.dtype, s,
                                 found_inf ? &any_non_finite : nullptr};
-      at::parallel_for(0, g.plan.num_chunks(), 1, [&](std::int64_t b, std::int64_t e) {
+      at::parallel_for(0, g.plan.num_chunks(), sdk::cpu::chunks_grain(g.plan), [&](std::int64_t b, std::int64_t e) {
         const sdk::cpu::FlushSubnormals flush;
         k.scale(args, b, e);
       });

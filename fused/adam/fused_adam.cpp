@@ -590,7 +590,9 @@ sdk::Launch FusedAdamImpl<Base, Options, State, kDecoupled>::prepare_list(const 
                                           scalars.data(), hyper, grad_factor};
         const fused::cpu::Adam8Fn kernel8 = fused::cpu::adam8_kernel();
         const std::int64_t n32 = kept->plan->num_chunks(), n8 = kept->plan8->num_chunks();
-        at::parallel_for(0, n32 + n8, 1, [&](std::int64_t b, std::int64_t e) {
+        const std::int64_t grain =
+            sdk::cpu::chunks_grain(n32 + n8, kept->plan->total_elements() + kept->plan8->total_elements());
+        at::parallel_for(0, n32 + n8, grain, [&](std::int64_t b, std::int64_t e) {
           const sdk::cpu::FlushSubnormals flush;
           if (b < n32) kernel(args, b, std::min(e, n32));
           if (e > n32) kernel8(args8, std::max(b, n32) - n32, e - n32);

@@ -31,6 +31,24 @@ PlanRef plan_ref(const Plan& plan);
 /// Elements per CPU chunk (what ampfuse's own kernels use).
 constexpr std::int64_t kChunkSize = 64 * 1024;
 
+/// Below this much work (elements, plus kChunkWork per chunk for what a
+/// kernel spends per tensor) a kernel's chunks run on the calling thread:
+/// opening a parallel region costs more than it saves (ATen's GRAIN_SIZE),
+/// and a step over many small groups opened one region per group, each of
+/// which could wait a scheduler slice on a loaded machine. Many tiny
+/// tensors in one list (10,000 of one element) still share the threads.
+constexpr std::int64_t kInlineElements = 32 * 1024;
+constexpr std::int64_t kChunkWork = 16;
+
+/// The grain, in chunks, of at::parallel_for over `chunks` chunks that hold
+/// `elements` elements: all of them (the calling thread runs them, no
+/// region is opened) below kInlineElements of work, else 1.
+inline std::int64_t chunks_grain(std::int64_t chunks, std::int64_t elements) {
+  return elements + kChunkWork * chunks < kInlineElements ? (chunks > 1 ? chunks : 1) : 1;
+}
+/// The same for every chunk of `plan`.
+std::int64_t chunks_grain(const Plan& plan);
+
 /// The instruction sets a CPU kernel is built for (ampfuse_add_cpu_kernel
 /// compiles one copy per set).
 enum class Isa : std::uint8_t { kBaseline, kAvx2, kAvx512 };

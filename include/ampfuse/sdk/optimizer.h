@@ -42,8 +42,9 @@
 // prepare_list is told (ParamList::grads_moved); anything else (a parameter
 // added or replaced, set_data, state cleared or loaded, a state tensor
 // replaced) starts over. A tensor re-pointed in place to other memory, numel
-// or dtype (set_, resize_) is seen; a change of shape or strides alone at the
-// same address (as_strided_) is not, unless it leaves the parameter not dense.
+// or dtype (set_, resize_) is seen, and so is a grad's shape and strides; a
+// change of a parameter's shape or strides alone at the same address
+// (as_strided_) is not, unless it leaves the parameter not dense.
 //
 // State: every per-parameter tensor lives in the State object in state(),
 // so that save(), load() and state().clear() see it. Checkpoints are
@@ -292,12 +293,19 @@ bool state_tensor_follows(const at::Tensor& s, const at::Tensor& p, c10::ScalarT
 class Follow {
  public:
   using Replace = std::function<void(at::Tensor& field, at::Tensor value)>;
-  Follow(const at::Tensor& param, std::function<void()> refuse_under_capture, Replace replace)
-      : param_(param), refuse_under_capture_(std::move(refuse_under_capture)), replace_(std::move(replace)) {}
+  using Seen = std::function<void(const at::Tensor& field)>;
+  Follow(const at::Tensor& param, std::function<void()> refuse_under_capture, Replace replace, Seen seen = nullptr)
+      : param_(param),
+        refuse_under_capture_(std::move(refuse_under_capture)),
+        replace_(std::move(replace)),
+        seen_(std::move(seen)) {}
   /// State tensor `field`, kept in `dtype` with the parameter's shape, in
   /// its kernel layout: replaced by followed_state_tensor's copy where it
-  /// has one.
+  /// has one. (Every field given is also checked for memory shared with
+  /// the parameters, their grads and the other state tensors given:
+  /// check_state_memory.)
   void operator()(at::Tensor& field, c10::ScalarType dtype) const {
+    if (seen_) seen_(field);
     if (!state_tensor_follows(field, param_, dtype)) return;
     refuse_under_capture_();
     replace_(field, followed_state_tensor(field, param_, dtype));
@@ -316,7 +324,23 @@ class Follow {
   const at::Tensor& param_;
   std::function<void()> refuse_under_capture_;
   Replace replace_;
+  Seen seen_;
 };
+
+/// A state tensor that FusedOptimizer::follow_param named, by its
+/// parameter's group and index (its address: a field of a state in state()).
+struct StateField {
+  std::size_t group, index;
+  const at::Tensor* tensor;
+};
+
+/// Throws, naming both, where a state tensor of `fields` shares memory with
+/// another of them, with a parameter of opt or with a parameter's grad (a
+/// state tensor put into state() as a view of another tensor, or as the
+/// same tensor twice): the kernels read every tensor of an element before
+/// they write, where torch::optim's ops run one after another, so such a
+/// step would give other numbers. Run when a step plan is made.
+void check_state_memory(const torch::optim::Optimizer& opt, const std::vector<StateField>& fields, const char* name);
 
 /// check_state_tensor for a tensor that every state of the optimizer holds:
 /// also throws when `s` is undefined (a state made by hand, or read from a
@@ -727,10 +751,11 @@ void parallel_per_tensor(std::size_t n, KeyOf&& key, std::vector<Key>& keys, std
 
 /// Runs a CPU kernel fn(chunk_begin, chunk_end) over every chunk of `plan`
 /// in one parallel region (ATen's thread pool, at::get_num_threads()), with
-/// subnormals flushed in every worker (cpu::FlushSubnormals).
+/// subnormals flushed in every worker (cpu::FlushSubnormals); on the calling
+/// thread when the plan is small (cpu::chunks_grain).
 template <class F>
 void parallel_chunks(const Plan& plan, F&& fn) {
-  at::parallel_for(0, plan.num_chunks(), 1, [&](std::int64_t b, std::int64_t e) {
+  at::parallel_for(0, plan.num_chunks(), cpu::chunks_grain(plan), [&](std::int64_t b, std::int64_t e) {
     const cpu::FlushSubnormals flush;
     fn(b, e);
   });
@@ -747,7 +772,7 @@ template <class F, class Done>
 void parallel_chunks(const Plan& plan, F&& fn, Done&& done, const std::vector<std::size_t>& empty) {
   const std::vector<std::int64_t>& first = plan.chunk_offsets();
   const std::vector<std::int64_t>& tensors = plan.tensors();
-  at::parallel_for(0, plan.num_chunks(), 1, [&](std::int64_t b, std::int64_t e) {
+  at::parallel_for(0, plan.num_chunks(), cpu::chunks_grain(plan), [&](std::int64_t b, std::int64_t e) {
     const cpu::FlushSubnormals flush;
     fn(b, e);
     for (auto k = static_cast<std::size_t>(std::lower_bound(first.begin(), first.end() - 1, b) - first.begin());
@@ -1540,6 +1565,7 @@ class FusedOptimizer : public Base, public ScalerAware {
   // (one in no group, or of another type, is left to validation), each
   // replaced field recorded in undo_.
   void follow_params() {
+    state_fields_.clear();
     const auto& groups = this->param_groups();
     for (std::size_t g = 0; g < groups.size(); ++g)
       for (std::size_t i = 0; i < groups[g].params().size(); ++i) {
@@ -1552,10 +1578,15 @@ class FusedOptimizer : public Base, public ScalerAware {
                       ": its state must follow the parameter (converted to another dtype or layout since the last "
                       "step) under CUDA graph capture; run one step outside the capture first");
         };
-        follow_param(p, static_cast<State&>(*it->second), Follow(p, refuse, [&](at::Tensor& field, at::Tensor value) {
-                       undo_.push_back([&field, before = field]() mutable { field = std::move(before); });
-                       field = std::move(value);
-                     }));
+        follow_param(
+            p, static_cast<State&>(*it->second),
+            Follow(
+                p, refuse,
+                [&](at::Tensor& field, at::Tensor value) {
+                  undo_.push_back([&field, before = field]() mutable { field = std::move(before); });
+                  field = std::move(value);
+                },
+                [&](const at::Tensor& field) { state_fields_.push_back({g, i, &field}); }));
       }
   }
 
@@ -1609,6 +1640,7 @@ class FusedOptimizer : public Base, public ScalerAware {
               return st;
             },
             takes_float64(), &staged_grads_, takes_sparse_grads() ? &plan_sparse_ : nullptr, &staged_params_);
+        check_state_memory(*this, state_fields_, name());
         check_entries(plan_entries_);
         plan_entry_ptrs_.clear();
         plan_entry_ptrs_.reserve(plan_entries_.size());
@@ -1682,11 +1714,16 @@ class FusedOptimizer : public Base, public ScalerAware {
       for (Entry& e : plan_entries_)
         if (e.state == nullptr) e.state = find_state(e.user_param());
     }
-    plan_valid_ = true;
+    // A plan made at a step skipped on CPU recorded its CPU parameters
+    // before their lists made their state: the next step, which makes it,
+    // makes the plan again (reused, it took the state made then for none,
+    // and a state().clear() after it went unseen).
+    plan_valid_ = !(skip_cpu && match == PlanMatch::kChanged);
     last_match_ = match;
   }
 
   std::vector<std::function<void()>> undo_;
+  std::vector<StateField> state_fields_;  ///< what follow_params saw, for check_state_memory
   std::vector<std::function<void()>> stale_masters_;  ///< the refreshes prepare_master asked for
   // The step plan (see the top of this file).
   bool plan_valid_ = false;
