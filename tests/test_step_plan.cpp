@@ -868,6 +868,17 @@ TEST_P(StepPlanTest, AGradInAnotherLayoutAtTheSameTensorIsReadInIt) {
     }
     ASSERT_TRUE(t.step(expected)) << (column_major ? "column-major" : "row-major");
   }
+  // A grad read through a copy, given a shape that only broadcasts to its parameter at the same
+  // TensorImpl and data: refused as validation refuses it (the copy took it, broadcast).
+  auto q = param({1, 4}, torch::kFloat);
+  ampfuse::FusedSGD opt({q}, torch::optim::SGDOptions(0.1));
+  q.mutable_grad() = torch::empty_strided({1, 4}, {1, 1}, q.options()).fill_(1.f);  // other strides: staged
+  opt.step();
+  torch::Tensor g = q.mutable_grad();
+  g.as_strided_({4}, {1});
+  const auto before = q.detach().clone();
+  EXPECT_THAT(ampfuse_test::error_of([&] { opt.step(); }), HasSubstr("param group 0, param 0: grad shape [4]"));
+  EXPECT_TRUE(bitwise_equal(q.detach(), before));
 }
 
 // A step that throws after its grads were compared (no signal for a

@@ -1176,7 +1176,9 @@ PlanMatch match_plan(torch::optim::Optimizer& opt, const StateStamp& stamp, cons
   // recorded ones may still be a new grad: made where a freed one was (a
   // view of a gradient bucket after zero_grad(set_to_none)), in another
   // layout. Read in place only while laid out as its parameter (a dense
-  // one's strides here; below, grad_needs_staging's kernel layout).
+  // one's strides here; below, grad_needs_staging's kernel layout); read
+  // through a copy (staged) only while of its parameter's shape (a shape
+  // that only broadcasts to it is refused by validation).
   auto relaid = [](const c10::TensorImpl* grad, const c10::TensorImpl* param) {
     return grad->is_neg() || grad->sizes() != param->sizes() || grad->strides() != param->strides();
   };
@@ -1201,7 +1203,7 @@ PlanMatch match_plan(torch::optim::Optimizer& opt, const StateStamp& stamp, cons
     const c10::ScalarType grad_dtype = grad->dtype().toScalarType();
     if (grad == kept.grad && grad->numel() == kept.grad_numel && grad_dtype == kept.grad_dtype &&
         grad_data == kept.grad_data)
-      return kept.grad_staged || !relaid(grad, impl) ? Same::kAll : Same::kNo;
+      return (kept.grad_staged ? grad->sizes() == impl->sizes() : !relaid(grad, impl)) ? Same::kAll : Same::kNo;
     *grad_now = {grad, grad_data, grad->numel(), grad_dtype, grad->unsafe_storage().unsafeGetStorageImpl()};
     return Same::kAllButGrad;
   };
@@ -1256,8 +1258,8 @@ PlanMatch match_plan(torch::optim::Optimizer& opt, const StateStamp& stamp, cons
             full.stamp != kept.stamp || (full.state != nullptr && full.stamp == kNoStamp) ||
             (full.grad == nullptr) != (kept.grad == nullptr) || kept.grad_sparse ||
             (full.grad != nullptr && (full.grad->is_sparse() || copy_on_write(p.unsafeGetTensorImpl()))) ||
-            (full.grad != nullptr && full.grad == kept.grad && !kept.grad_staged &&
-             (p.grad().sizes() != p.sizes() || grad_needs_staging(p, p.grad())))) {
+            (full.grad != nullptr && full.grad == kept.grad &&
+             (p.grad().sizes() != p.sizes() || (!kept.grad_staged && grad_needs_staging(p, p.grad()))))) {
           // A step with sparse grads validates from scratch (they are new tensors each step); a parameter
           // made copy-on-write since (a lazy clone of it was taken) gets its own copy in validate_params;
           // a grad read in place, now laid out otherwise, is read through a copy (or refused).
