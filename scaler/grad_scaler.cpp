@@ -233,7 +233,8 @@ constexpr const char* kScaleFix =
 // every parameter has the same grad (same TensorImpl, data address, element
 // count and dtype). A change of a grad's shape or strides alone is not
 // looked for.
-// Not kept when a grad is sparse or staged through a dense copy: those are
+// Not kept when a grad is sparse, staged through a dense copy or read run by
+// run (views that follow strides, which the keys do not): those are
 // collected again at every step.
 struct GradScaler::GradsPlan {
   sdk::GroupSpans groups;                                   // each group's params(): data() and size()
@@ -258,7 +259,7 @@ const GradScaler::GradsPlan& GradScaler::grads_plan(torch::optim::Optimizer& opt
   // starts over rather than keeping theirs.
   if (grads_plans_.plans.size() > 64 && grads_plans_.plans.count(&optimizer) == 0) grads_plans_.plans.clear();
   std::shared_ptr<GradsPlan>& kept = grads_plans_.plans[&optimizer];
-  // A reusable plan has no staged grads: its checks hold for in-place ops too.
+  // A reusable plan has no staged or split grads: its checks hold for in-place ops too.
   // Each group's params() is where and as long as the plan recorded: the
   // parameters are walked there, by flat index, with no list made per step.
   if (kept && kept->reusable && sdk::same_spans(optimizer, kept->groups)) {
@@ -323,7 +324,7 @@ const GradScaler::GradsPlan& GradScaler::grads_plan(torch::optim::Optimizer& opt
   plan->collected.commit();  // coalesced sparse grads take their places
   plan->reusable = !plan->collected.any_sparse &&
                    std::all_of(plan->views.begin(), plan->views.end(),
-                               [](const detail::CheckedList& l) { return l.staged.empty(); });
+                               [](const detail::CheckedList& l) { return l.staged.empty() && !l.split; });
   plan->groups = sdk::group_spans(optimizer);
   plan->keys.reserve(sdk::span_total(plan->groups));
   // Each grad's place among the views, as grads_by_device made them: by

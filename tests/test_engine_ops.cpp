@@ -268,18 +268,35 @@ TEST_P(EngineOps, UnscaleMatchesAtenBitwise) {
 }
 
 // Views with gaps (a column slice, a strided step, a transposed slice) go
-// through dense copies: unscale_ gives ATen's bits, the elements between the
-// view's are not touched, and check_non_finite reads the view's elements only.
+// through dense copies, or on CPU, where their runs of adjacent elements are
+// long (a slice of wide rows, of a 3-d tensor, a permuted one), are read run
+// by run: unscale_ gives ATen's bits, the elements between the view's are not
+// touched, and check_non_finite reads the view's elements only.
 TEST_P(EngineOps, ViewsWithGapsMatchAten) {
   for (int round = 0; round < 3; ++round) {
-    std::vector<torch::Tensor> bases = {torch::randn({37, 9}, opts()), torch::randn({2001}, opts()),
-                                        torch::randn({6, 40}, opts()), torch::randn({64}, opts())};
+    std::vector<torch::Tensor> bases = {torch::randn({37, 9}, opts()),      torch::randn({2001}, opts()),
+                                        torch::randn({6, 40}, opts()),      torch::randn({64}, opts()),
+                                        torch::randn({30, 400}, opts()),    torch::randn({7, 4, 200}, opts()),
+                                        torch::randn({6, 5, 300}, opts()), torch::randn({3, 130}, opts()),
+                                        torch::randn({3, 4, 5, 300}, opts())};
     auto views = [](std::vector<torch::Tensor>& b) {
-      return std::vector<torch::Tensor>{b[0].slice(1, 0, 5), b[1].slice(0, 1, 2001, 3), b[2].t().slice(0, 2, 30),
-                                        b[3]};
+      return std::vector<torch::Tensor>{b[0].slice(1, 0, 5),     b[1].slice(0, 1, 2001, 3),
+                                        b[2].t().slice(0, 2, 30), b[3],
+                                        b[4].slice(1, 3, 303),    b[5].slice(0, 0, 7, 2),
+                                        b[6].permute({1, 0, 2}).slice(2, 0, 260), b[7].slice(1, 1, 129),
+                                        b[8].slice(3, 10, 210)};
     };
     if (round == 1) bases[1].view(-1)[4] = std::numeric_limits<float>::infinity();  // inside the view
-    if (round == 2) bases[0].view(-1)[7] = std::numeric_limits<float>::quiet_NaN();  // between the view's elements
+    if (round == 1) bases[4][29][302] = std::numeric_limits<float>::infinity();     // a run's last element
+    if (round == 2) {  // between the view's elements
+      bases[0].view(-1)[7] = std::numeric_limits<float>::quiet_NaN();
+      bases[4][0][303] = std::numeric_limits<float>::quiet_NaN();
+      bases[4][29][2] = std::numeric_limits<float>::quiet_NaN();
+      bases[5][1].fill_(std::numeric_limits<float>::quiet_NaN());
+      bases[6].select(2, 260).fill_(std::numeric_limits<float>::quiet_NaN());
+      bases[7][1][0] = std::numeric_limits<float>::quiet_NaN();
+      bases[8].select(3, 5).fill_(std::numeric_limits<float>::quiet_NaN());
+    }
     auto ref_bases = clone_all(bases);
     auto list = views(bases), ref = views(ref_bases);
     const float inv = 1.f / std::exp2(static_cast<float>(rng_() % 24));
@@ -296,6 +313,15 @@ TEST_P(EngineOps, ViewsWithGapsMatchAten) {
     EXPECT_EQ(check_found.item<float>(), round == 1 ? 1.f : 0.f);
     if (round == 0) EXPECT_NEAR(sum_sq.item<double>(), reference_sum_sq(views(bases)), 1e-5 * reference_sum_sq(views(bases)));
   }
+  // Read only: an expanded view (its runs over the same memory) counts each
+  // of its elements, as a read of the tensor would.
+  const torch::Tensor row = torch::randn({1, 300}, opts());
+  const std::vector<torch::Tensor> expanded = {row.expand({5, 300}), row.t().expand({300, 4}).t().slice(1, 0, 290)};
+  auto found = scalar(0.f);
+  auto sum_sq = torch::zeros({1}, torch::TensorOptions().dtype(torch::kDouble).device(device_));
+  ampfuse::check_non_finite(expanded, found, sum_sq);
+  EXPECT_EQ(found.item<float>(), 0.f);
+  EXPECT_NEAR(sum_sq.item<double>(), reference_sum_sq(expanded), 1e-5 * reference_sum_sq(expanded));
 }
 
 // Entries that share memory (one tensor twice, overlapping views, views of

@@ -560,6 +560,46 @@ TEST(GradScaler, GradsWithGapsAreUnscaledAsAtenDoes) {
   EXPECT_FALSE(scaler.last_step_skipped(opt));
 }
 
+// Grads with gaps between long runs (a column slice of a wide buffer) are
+// read and written in place, run by run: ATen's bits, the gaps (NaN here)
+// neither read nor written. Such a grad restrided in place at its data
+// address (same TensorImpl, same element count) is read in its new layout:
+// the runs of the last step are not kept.
+TEST(GradScaler, GradsWithLongRunsAreUnscaledInPlaceAndFollowARestride) {
+  const auto seed = ampfuse_test::seed_for_test();
+  Model m = make_params({{50, 300}, {4, 3, 200}}, torch::kFloat, seed);
+  torch::Tensor base0 = torch::randn({50, 400}) * 1000.f, base1 = torch::randn({8, 3, 200}) * 1000.f;
+  base0.slice(1, 303, 400).fill_(std::numeric_limits<float>::quiet_NaN());
+  base1.slice(0, 1, 8, 2).fill_(std::numeric_limits<float>::quiet_NaN());
+  m.params[0].mutable_grad() = base0.slice(1, 3, 303);
+  m.params[1].mutable_grad() = base1.slice(0, 0, 8, 2);  // runs of 600 across two dimensions
+  torch::Tensor ref0 = base0.clone(), ref1 = base1.clone();
+  torch::optim::SGD opt(m.params, 0.1);
+  ampfuse::GradScaler scaler(ampfuse::GradScalerOptions().init_scale(1024.0));
+  auto found = torch::zeros({1}), inv = torch::full({1}, 1.f / 1024.f);
+  for (int iteration = 0; iteration < 2; ++iteration) {
+    SCOPED_TRACE("iteration " + std::to_string(iteration));
+    if (iteration == 1) {
+      // Rows of 300 at a stride of 350 (the old gaps are read now, finite).
+      ref0.normal_().mul_(1000.f);
+      base0.copy_(ref0);
+      m.params[0].mutable_grad().as_strided_({50, 300}, {350, 1}, 3);
+    }
+    std::vector<torch::Tensor> ref = {iteration == 0 ? ref0.slice(1, 3, 303) : ref0.as_strided({50, 300}, {350, 1}, 3),
+                                      ref1.slice(0, 0, 8, 2)};
+    scaler.scale(torch::ones({}));
+    scaler.unscale_(opt);
+    found.zero_();
+    at::_amp_foreach_non_finite_check_and_unscale_(ref, found, inv);
+    EXPECT_EQ(found.item<float>(), 0.f);
+    EXPECT_TRUE(bitwise_equal(base0, ref0));
+    EXPECT_TRUE(bitwise_equal(base1, ref1));
+    scaler.step(opt);
+    scaler.update();
+    EXPECT_FALSE(scaler.last_step_skipped(opt));
+  }
+}
+
 // unscaled_grads_after_step: after scaler.step(FusedAdam) the grads hold what
 // the update used, bit for bit the grads of the classic path (torch::optim::Adam
 // under the same scaler), with and without clip_grad_norm_; a skipped step

@@ -19,10 +19,13 @@ namespace ampfuse::detail {
 struct CpuGroups;
 
 /// One checked list: its views, and the tensors that are not dense (views
-/// with gaps), each with the dense copy its view points to.
+/// with gaps) and whose runs of adjacent elements are short, each with the
+/// dense copy its view points to. On CPU a tensor with gaps between long
+/// runs has a view per run instead (`split`): views are then not one per tensor.
 struct CheckedList {
   TensorListsView views;
   std::vector<std::pair<at::Tensor, at::Tensor>> staged;  ///< (original, dense copy)
+  bool split = false;                                     ///< some tensor has a view per run
   /// On CPU: the list's dtype groups, each with its chunk plan and pointer
   /// array, made by the first op on the list and reused by the next ones
   /// (the GradScaler keeps a checked list while its grads are unchanged).
