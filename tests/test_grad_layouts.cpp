@@ -7,6 +7,7 @@
 
 #include <ampfuse/ampfuse.h>
 
+#include <array>
 #include <functional>
 #include <limits>
 #include <regex>
@@ -28,7 +29,9 @@ void PrintTo(const LayoutCase& c, std::ostream* os) { *os << c.device << (c.isa.
 using GradLayoutTest = ampfuse_test::DeviceIsaTest<LayoutCase>;
 
 // A grad for p holding `values`, laid out as `layout` says: 0 contiguous
-// (p's layout), 1 transposed strides, 2 a view with gaps, 3 expanded rows.
+// (p's layout), 1 transposed strides, 2 a view with gaps, 3 expanded rows,
+// 4 the leading columns of a wider tensor (long rows with gaps: copied row
+// by row where the rows are long).
 torch::Tensor laid_out(const torch::Tensor& values, int layout) {
   const auto rows = values.size(0), cols = values.size(1);
   switch (layout) {
@@ -39,6 +42,10 @@ torch::Tensor laid_out(const torch::Tensor& values, int layout) {
       return wide.slice(1, 0, 2 * cols, 2);
     }
     case 3: return values[0].unsqueeze(0).expand({rows, cols});
+    case 4: {
+      auto wide = torch::full({rows, cols + 5}, 7.0, values.options());
+      return wide.slice(1, 0, cols).copy_(values);
+    }
     default: return values.clone();
   }
 }
@@ -96,7 +103,7 @@ TEST_P(GradLayoutTest, EveryOptimizerStepsAsOnContiguousGrads) {
     SCOPED_TRACE(name);
     for (const auto dtype : {torch::kFloat, torch::kDouble, torch::kBFloat16}) {
       SCOPED_TRACE(ampfuse_test::dtype_name(dtype));
-      auto ours = make_params({{33, 17}, {8, 65}, {1, 5}, {4, 4}}, dtype);
+      auto ours = make_params({{33, 17}, {8, 65}, {1, 5}, {4, 4}, {5, 260}}, dtype);
       auto twin = copies(ours, dtype);
       auto opt = make(ours);
       auto twin_opt = make(twin);
@@ -104,7 +111,7 @@ TEST_P(GradLayoutTest, EveryOptimizerStepsAsOnContiguousGrads) {
       for (int step = 0; step < 12; ++step) {
         for (std::size_t i = 0; i < ours.size(); ++i) {
           const bool same_tensor = step > 0 && rng_() % 3 == 0;
-          if (!same_tensor) layouts[i] = static_cast<int>(rng_() % 4);
+          if (!same_tensor) layouts[i] = static_cast<int>(rng_() % 5);
           const auto values = grad_values(twin[i], layouts[i]);
           twin[i].mutable_grad() = values.clone();
           if (same_tensor && layouts[i] != 3) ours[i].mutable_grad().copy_(laid_out(values, layouts[i]));
@@ -186,7 +193,11 @@ TEST_P(GradLayoutTest, ParametersWithGapsStepAsDenseParameters) {
     SCOPED_TRACE(name);
     for (const auto dtype : {torch::kFloat, torch::kDouble, torch::kBFloat16}) {
       SCOPED_TRACE(ampfuse_test::dtype_name(dtype));
-      const auto twin = make_params({{33, 17}, {8, 65}, {1, 5}, {4, 4}}, dtype);
+      // Params 4 and 5: long runs (300 elements), copied in and back run by
+      // run. Param 5's dense copy is laid out as its view (column-major):
+      // its twin too, for LAMB's norms summed in memory order.
+      auto twin = make_params({{33, 17}, {8, 65}, {1, 5}, {4, 4}, {6, 300}, {300, 6}}, dtype);
+      twin[5] = twin[5].detach().t().contiguous().t().requires_grad_();
       std::vector<torch::Tensor> bases(twin.size()), ours;
       for (std::size_t i = 0; i < twin.size(); ++i) {
         ours.push_back(view_with_gaps(twin[i].detach(), static_cast<int>(i % 3), bases[i]).requires_grad_());
@@ -204,7 +215,7 @@ TEST_P(GradLayoutTest, ParametersWithGapsStepAsDenseParameters) {
           const auto values = torch::randn_like(twin[i]);
           twin[i].mutable_grad() = values.clone();
           if (step % 3 == 2) ours[i].mutable_grad().copy_(values);  // same grads: the plan is reused
-          else ours[i].mutable_grad() = laid_out(values, static_cast<int>(rng_() % 3));
+          else ours[i].mutable_grad() = laid_out(values, std::array<int, 4>{0, 1, 2, 4}[rng_() % 4]);
         }
         opt->step();
         twin_opt->step();

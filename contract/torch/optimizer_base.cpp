@@ -39,6 +39,7 @@
 
 #include "contract/torch/data_address.h"
 #include "contract/torch/group_spans.h"
+#include "contract/torch/tensor_ops_views.h"
 
 namespace ampfuse::sdk {
 
@@ -1115,6 +1116,7 @@ namespace {
 // by blocks (its transpose path wants a contiguous destination), where
 // writing a transposed dst element by element took 5x as long.
 void copy_into_dense(const at::Tensor& dst, const at::Tensor& src) {
+  if (ampfuse::detail::copy_by_runs(dst, src)) return;  // a slice of wide rows: a memcpy per row
   if (dst.dim() < 2 || dst.is_contiguous() || !dst.is_non_overlapping_and_dense() || src.sizes() != dst.sizes() ||
       src._is_zerotensor()) {
     dst.copy_(src);
@@ -1139,7 +1141,7 @@ void refresh_staged_params(std::deque<StagedParam>& staged, bool cpu) {
 
 void write_back_staged_params(std::deque<StagedParam>& staged, bool cpu) {
   for (StagedParam& s : staged)
-    if (cpu || !s.buffer.is_cpu()) s.alias.copy_(s.buffer);
+    if ((cpu || !s.buffer.is_cpu()) && !ampfuse::detail::copy_by_runs(s.alias, s.buffer)) s.alias.copy_(s.buffer);
 }
 
 std::vector<std::int64_t> kernel_strides(const at::Tensor& p) {

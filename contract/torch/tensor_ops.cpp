@@ -196,6 +196,19 @@ struct Runs {
   std::int64_t length = 0;
   std::int64_t count = 0;
   std::vector<std::int64_t> sizes, strides;  // the outer dimensions, outermost in memory first
+  std::vector<std::int64_t> dims;            // their places in the tensor's sizes
+  std::vector<std::int64_t> inner;           // the dimensions of more than one element inside a run
+
+  // The offset of run r's first element in a tensor of these sizes whose
+  // outer dimensions have `strides_of` strides (indexed by dimension).
+  std::int64_t offset_of(std::int64_t r, c10::IntArrayRef strides_of) const {
+    std::int64_t offset = 0;
+    for (std::size_t k = sizes.size(); k-- > 0;) {
+      offset += (r % sizes[k]) * strides_of[dims[k]];
+      r /= sizes[k];
+    }
+    return offset;
+  }
 
   // emit(offset) for each run, offset (in elements) of its first element, in
   // memory order.
@@ -256,6 +269,8 @@ bool contiguous_runs(c10::IntArrayRef sizes, c10::IntArrayRef strides, std::int6
   runs->count = 1;
   runs->sizes.clear();
   runs->strides.clear();
+  runs->dims.assign(dims.begin(), dims.begin() + static_cast<std::ptrdiff_t>(outer));
+  runs->inner.assign(dims.begin() + static_cast<std::ptrdiff_t>(outer), dims.end());
   for (std::size_t k = 0; k < outer; ++k) {
     runs->count *= sizes[dims[k]];
     runs->sizes.push_back(sizes[dims[k]]);
@@ -350,6 +365,36 @@ CheckedList make_views(const std::vector<const at::Tensor*>& tensors, const std:
                    [](std::size_t) -> const at::Tensor* { return nullptr; }, op, name, name, list.views.lists[0],
                    &list.staged, in_place, &list.split);
   return list;
+}
+
+bool copy_by_runs(const at::Tensor& dst, const at::Tensor& src) {
+  if (!dst.is_cpu() || !src.is_cpu() || dst.sizes() != src.sizes() || dst.scalar_type() != src.scalar_type() ||
+      dst.layout() != c10::kStrided || src.layout() != c10::kStrided || dst.is_neg() || src.is_neg() ||
+      dst.is_conj() || src.is_conj() || src._is_zerotensor() || dst.numel() == 0 ||
+      (dst.is_non_overlapping_and_dense() && src.is_non_overlapping_and_dense()))
+    return false;
+  // The runs of the one with gaps (the destination's if both have them,
+  // disjoint: each element is written once; a source's may repeat, as an
+  // expanded view's do); the other must hold each run as adjacent elements
+  // too, in the same order.
+  const bool by_dst = !dst.is_non_overlapping_and_dense();
+  const at::Tensor& lead = by_dst ? dst : src;
+  const at::Tensor& other = by_dst ? src : dst;
+  Runs runs;
+  if (!contiguous_runs(lead.sizes(), lead.strides(), kMinRunElements, /*disjoint=*/by_dst, &runs)) return false;
+  for (const std::int64_t d : runs.inner)
+    if (other.stride(d) != lead.stride(d)) return false;
+  char* const dst_base = static_cast<char*>(dst.data_ptr());
+  const char* const src_base = static_cast<const char*>(src.const_data_ptr());
+  const auto item = static_cast<std::int64_t>(dst.element_size());
+  const std::size_t bytes = static_cast<std::size_t>(runs.length * item);
+  const std::int64_t grain = std::max<std::int64_t>(1, sdk::cpu::kInlineElements / runs.length);
+  at::parallel_for(0, runs.count, grain, [&](std::int64_t b, std::int64_t e) {
+    for (std::int64_t r = b; r < e; ++r)
+      std::memcpy(dst_base + runs.offset_of(r, dst.strides()) * item, src_base + runs.offset_of(r, src.strides()) * item,
+                  bytes);
+  });
+  return true;
 }
 
 void CheckedList::write_back() const {

@@ -42,6 +42,13 @@ struct CheckedList {
 CheckedList make_views(const std::vector<const at::Tensor*>& tensors, const std::string& name, const char* op,
                        bool in_place);
 
+/// dst.copy_(src) on CPU, where one of them has gaps between long runs of
+/// adjacent elements that the other holds adjacent too (a column slice and a
+/// dense copy of it): a memcpy per run, on ATen's threads. Same sizes and
+/// dtype, no negative or conjugate bit, dst not overlapping itself. False,
+/// copying nothing, where that does not hold (copy_ then).
+bool copy_by_runs(const at::Tensor& dst, const at::Tensor& src);
+
 /// After the data pointers of some of `list`'s views were changed (tensors
 /// replaced by others that pass the same checks): the CPU pointer array kept
 /// with the list follows them, or is dropped to be made again.
