@@ -9,6 +9,8 @@
 //                    place in one pass, one host read of found_inf
 //   pytorch_path     _amp_foreach_non_finite_check_and_unscale_, found_inf.item(),
 //                    [_foreach_norm, clip coefficient, _foreach_mul_], _amp_update_scale_
+// ScalerGaps: Scaler's classic path on grads that are column slices of wider
+// tensors (views with gaps between rows of 2048), which ATen unscales in place.
 // The scale is 1 (inv_scale 1) so repeated runs keep the values (no denormals).
 // Bytes counted: 4 per grad element, the read every contender must do.
 
@@ -91,6 +93,32 @@ void register_scaler(torch::Device device) {
       }, 4 * n);
     }
   }
+  // Grads with gaps: ours_classic against PyTorch's unscale, no clipping.
+  const std::int64_t n = total_numel(gapped_set());
+  const std::string tail = "/" + gapped_set().name + dev;
+  register_one("ScalerGaps/ours_classic" + tail, device, [=] {
+    auto& grads = gapped_tensors(device, 0);
+    auto opt = std::make_shared<NoopOptimizer>(params_with_grads(grads));
+    auto scaler =
+        std::make_shared<ampfuse::GradScaler>(ampfuse::GradScalerOptions().init_scale(1.0).growth_interval(1 << 30));
+    scaler->scale(torch::ones({}, fopts));
+    return Fn([=] {
+      scaler->step(*opt);
+      scaler->update();
+    });
+  }, 4 * n);
+  register_one("ScalerGaps/pytorch_path" + tail, device, [=] {
+    auto scale = torch::ones({}, fopts);
+    auto tracker = torch::zeros({}, fopts.dtype(torch::kInt));
+    auto found = torch::zeros({}, fopts);
+    return Fn([=]() mutable {
+      found.zero_();
+      const auto inv = scale.to(torch::kDouble).reciprocal().to(torch::kFloat);
+      at::_amp_foreach_non_finite_check_and_unscale_(gapped_tensors(device, 0), found, inv);
+      benchmark::DoNotOptimize(found.item<float>());
+      at::_amp_update_scale_(scale, tracker, found, 2.0, 0.5, 1 << 30);
+    });
+  }, 4 * n);
 }
 
 }  // namespace ampfuse_bench

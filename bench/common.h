@@ -108,6 +108,26 @@ inline std::vector<torch::Tensor>& tensors_for(const ParamSet& set, torch::Devic
   return it->second;
 }
 
+/// 4 column slices of 4096 x 4096 fp32 tensors, [4096, 2048] each (rows of
+/// 8 KB with 8 KB gaps), made once per device and shared by all contenders:
+/// grads (which = 0) or parameters (which = 1) that are views with gaps.
+inline const ParamSet& gapped_set() {
+  static const ParamSet set{"4x4096x2048gaps", std::vector<std::int64_t>(4, 4096ll * 2048)};
+  return set;
+}
+inline std::vector<torch::Tensor>& gapped_tensors(torch::Device device, int which) {
+  static std::map<std::string, std::vector<torch::Tensor>> cache;
+  const std::string key = device.str() + "/" + std::to_string(which);
+  auto it = cache.find(key);
+  if (it == cache.end()) {
+    std::vector<torch::Tensor> list;
+    for (int i = 0; i < 4; ++i)
+      list.push_back(torch::randn({4096, 4096}, torch::TensorOptions().device(device)).narrow(1, 0, 2048));
+    it = cache.emplace(key, std::move(list)).first;
+  }
+  return it->second;
+}
+
 inline std::int64_t total_numel(const ParamSet& set) {
   std::int64_t n = 0;
   for (auto v : set.numels) n += v;

@@ -64,6 +64,9 @@ TARGETS = [
     ("Adagrad", "10000x4096", "torch_optim_adagrad", 8.0, "the speed of torch::optim::Adagrad"),
     ("RMSprop", "8x8M", "torch_optim_rmsprop", 3.0, "the speed of torch::optim::RMSprop"),
     ("RMSprop", "10000x4096", "torch_optim_rmsprop", 8.0, "the speed of torch::optim::RMSprop"),
+    # Views with gaps: the GradScaler reads long rows in place (no target on parameters with gaps:
+    # FusedSGD steps them through dense copies, 6 passes where torch::optim's update in place makes 3).
+    ("ScalerGaps", "4x4096x2048gaps", "pytorch_path", 1.0, "the speed of PyTorch's unscale on grads with gaps"),
 ]
 
 
@@ -122,7 +125,8 @@ def load(path):
     return context, rows
 
 
-OP_ORDER = ["Check", "CheckNorm", "Scale", "Scaler", "ScalerClip", "Adam", "AdamScaled", "AdamClip", "Adam8", "SGD", "LAMB",
+OP_ORDER = ["Check", "CheckNorm", "Scale", "Scaler", "ScalerClip", "ScalerGaps", "Adam", "AdamScaled", "AdamClip", "Adam8",
+            "SGD", "SGDGaps", "LAMB",
             "Adagrad", "RMSprop", "AdamSubnormal", "AdamScaledTiny", "AdamF64", "SGDF64", "Host", "HostMovedGrads", "HostLAMB",
             "HostSGD", "HostAdagrad", "HostRMSprop", "HostScaler", "HostScalerMovedGrads", "HostGroups", "ZeroAdam",
             "ZeroAdam8"]
