@@ -182,12 +182,13 @@ bool same_grad(const at::Tensor& p, const GradKey& kept) {
 
 // Whether p's grad, no longer the one `key` recorded, is a tensor whose view
 // in a reusable plan (on `device`) differs only by its data pointer: strided,
-// without gaps or overlaps, of the same numel, dtype and device. It then
-// passes every check the plan's views were made with.
+// without gaps or overlaps, of the same numel, dtype and device, with memory
+// (not a ZeroTensor). It then passes every check the plan's views were made with.
 bool moved_alike(const at::Tensor& p, const GradKey& key, c10::Device device) {
   const c10::TensorImpl* grad = grad_of(p);
   if (grad == nullptr || key.grad == nullptr || grad->layout() != c10::kStrided || grad->numel() != key.numel ||
-      grad->dtype().toScalarType() != key.dtype || grad->device() != device || !grad->is_non_overlapping_and_dense())
+      grad->dtype().toScalarType() != key.dtype || grad->device() != device || !grad->is_non_overlapping_and_dense() ||
+      grad->_is_zerotensor())  // (no memory: read through a copy of its zeros, refused where written)
     return false;
   // A copy-on-write storage (at::_lazy_clone) is materialized by the view's
   // data pointer, which ATen forbids on the walk's threads: such a grad is

@@ -3,6 +3,7 @@
 // instruction set and on CUDA (skipped without a device).
 
 #include <ampfuse/fused_adam.h>
+#include <ampfuse/grad_scaler.h>
 #include <ampfuse/tensor_ops.h>
 #include <sys/mman.h>
 
@@ -680,6 +681,77 @@ TEST(EngineOddTensors, ZeroTensorsAreZerosWhereReadAndRefusedWhereWritten) {
   }
   EXPECT_TRUE(torch::allclose(p.detach(), q.detach(), 1e-6, 1e-7));
   EXPECT_FALSE(torch::equal(p.detach(), initial));  // (weight decay moves it)
+}
+
+// A ZeroTensor arriving where a plan is kept (a step that reuses the plan
+// of steps on dense grads, taking new grads by their data pointers) was
+// read at its null data pointer: a crash. It is read as its zeros by the
+// optimizers and by GradScaler's check, refused by GradScaler's unscale in
+// place (as ATen refuses it) with nothing written; a ZeroTensor put in a
+// state is replaced by a copy of its zeros.
+TEST(EngineOddTensors, ZeroTensorsArrivingUnderAKeptPlanAreZeros) {
+  const auto zero_grads = [](std::vector<torch::Tensor>& ps) {
+    for (auto& p : ps) p.mutable_grad() = at::_efficientzerotensor(p.sizes(), p.options());
+  };
+  // FusedAdam against torch::optim::Adam stepping the zeros.
+  std::vector<torch::Tensor> ours = {torch::randn({1000}).requires_grad_(), torch::randn({30}).requires_grad_()};
+  std::vector<torch::Tensor> ref = {ours[0].detach().clone().requires_grad_(), ours[1].detach().clone().requires_grad_()};
+  ampfuse::FusedAdam fused(ours, torch::optim::AdamOptions(0.1).weight_decay(0.1));
+  torch::optim::Adam reference(ref, torch::optim::AdamOptions(0.1).weight_decay(0.1));
+  for (int step = 0; step < 5; ++step) {
+    SCOPED_TRACE("step " + std::to_string(step));
+    if (step < 3) {
+      for (std::size_t i = 0; i < ours.size(); ++i) {
+        ref[i].mutable_grad() = torch::randn_like(ref[i]);
+        ours[i].mutable_grad() = ref[i].grad().clone();
+      }
+    } else {
+      zero_grads(ours);
+      for (auto& r : ref) r.mutable_grad() = torch::zeros_like(r);
+    }
+    if (step == 4) {  // and a ZeroTensor state
+      auto& state = static_cast<torch::optim::AdamParamState&>(*fused.state().at(ours[1].unsafeGetTensorImpl()));
+      state.exp_avg(at::_efficientzerotensor(ours[1].sizes(), ours[1].options()));
+      static_cast<torch::optim::AdamParamState&>(*reference.state().at(ref[1].unsafeGetTensorImpl()))
+          .exp_avg()
+          .zero_();
+    }
+    fused.step();
+    reference.step();
+    for (std::size_t i = 0; i < ours.size(); ++i)
+      EXPECT_TRUE(torch::allclose(ours[i].detach(), ref[i].detach(), 1e-5, 1e-6)) << "param " << i;
+  }
+  // GradScaler: the classic path refuses, the contract path reads zeros.
+  for (const bool classic : {true, false}) {
+    SCOPED_TRACE(classic ? "torch::optim::SGD" : "FusedAdam");
+    std::vector<torch::Tensor> ps = {torch::randn({1000}).requires_grad_(), torch::randn({30}).requires_grad_()};
+    std::unique_ptr<torch::optim::Optimizer> opt;
+    if (classic) opt = std::make_unique<torch::optim::SGD>(ps, torch::optim::SGDOptions(0.1));
+    else opt = std::make_unique<ampfuse::FusedAdam>(ps, torch::optim::AdamOptions(0.1));
+    ampfuse::GradScaler scaler;
+    for (int step = 0; step < 4; ++step) {
+      scaler.scale(torch::ones({}));
+      if (step < 3) {
+        for (auto& p : ps) p.mutable_grad() = torch::randn_like(p);
+      } else {
+        ps[0].mutable_grad() = torch::randn_like(ps[0]);
+        ps[1].mutable_grad() = at::_efficientzerotensor(ps[1].sizes(), ps[1].options());
+      }
+      const auto grad0 = ps[0].grad().clone();
+      const auto before = ps[0].detach().clone();
+      if (step == 3 && classic) {
+        EXPECT_THAT([&] { scaler.step(*opt); },
+                    ::testing::ThrowsMessage<c10::Error>(::testing::HasSubstr("is a ZeroTensor")));
+        EXPECT_TRUE(bitwise_equal(ps[0].grad(), grad0));  // not unscaled
+        EXPECT_TRUE(bitwise_equal(ps[0].detach(), before));
+        break;
+      }
+      scaler.step(*opt);
+      scaler.update();
+      EXPECT_FALSE(scaler.last_step_skipped(*opt));
+      EXPECT_FALSE(torch::equal(ps[0].detach(), before));
+    }
+  }
 }
 
 // scale_ changes its tensors as mul_ does, and says so as mul_ does: a

@@ -82,7 +82,8 @@ bool state_tensor_follows(const at::Tensor& s, const at::Tensor& p, c10::ScalarT
       !at::isFloatingType(s.scalar_type()) || !at::isFloatingType(dtype))
     return false;
   if (s.is_sparse()) return s.scalar_type() != dtype;  // kept sparse (FusedSGD)
-  return s.layout() == at::kStrided && !(s.scalar_type() == dtype && in_kernel_layout(s, p) && !s.is_neg());
+  return s.layout() == at::kStrided &&
+         !(s.scalar_type() == dtype && in_kernel_layout(s, p) && !s.is_neg() && !s._is_zerotensor());
 }
 
 at::Tensor followed_state_tensor(const at::Tensor& s, const at::Tensor& p, c10::ScalarType dtype) {
@@ -1181,8 +1182,12 @@ PlanMatch match_plan(torch::optim::Optimizer& opt, const StateStamp& stamp, cons
   // one's strides here; below, grad_needs_staging's kernel layout); read
   // through a copy (staged) only while of its parameter's shape (a shape
   // that only broadcasts to it is refused by validation).
-  auto relaid = [](const c10::TensorImpl* grad, const c10::TensorImpl* param) {
-    return grad->is_neg() || grad->sizes() != param->sizes() || grad->strides() != param->strides();
+  // Whether a grad of a dense parameter is read where it is: laid out as
+  // it, its values as stored (no negative bit), in memory (a ZeroTensor,
+  // which has none, is read through a copy of its zeros).
+  auto in_place = [](const c10::TensorImpl* grad, const c10::TensorImpl* param) {
+    return !grad->is_neg() && !grad->_is_zerotensor() && grad->sizes() == param->sizes() &&
+           grad->strides() == param->strides();
   };
   auto compare = [&](const at::Tensor& p, const PlanParam& kept, GradNow* grad_now) {
     const c10::TensorImpl* impl = p.unsafeGetTensorImpl();
@@ -1205,7 +1210,7 @@ PlanMatch match_plan(torch::optim::Optimizer& opt, const StateStamp& stamp, cons
     const c10::ScalarType grad_dtype = grad->dtype().toScalarType();
     if (grad == kept.grad && grad->numel() == kept.grad_numel && grad_dtype == kept.grad_dtype &&
         grad_data == kept.grad_data)
-      return (kept.grad_staged ? grad->sizes() == impl->sizes() : !relaid(grad, impl)) ? Same::kAll : Same::kNo;
+      return (kept.grad_staged ? grad->sizes() == impl->sizes() : in_place(grad, impl)) ? Same::kAll : Same::kNo;
     *grad_now = {grad, grad_data, grad->numel(), grad_dtype, grad->unsafe_storage().unsafeGetStorageImpl()};
     return Same::kAllButGrad;
   };
@@ -1220,9 +1225,8 @@ PlanMatch match_plan(torch::optim::Optimizer& opt, const StateStamp& stamp, cons
                              bool float64_ok, bool staged_ok) {
     if (grad != nullptr) {
       const c10::TensorImpl* impl = p.unsafeGetTensorImpl();
-      if (grad->layout() == c10::kStrided && !grad->is_neg() && grad->dtype() == impl->dtype() &&
-          grad->device() == impl->device() && grad->sizes() == impl->sizes() && grad->strides() == impl->strides() &&
-          (signals == nullptr || signals->contains(impl->device())))
+      if (grad->layout() == c10::kStrided && grad->dtype() == impl->dtype() && grad->device() == impl->device() &&
+          in_place(grad, impl) && (signals == nullptr || signals->contains(impl->device())))
         return GradKind::kInPlace;
     }
     return check_param(p, g, i, name, signals, float64_ok, staged_ok, false, staged_ok, inference_mode);

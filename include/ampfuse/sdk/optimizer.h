@@ -278,8 +278,9 @@ std::pair<std::size_t, std::size_t> place_of(const torch::optim::Optimizer& opt,
 
 /// For FusedOptimizer::follow_param: state tensor `s` as the step keeps it
 /// for parameter p, when `s` has p's shape and device and is a floating
-/// tensor of another dtype than `dtype` or laid out otherwise than the
-/// kernels walk p: a copy in `dtype`, in p's kernel layout (a parameter
+/// tensor of another dtype than `dtype`, laid out otherwise than the
+/// kernels walk p, or without memory (a ZeroTensor): a copy in `dtype`, in
+/// p's kernel layout (a parameter
 /// converted since its state was made: Module::to(dtype), set_data to
 /// channels_last; a sparse `s` keeps its layout and takes `dtype`).
 /// Undefined when `s` fits already, or differs in what no copy mends (shape,
