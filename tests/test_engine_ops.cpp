@@ -9,9 +9,11 @@
 
 #include <cmath>
 #include <limits>
+#include <numeric>
 #include <tuple>
 
 #include "contract/cpu/kernels.h"
+#include "contract/torch/tensor_ops_views.h"
 #include "tests/common.h"
 
 namespace {
@@ -323,6 +325,72 @@ TEST_P(EngineOps, ViewsWithGapsMatchAten) {
   ampfuse::check_non_finite(expanded, found, sum_sq);
   EXPECT_EQ(found.item<float>(), 0.f);
   EXPECT_NEAR(sum_sq.item<double>(), reference_sum_sq(expanded), 1e-5 * reference_sum_sq(expanded));
+}
+
+// Random strided views (1-4 dimensions, permuted, sliced with steps, some
+// expanded) of bases whose other elements are NaN: unscale_ gives ATen's
+// bits and leaves the NaN alone, check_non_finite finds nothing and ATen's
+// sum of squares, and on CPU copy_by_runs copies as copy_ does both ways
+// (into a dense copy, and back). Runs long and short, so that both the
+// run-by-run path and the staged one are taken.
+TEST_P(EngineOps, RandomStridedViewsMatchAten) {
+  const auto nan = std::numeric_limits<float>::quiet_NaN();
+  for (int round = 0; round < 100; ++round) {
+    SCOPED_TRACE("round " + std::to_string(round));
+    const auto dims = static_cast<std::int64_t>(1 + rng_() % 4);
+    std::vector<std::int64_t> sizes;
+    for (std::int64_t d = 0; d < dims; ++d)
+      sizes.push_back(d + 1 == dims && rng_() % 3 != 0 ? 130 + static_cast<std::int64_t>(rng_() % 300)
+                                                        : 1 + static_cast<std::int64_t>(rng_() % 7));
+    torch::Tensor base = torch::full(sizes, nan, opts());
+    // A permutation, then per dimension a slice [start, stop) with a step.
+    torch::Tensor view = base;
+    if (dims > 1 && rng_() % 2 == 0) {
+      std::vector<std::int64_t> order(static_cast<std::size_t>(dims));
+      std::iota(order.begin(), order.end(), 0);
+      std::shuffle(order.begin(), order.end(), rng_);
+      view = view.permute(order);
+    }
+    for (std::int64_t d = 0; d < dims; ++d) {
+      const std::int64_t n = view.size(d);
+      const std::int64_t start = rng_() % 3 == 0 ? static_cast<std::int64_t>(rng_() % n) : 0;
+      const std::int64_t step = rng_() % 4 == 0 ? 2 : 1;
+      const std::int64_t stop = std::max(start + 1, n - (rng_() % 2 == 0 ? static_cast<std::int64_t>(rng_() % 3) : 0));
+      view = view.slice(d, start, std::min(stop, n), step);
+    }
+    view.copy_(torch::randn(view.sizes(), opts()) * 100.0);
+    const torch::Tensor expected_base = base.clone();
+    auto ref = std::vector<torch::Tensor>{expected_base.as_strided(view.sizes(), view.strides(), view.storage_offset())};
+    auto list = std::vector<torch::Tensor>{view};
+    const float inv = 1.f / std::exp2(static_cast<float>(rng_() % 12));
+    auto found = scalar(0.f), ref_found = scalar(0.f);
+    ampfuse::unscale_(list, found, scalar(inv));
+    aten_unscale_(ref, ref_found, scalar(inv));
+    EXPECT_EQ(found.item<float>(), 0.f);
+    EXPECT_EQ(ref_found.item<float>(), 0.f);
+    ASSERT_TRUE(bitwise_equal(base, expected_base)) << "view sizes " << view.sizes() << " strides " << view.strides();
+    // Read: the view, and the view repeated along a new outer dimension of stride 0.
+    std::vector<std::int64_t> expanded_sizes = {3};
+    for (const auto n : view.sizes()) expanded_sizes.push_back(n);
+    const std::vector<torch::Tensor> reads = {view, view.unsqueeze(0).expand(expanded_sizes)};
+    auto check_found = scalar(0.f);
+    auto sum_sq = torch::zeros({1}, torch::TensorOptions().dtype(torch::kDouble).device(device_));
+    ampfuse::check_non_finite(reads, check_found, sum_sq);
+    EXPECT_EQ(check_found.item<float>(), 0.f) << "a NaN between the view's elements was read";
+    const double reference = reference_sum_sq(reads);
+    EXPECT_NEAR(sum_sq.item<double>(), reference, 1e-6 * reference + 1e-30);
+    if (!device_.is_cpu()) continue;
+    // copy_by_runs, into a dense copy laid out as empty_like lays it out, and back.
+    const torch::Tensor dense = at::empty_like(view, at::MemoryFormat::Preserve);
+    if (!ampfuse::detail::copy_by_runs(dense, view)) dense.copy_(view);
+    ASSERT_TRUE(bitwise_equal(dense, view));
+    const torch::Tensor values = torch::randn(view.sizes(), opts());
+    dense.copy_(values);
+    const torch::Tensor written = base.clone();
+    written.as_strided(view.sizes(), view.strides(), view.storage_offset()).copy_(dense);
+    if (!ampfuse::detail::copy_by_runs(view, dense)) view.copy_(dense);
+    ASSERT_TRUE(bitwise_equal(base, written)) << "view sizes " << view.sizes() << " strides " << view.strides();
+  }
 }
 
 // Entries that share memory (one tensor twice, overlapping views, views of
