@@ -116,15 +116,8 @@ void register_adam(torch::Device device) {
       const bool scaled = o != "Adam", clip = o == "AdamClip";
       register_one(o + "/ours" + tail, device, [=] {
         auto opt = std::make_shared<ampfuse::FusedAdam>(data().params, torch::optim::AdamOptions(kLr));
-        auto scaler = std::make_shared<ampfuse::GradScaler>(
-            ampfuse::GradScalerOptions().init_scale(1.0).growth_interval(1 << 30));
-        scaler->scale(torch::ones({}, fopts));
-        return Fn([=] {
-          if (!scaled) return void(opt->step());
-          if (clip) scaler->clip_grad_norm_(*opt, kMaxNorm);
-          scaler->step(*opt);
-          scaler->update();
-        });
+        if (!scaled) return Fn([=] { opt->step(); });
+        return scaler_steps(opt, device, 1.0, clip ? kMaxNorm : 0.0);
       }, bytes);
       register_one(o + "/aten_fused_adam" + tail, device, [=] {
         auto found = torch::zeros({}, fopts);

@@ -247,26 +247,12 @@ void register_host(torch::Device device) {
     });
   }, bytes);
   register_one("HostScaler/ours" + tail, device, [=] {
-    auto opt = std::make_shared<ampfuse::FusedAdam>(data().params, torch::optim::AdamOptions(kLr));
-    auto scaler =
-        std::make_shared<ampfuse::GradScaler>(ampfuse::GradScalerOptions().init_scale(1.0).growth_interval(1 << 30));
-    scaler->scale(torch::ones({}, fopts));
-    return Fn([=] {
-      scaler->step(*opt);
-      scaler->update();
-    });
+    return scaler_steps(std::make_shared<ampfuse::FusedAdam>(data().params, torch::optim::AdamOptions(kLr)), device);
   }, bytes);
   register_one("HostScalerMovedGrads/ours" + tail, device, [=] {
     auto turns = std::make_shared<GradsTakingTurns>(data().params);
     auto opt = std::make_shared<ampfuse::FusedAdam>(turns->params, torch::optim::AdamOptions(kLr));
-    auto scaler =
-        std::make_shared<ampfuse::GradScaler>(ampfuse::GradScalerOptions().init_scale(1.0).growth_interval(1 << 30));
-    scaler->scale(torch::ones({}, fopts));
-    return Fn([=] {
-      turns->next();
-      scaler->step(*opt);
-      scaler->update();
-    });
+    return scaler_steps(opt, device, 1.0, 0.0, [turns] { turns->next(); });
   }, bytes);
   register_one("HostScaler/aten_fused_adam" + tail, device, [=] {
     auto found = torch::zeros({}, fopts);

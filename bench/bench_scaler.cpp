@@ -45,6 +45,28 @@ std::vector<torch::Tensor> params_with_grads(std::vector<torch::Tensor>& grads) 
   return params;
 }
 
+// PyTorch's path on grads(): unscale and check, read found_inf, [clip by the
+// global 2-norm], update the scale.
+Fn pytorch_path(std::function<std::vector<torch::Tensor>&()> grads, torch::TensorOptions fopts, bool clip,
+                double max_norm) {
+  auto scale = torch::ones({}, fopts);
+  auto tracker = torch::zeros({}, fopts.dtype(torch::kInt));
+  auto found = torch::zeros({}, fopts);
+  return Fn([=]() mutable {
+    found.zero_();
+    const auto inv = scale.to(torch::kDouble).reciprocal().to(torch::kFloat);
+    at::_amp_foreach_non_finite_check_and_unscale_(grads(), found, inv);
+    if (clip) {
+      const auto norms = at::_foreach_norm(grads(), 2);
+      const auto total = at::linalg_vector_norm(at::stack(norms), 2);
+      const auto coef = at::clamp(max_norm / (total + 1e-6), c10::nullopt, 1.0);
+      at::_foreach_mul_(grads(), coef);
+    }
+    benchmark::DoNotOptimize(found.item<float>());
+    at::_amp_update_scale_(scale, tracker, found, 2.0, 0.5, 1 << 30);
+  });
+}
+
 }  // namespace
 
 void register_scaler(torch::Device device) {
@@ -63,62 +85,22 @@ void register_scaler(torch::Device device) {
           std::shared_ptr<torch::optim::Optimizer> opt;
           if (contract) opt = std::make_shared<NoopScalerAware>(params);
           else opt = std::make_shared<NoopOptimizer>(params);
-          auto scaler = std::make_shared<ampfuse::GradScaler>(
-              ampfuse::GradScalerOptions().init_scale(1.0).growth_interval(1 << 30));
-          scaler->scale(torch::ones({}, fopts));
-          return Fn([=] {
-            if (clip) scaler->clip_grad_norm_(*opt, kMaxNorm);
-            scaler->step(*opt);
-            scaler->update();
-          });
+          return scaler_steps(opt, device, 1.0, clip ? kMaxNorm : 0.0);
         }, 4 * n);
       }
-      register_one(op + "/pytorch_path" + tail, device, [=] {
-        auto scale = torch::ones({}, fopts);
-        auto tracker = torch::zeros({}, fopts.dtype(torch::kInt));
-        auto found = torch::zeros({}, fopts);
-        return Fn([=]() mutable {
-          found.zero_();
-          const auto inv = scale.to(torch::kDouble).reciprocal().to(torch::kFloat);
-          at::_amp_foreach_non_finite_check_and_unscale_(grads(), found, inv);
-          if (clip) {
-            const auto norms = at::_foreach_norm(grads(), 2);
-            const auto total = at::linalg_vector_norm(at::stack(norms), 2);
-            const auto coef = at::clamp(kMaxNorm / (total + 1e-6), c10::nullopt, 1.0);
-            at::_foreach_mul_(grads(), coef);
-          }
-          benchmark::DoNotOptimize(found.item<float>());
-          at::_amp_update_scale_(scale, tracker, found, 2.0, 0.5, 1 << 30);
-        });
-      }, 4 * n);
+      register_one(op + "/pytorch_path" + tail, device, [=] { return pytorch_path(grads, fopts, clip, kMaxNorm); },
+                   4 * n);
     }
   }
   // Grads with gaps: ours_classic against PyTorch's unscale, no clipping.
   const std::int64_t n = total_numel(gapped_set());
   const std::string tail = "/" + gapped_set().name + dev;
+  auto grads = [device]() -> std::vector<torch::Tensor>& { return gapped_tensors(device, 0); };
   register_one("ScalerGaps/ours_classic" + tail, device, [=] {
-    auto& grads = gapped_tensors(device, 0);
-    auto opt = std::make_shared<NoopOptimizer>(params_with_grads(grads));
-    auto scaler =
-        std::make_shared<ampfuse::GradScaler>(ampfuse::GradScalerOptions().init_scale(1.0).growth_interval(1 << 30));
-    scaler->scale(torch::ones({}, fopts));
-    return Fn([=] {
-      scaler->step(*opt);
-      scaler->update();
-    });
+    return scaler_steps(std::make_shared<NoopOptimizer>(params_with_grads(grads())), device);
   }, 4 * n);
-  register_one("ScalerGaps/pytorch_path" + tail, device, [=] {
-    auto scale = torch::ones({}, fopts);
-    auto tracker = torch::zeros({}, fopts.dtype(torch::kInt));
-    auto found = torch::zeros({}, fopts);
-    return Fn([=]() mutable {
-      found.zero_();
-      const auto inv = scale.to(torch::kDouble).reciprocal().to(torch::kFloat);
-      at::_amp_foreach_non_finite_check_and_unscale_(gapped_tensors(device, 0), found, inv);
-      benchmark::DoNotOptimize(found.item<float>());
-      at::_amp_update_scale_(scale, tracker, found, 2.0, 0.5, 1 << 30);
-    });
-  }, 4 * n);
+  register_one("ScalerGaps/pytorch_path" + tail, device, [=] { return pytorch_path(grads, fopts, false, 0.0); },
+               4 * n);
 }
 
 }  // namespace ampfuse_bench

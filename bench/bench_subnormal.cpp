@@ -89,14 +89,8 @@ void register_subnormal(torch::Device device) {
     for (const bool tiny : {true, false}) {
       register_one(std::string("AdamScaledTiny/") + (tiny ? "ours" : "ours_normal") + tail, device, [=] {
         auto params = tiny ? params_with_grads(set, device, 1e-33f) : optimizer_data(set, device).params;
-        auto opt = std::make_shared<ampfuse::FusedAdam>(params, torch::optim::AdamOptions(kLr));
-        auto scaler = std::make_shared<ampfuse::GradScaler>(
-            ampfuse::GradScalerOptions().init_scale(kScale).growth_interval(1 << 30));
-        scaler->scale(torch::ones({}, torch::TensorOptions().device(device)));
-        return Fn([=] {
-          scaler->step(*opt);
-          scaler->update();
-        });
+        return scaler_steps(std::make_shared<ampfuse::FusedAdam>(params, torch::optim::AdamOptions(kLr)), device,
+                            kScale);
       }, bytes);
     }
   }

@@ -7,6 +7,7 @@
 // them into ratio tables. "ours" is ampfuse; "ceiling_*" are traffic twins.
 
 #include <benchmark/benchmark.h>
+#include <ampfuse/grad_scaler.h>
 #include <ampfuse/multi_tensor.h>
 #include <torch/torch.h>
 
@@ -126,6 +127,23 @@ inline std::vector<torch::Tensor>& gapped_tensors(torch::Device device, int whic
     it = cache.emplace(key, std::move(list)).first;
   }
   return it->second;
+}
+
+/// A step of `opt` under a GradScaler as a training loop makes it, for
+/// timing: before() where given, clip_grad_norm_(clip_norm) where it is not
+/// 0, scaler.step(opt), scaler.update(). The scale stays `scale` (its growth
+/// interval outlasts any run).
+inline Fn scaler_steps(std::shared_ptr<torch::optim::Optimizer> opt, torch::Device device, double scale = 1.0,
+                       double clip_norm = 0.0, Fn before = nullptr) {
+  auto scaler =
+      std::make_shared<ampfuse::GradScaler>(ampfuse::GradScalerOptions().init_scale(scale).growth_interval(1 << 30));
+  scaler->scale(torch::ones({}, torch::TensorOptions().device(device)));
+  return [=] {
+    if (before) before();
+    if (clip_norm != 0.0) scaler->clip_grad_norm_(*opt, clip_norm);
+    scaler->step(*opt);
+    scaler->update();
+  };
 }
 
 inline std::int64_t total_numel(const ParamSet& set) {
