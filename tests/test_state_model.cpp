@@ -873,6 +873,88 @@ TEST(PooledStateTest, ThreadsMakeAndDeleteObjectsOfSeveralSizesWithoutOverlap) {
   EXPECT_LE(ampfuse::sdk::pooled_state_slabs(), slabs_before + 4);
 }
 
+// What a step that reuses its plan (no validation of what is as recorded)
+// takes is what a fresh step takes (helper-81's audit). Each was stepped
+// by a kept plan where validation refuses it:
+// - parameters that are inference tensors, stepped under InferenceMode,
+//   then outside it (torch::optim's in-place ops refuse that);
+// - a new grad that is another parameter's state tensor (the step read and
+//   wrote both; under GradScaler's unscaled_grads_after_step, the state
+//   tensor was unscaled as a grad);
+// - a step count set negative (the parameters became NaN).
+// Each is refused, naming the parameter, and nothing changes.
+TEST_P(StateModelTest, AKeptPlanTakesOnlyWhatValidationTakes) {
+  const auto options = torch::TensorOptions().device(device_);
+  const auto clones = [](const std::vector<torch::Tensor>& ts) {
+    std::vector<torch::Tensor> out;
+    for (const auto& t : ts) out.push_back(t.detach().clone());
+    return out;
+  };
+  {
+    SCOPED_TRACE("inference parameters");
+    std::vector<torch::Tensor> ps;
+    {
+      c10::InferenceMode mode;
+      ps = {torch::randn({100}, options), torch::randn({7}, options)};
+    }
+    ampfuse::FusedAdam opt(ps, torch::optim::AdamOptions(0.1));
+    for (int step = 0; step < 2; ++step) {
+      c10::InferenceMode mode;
+      fill_grads(opt);
+      opt.step();
+    }
+    const auto before = clones(ps);
+    expect_step_refused(opt, "FusedAdam: param group 0, param 0 is an inference tensor");
+    EXPECT_TRUE(same_snapshots(before, clones(ps)));
+    c10::InferenceMode mode;
+    opt.step();  // under InferenceMode still
+    EXPECT_FALSE(bitwise_equal(ps[0], before[0]));
+    // and a checkpoint loads (the load read their version counters, which inference tensors lack)
+    std::stringstream saved;
+    torch::save(opt, saved);
+    torch::load(opt, saved);
+  }
+  for (const bool sgd : {false, true}) {
+    SCOPED_TRACE(sgd ? "FusedSGD, a momentum buffer as a grad" : "FusedAdam, an exp_avg as a grad");
+    auto p = param({50}, torch::kFloat), q = param({50}, torch::kFloat);
+    std::unique_ptr<torch::optim::Optimizer> opt;
+    if (sgd) opt = std::make_unique<ampfuse::FusedSGD>(std::vector<torch::Tensor>{p, q}, torch::optim::SGDOptions(0.1).momentum(0.9));
+    else opt = std::make_unique<ampfuse::FusedAdam>(std::vector<torch::Tensor>{p, q}, torch::optim::AdamOptions(0.1));
+    for (int step = 0; step < 3; ++step) {
+      fill_grads(*opt);  // new grads at every step: the plan takes them as moved
+      opt->step();
+    }
+    const auto& q_state = *opt->state().at(q.unsafeGetTensorImpl());
+    const torch::Tensor shared = sgd ? static_cast<const torch::optim::SGDParamState&>(q_state).momentum_buffer()
+                                     : static_cast<const torch::optim::AdamParamState&>(q_state).exp_avg();
+    p.mutable_grad() = shared;
+    const auto before = clones({p, q, shared});
+    expect_step_refused(*opt, "param group 0, param 1: a state tensor shares memory with the grad of param group 0, param 0");
+    EXPECT_TRUE(same_snapshots(before, clones({p, q, shared})));
+    p.mutable_grad() = torch::randn_like(p);
+    opt->step();
+  }
+  {
+    SCOPED_TRACE("a negative step count");
+    auto p = param({50}, torch::kFloat), q = param({3}, torch::kFloat);
+    ampfuse::FusedAdam opt({p, q}, torch::optim::AdamOptions(0.1));
+    for (int step = 0; step < 3; ++step) {
+      fill_grads(opt);
+      opt.step();
+    }
+    auto& state = static_cast<ampfuse::FusedAdamParamState&>(*opt.state().at(q.unsafeGetTensorImpl()));
+    state.step(-5);
+    const auto before = clones({p, q});
+    for (int attempt = 0; attempt < 2; ++attempt)  // by the kept plan, then by validation
+      expect_step_refused(opt, "FusedAdam: param group 0, param 1: state step is -5");
+    EXPECT_TRUE(same_snapshots(before, clones({p, q})));
+    EXPECT_EQ(state.step(), -5);
+    EXPECT_EQ(static_cast<ampfuse::FusedAdamParamState&>(*opt.state().at(p.unsafeGetTensorImpl())).step(), 3);
+    state.step(3);
+    opt.step();
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(All, StateModelTest, ::testing::Values("cpu", "cuda"),
                          [](const ::testing::TestParamInfo<std::string>& info) { return info.param; });
 

@@ -1098,16 +1098,54 @@ std::vector<const at::Tensor*> all_params(torch::optim::Optimizer& opt) {
 
 static_assert(std::is_same_v<decltype(PlanKeys::groups), GroupSpans>, "a plan keeps its groups as GroupSpans");
 
-void record_plan(torch::optim::Optimizer& opt, const StateStamp& stamp, PlanKeys& keys) {
+namespace {
+
+// The bytes tensor `impl` spans from its first element to its last, [begin,
+// end); {0, 0} without memory.
+std::pair<std::uintptr_t, std::uintptr_t> bytes_spanned(const c10::TensorImpl& impl, const void* data) {
+  if (data == nullptr || impl.numel() == 0) return {0, 0};
+  std::int64_t last = 0;  // (strides are not negative)
+  for (std::int64_t d = 0; d < impl.dim(); ++d) last += (impl.size(d) - 1) * impl.stride(d);
+  const auto begin = reinterpret_cast<std::uintptr_t>(data);
+  return {begin, begin + static_cast<std::uintptr_t>(last + 1) * impl.itemsize()};
+}
+
+// Whether [begin, end) meets the bytes of a state tensor the plan recorded.
+bool meets_state(const PlanKeys& keys, std::pair<std::uintptr_t, std::uintptr_t> bytes) {
+  if (bytes.first == bytes.second) return false;
+  const auto after = std::lower_bound(keys.state_bytes.begin(), keys.state_bytes.end(),
+                                      std::make_pair(bytes.second, std::uintptr_t{0}));
+  const auto k = static_cast<std::size_t>(after - keys.state_bytes.begin());
+  return k > 0 && keys.state_furthest_end[k - 1] > bytes.first;
+}
+
+}  // namespace
+
+void record_plan(torch::optim::Optimizer& opt, const StateStamp& stamp, PlanKeys& keys,
+                 const std::vector<const at::Tensor*>& state_tensors) {
   keys.groups = group_spans(opt);
   const std::vector<const at::Tensor*> params = all_params(opt);
   keys.params.resize(params.size());
+  std::atomic<bool> any_inference{false};
   parallel_entries(params.size(), [&](std::size_t k) {
     keys.params[k] = plan_param(*params[k], opt, stamp);
     const at::Tensor& grad = params[k]->grad();
     keys.params[k].grad_sparse = grad.defined() && grad.is_sparse();
     keys.params[k].grad_staged = !keys.params[k].grad_sparse && grad_needs_staging(*params[k], grad);
+    if (params[k]->defined() && params[k]->is_inference()) any_inference.store(true, std::memory_order_relaxed);
   });
+  keys.any_inference = any_inference.load();
+  keys.state_bytes.clear();
+  for (const at::Tensor* t : state_tensors)
+    if (t->defined() && t->layout() == c10::kStrided && t->has_storage()) {
+      const auto bytes = bytes_spanned(*t->unsafeGetTensorImpl(), t->const_data_ptr());
+      if (bytes.first != bytes.second) keys.state_bytes.push_back(bytes);
+    }
+  std::sort(keys.state_bytes.begin(), keys.state_bytes.end());
+  keys.state_furthest_end.resize(keys.state_bytes.size());
+  std::uintptr_t furthest = 0;
+  for (std::size_t k = 0; k < keys.state_bytes.size(); ++k)
+    keys.state_furthest_end[k] = furthest = std::max(furthest, keys.state_bytes[k].second);
 }
 
 namespace {
@@ -1155,6 +1193,8 @@ PlanMatch match_plan(torch::optim::Optimizer& opt, const StateStamp& stamp, cons
                      std::size_t state_bytes) {
   // Each group's params() is where and as long as recorded: the kept spans reach every parameter.
   if (!same_spans(opt, keys.groups)) return PlanMatch::kChanged;
+  // An inference tensor is stepped under InferenceMode only (validation says so).
+  if (keys.any_inference && !c10::InferenceMode::is_enabled()) return PlanMatch::kChanged;
   const std::size_t total = span_total(keys.groups);
   const auto& states = opt.state();
   // Whether p, its grad and its state are those `kept` recorded (kAll: the
@@ -1281,6 +1321,10 @@ PlanMatch match_plan(torch::optim::Optimizer& opt, const StateStamp& stamp, cons
                               cursor.index(), float64_ok, staged_ok) == GradKind::kStaged) !=
               kept.grad_staged) {
             changed = true;  // a grad now read through a copy, or no longer: its Entry changes
+            break;
+          }
+          if (!keys.state_bytes.empty() && meets_state(keys, bytes_spanned(*now.grad, now.grad_data))) {
+            changed = true;  // a state tensor given as a grad: validated again (check_state_memory refuses it)
             break;
           }
         } catch (...) {

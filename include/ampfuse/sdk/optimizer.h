@@ -72,6 +72,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <algorithm>
+#include <atomic>
 #include <deque>
 #include <functional>
 #include <initializer_list>
@@ -242,6 +243,13 @@ struct StateStamp {
 struct PlanKeys {
   std::vector<PlanParam> params;
   std::vector<std::pair<const void*, std::size_t>> groups;  ///< each group's params(): data() and size()
+  /// Some parameter is an inference tensor (stepped only under InferenceMode).
+  bool any_inference = false;
+  /// The bytes the state tensors span ([begin, end), sorted by begin) and
+  /// the furthest end up to each: a grad that moves into one of them (a
+  /// state tensor given as a grad) is validated again, and refused.
+  std::vector<std::pair<std::uintptr_t, std::uintptr_t>> state_bytes;
+  std::vector<std::uintptr_t> state_furthest_end;
 };
 
 enum class PlanMatch {
@@ -250,8 +258,10 @@ enum class PlanMatch {
   kGradsMoved,  ///< only some grads' TensorImpl or data address changed: they were checked and recorded
 };
 
-/// Records opt's parameters, grads and states into `keys`.
-void record_plan(torch::optim::Optimizer& opt, const StateStamp& stamp, PlanKeys& keys);
+/// Records opt's parameters, grads and states into `keys`, with the memory
+/// of `state_tensors` (the state tensors follow_param names).
+void record_plan(torch::optim::Optimizer& opt, const StateStamp& stamp, PlanKeys& keys,
+                 const std::vector<const at::Tensor*>& state_tensors = {});
 
 /// Compares opt's parameters, grads and states with `keys`. A grad that
 /// moved is checked against its parameter as validate_params would (throwing
@@ -1128,11 +1138,15 @@ struct HasMaster<S, std::void_t<decltype(std::declval<const S&>().master()),
 /// made from it), and a write into the parameter after the load (weights
 /// loaded next) refreshes it. Without it, the loaded master would be taken
 /// for stale at the next step and replaced by the rounded parameter.
+/// The version counter a master copy follows: 0 for an inference tensor,
+/// which has none (a write into it from outside goes unseen by its master).
+inline std::int64_t version_of(const at::Tensor& param) { return param.is_inference() ? 0 : param._version(); }
+
 template <class S>
 void follow_loaded_master(const at::Tensor& param, S& state) {
   if constexpr (HasMaster<S>::value) {
     if (state.master().defined()) state.master(master_following(state.master(), param));
-    state.master_version(param._version());
+    state.master_version(version_of(param));
     set_master_source(state, param);
   }
 }
@@ -1447,13 +1461,17 @@ class FusedOptimizer : public Base, public ScalerAware {
   /// kernel takes the per-tensor values in `out`. Kept is what the list keeps
   /// in its ListSlot, with members `states` (pointers to State-like objects)
   /// and `steps` (std::vector<std::int64_t>); the undo holds it.
+  /// A counter set negative since the plan was made (validation refuses one)
+  /// is refused here, naming its parameter, and every counter taken back.
   template <class Kept, class Value, class F>
   void advance_host_steps(const std::shared_ptr<Kept>& kept, std::vector<Value>& out, F&& f) {
+    std::atomic<bool> negative{false};
     parallel_per_tensor(
         kept->states.size(),
         [&](std::size_t i) {
           auto& s = *kept->states[i];
           const std::int64_t step = s.step() + 1;
+          if (step <= 0) negative.store(true, std::memory_order_relaxed);
           s.step(step);
           return step;
         },
@@ -1461,6 +1479,14 @@ class FusedOptimizer : public Base, public ScalerAware {
     undo_on_failure([kept] {
       for (std::size_t i = 0; i < kept->states.size(); ++i) kept->states[i]->step(kept->steps[i] - 1);
     });
+    if (!negative.load()) return;
+    for (std::size_t i = 0; i < kept->states.size(); ++i) {
+      if (kept->steps[i] > 0) continue;
+      std::pair<std::size_t, std::size_t> place{kNoGroup, kNoGroup};
+      for (const auto& [key, state] : this->state())
+        if (state.get() == static_cast<const void*>(kept->states[i])) place = place_of(*this, key);
+      check_state_step(kept->steps[i] - 1, name(), place.first, place.second);
+    }
   }
 
   const Options& options_of(std::size_t group) const {
@@ -1527,11 +1553,11 @@ class FusedOptimizer : public Base, public ScalerAware {
       refuse_under_capture(e, name(), "its fp32 master copy");
       undo_on_failure([&state] { state.master(at::Tensor()); });
       state.master(e.param.detach().to(at::kFloat, /*non_blocking=*/false, /*copy=*/true, at::MemoryFormat::Preserve));
-      state.master_version(followed._version());
+      state.master_version(version_of(followed));
       set_master_source(state, followed);
       return;
     }
-    if (state.master_version() == followed._version() && !master_source_moved(state, followed)) {
+    if (state.master_version() == version_of(followed) && !master_source_moved(state, followed)) {
       set_master_source(state, followed);  // where it was not known (after load()): the master matches it
       return;
     }
@@ -1542,7 +1568,7 @@ class FusedOptimizer : public Base, public ScalerAware {
     at::Tensor refreshed = refreshed_master(e.param, state.master());
     stale_masters_.emplace_back([refreshed = std::move(refreshed), &followed, &state] {
       state.master().copy_(refreshed);
-      state.master_version(followed._version());
+      state.master_version(version_of(followed));
       set_master_source(state, followed);
     });
   }
@@ -1589,6 +1615,23 @@ class FusedOptimizer : public Base, public ScalerAware {
                 },
                 [&](const at::Tensor& field) { state_fields_.push_back({g, i, &field}); }));
       }
+  }
+
+  // The state tensors follow_param names, of every parameter's state of
+  // this optimizer's type (what a plan records of their memory).
+  std::vector<const at::Tensor*> state_tensors() {
+    std::vector<const at::Tensor*> tensors;
+    for (const auto& group : this->param_groups())
+      for (const at::Tensor& p : group.params()) {
+        if (!p.defined()) continue;
+        const auto it = this->state().find(p.unsafeGetTensorImpl());
+        if (it == this->state().end() || !it->second || typeid(*it->second) != typeid(State)) continue;
+        follow_param(p, static_cast<State&>(*it->second),
+                     Follow(
+                         p, [] {}, [](at::Tensor&, at::Tensor) {},
+                         [&](const at::Tensor& field) { tensors.push_back(&field); }));
+      }
+    return tensors;
   }
 
   // check_grads: GradScaler's check, after validation and before found_inf
@@ -1698,7 +1741,7 @@ class FusedOptimizer : public Base, public ScalerAware {
     end_step(signals);
     write_back_staged_params(staged_params_, !skip_cpu);
     if (match == PlanMatch::kChanged) {
-      record_plan(*this, stamp, plan_keys_);
+      record_plan(*this, stamp, plan_keys_, state_tensors());
       plan_group_keys_.swap(step_group_keys_);
       // What the plan's stamps compare by address stays alive while it holds.
       held_state_.clear();
