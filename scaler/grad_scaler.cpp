@@ -96,7 +96,8 @@ CollectedGrads grads_by_device(torch::optim::Optimizer& optimizer, Coalesce coal
 
 // The grads of every device checked before anything is written, as views
 // that the engine ops then take without checking again (views with gaps
-// staged through dense copies: write_back() after an in-place op).
+// read run by run, or staged through dense copies: write_back() after an
+// in-place op).
 // The engine's errors name a grad by its place in its device's list
 // ("grad[3]", counting the grads on that device): the error names the
 // optimizer's parameter it belongs to instead.

@@ -54,9 +54,10 @@ bool supported_dtype(c10::ScalarType t) {
 }
 
 // What a list's tensors must be: dense (the optimizers' lists, whose tensors
-// are updated together), or any strided tensor, a view with gaps being
-// staged through a dense copy (the engine ops on one list); kStagedWrite
-// for the in-place ones, which refuse views whose elements share memory.
+// are updated together), or any strided tensor, a view with gaps being read
+// run by run or staged through a dense copy (the engine ops on one list);
+// kStagedWrite for the in-place ones, which refuse views whose elements
+// share memory.
 enum class Layout { kDense, kStagedRead, kStagedWrite };
 
 void check_tensor(const at::Tensor& t, const char* op, const std::string& name, std::size_t i,
@@ -283,7 +284,8 @@ bool contiguous_runs(c10::IntArrayRef sizes, c10::IntArrayRef strides, std::int6
 // list's) against `first` (the tensors at the same positions of the first
 // list, or null) and appends its view: one pass, checks and views together.
 // With `staged` (the engine ops on one list), a tensor that is not dense is
-// copied into a dense one, which its view points to, recorded in `staged`.
+// appended as a view per run where its runs are long, on CPU (*split set),
+// else copied into a dense one, which its view points to, recorded in `staged`.
 template <class At, class First>
 void check_and_append(At at, std::size_t n, First first, const char* op, const std::string& name,
                       const std::string& first_name, std::vector<TensorView>& out,

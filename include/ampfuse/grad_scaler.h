@@ -18,7 +18,8 @@
 // torch::optim::SGD) are unscaled through their values, fp16 ones coalesced
 // first (coalescing sums duplicates, which may overflow); fused optimizers
 // refuse them, as torch::optim::Adam does. Grads that are strided views with
-// gaps are checked and unscaled through dense copies written back.
+// gaps are checked and unscaled in place run by run (on CPU, where their runs
+// of adjacent elements are long), or through dense copies written back.
 
 #include <torch/arg.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>

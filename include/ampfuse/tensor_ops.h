@@ -6,8 +6,10 @@
 // (computed in fp64), all on one device (CPU, or one CUDA device). Dense ones (contiguous, or any
 // permutation of a contiguous layout, such as a transposed matrix or
 // channels-last) are read and written where they are; a view with gaps
-// (t.slice(1, 0, 5)) goes through a dense copy, written back after an
-// in-place op, as ATen's foreach ops accept it; an in-place op refuses a view
+// (t.slice(1, 0, 5)), as ATen's foreach ops accept it, is read and written
+// where it is on CPU when its runs of adjacent elements hold 128 elements or
+// more (one kernel tensor per run), else through a dense copy, written back
+// after an in-place op; an in-place op refuses a view
 // whose elements share memory (an expanded view), as ATen does. A ZeroTensor
 // is read as the zeros it stands for, and refused where it would be written
 // (as ATen refuses it). Anything
