@@ -9,8 +9,9 @@
 //                    place in one pass, one host read of found_inf
 //   pytorch_path     _amp_foreach_non_finite_check_and_unscale_, found_inf.item(),
 //                    [_foreach_norm, clip coefficient, _foreach_mul_], _amp_update_scale_
-// ScalerGaps: Scaler's classic path on grads that are column slices of wider
-// tensors (views with gaps between rows of 2048), which ATen unscales in place.
+// ScalerGaps: Scaler's classic path ("ours" there) on grads that are column
+// slices of wider tensors (views with gaps between rows of 2048), which ATen
+// unscales in place.
 // The scale is 1 (inv_scale 1) so repeated runs keep the values (no denormals).
 // Bytes counted: 4 per grad element, the read every contender must do.
 
@@ -92,11 +93,11 @@ void register_scaler(torch::Device device) {
                    4 * n);
     }
   }
-  // Grads with gaps: ours_classic against PyTorch's unscale, no clipping.
+  // Grads with gaps: the classic path against PyTorch's unscale, no clipping.
   const std::int64_t n = total_numel(gapped_set());
   const std::string tail = "/" + gapped_set().name + dev;
   auto grads = [device]() -> std::vector<torch::Tensor>& { return gapped_tensors(device, 0); };
-  register_one("ScalerGaps/ours_classic" + tail, device, [=] {
+  register_one("ScalerGaps/ours" + tail, device, [=] {  // (the classic path: its only ampfuse contender)
     return scaler_steps(std::make_shared<NoopOptimizer>(params_with_grads(grads())), device);
   }, 4 * n);
   register_one("ScalerGaps/pytorch_path" + tail, device, [=] { return pytorch_path(grads, fopts, false, 0.0); },
