@@ -1588,11 +1588,10 @@ class FusedOptimizer : public Base, public ScalerAware {
     return ref;
   }
 
-  // follow_param for every parameter with a state of this optimizer's type
-  // (one in no group, or of another type, is left to validation), each
-  // replaced field recorded in undo_.
-  void follow_params() {
-    state_fields_.clear();
+  // fn(g, i, p, state) for every parameter with a state of this optimizer's
+  // type (one in no group, or of another type, is left to validation).
+  template <class Fn>
+  void for_each_own_state(Fn&& fn) {
     const auto& groups = this->param_groups();
     for (std::size_t g = 0; g < groups.size(); ++g)
       for (std::size_t i = 0; i < groups[g].params().size(); ++i) {
@@ -1600,37 +1599,41 @@ class FusedOptimizer : public Base, public ScalerAware {
         if (!p.defined()) continue;
         const auto it = this->state().find(p.unsafeGetTensorImpl());
         if (it == this->state().end() || !it->second || typeid(*it->second) != typeid(State)) continue;
-        const auto refuse = [&] {
-          TORCH_CHECK(!stream_capturing(p.device()), name(), ": param group ", g, ", param ", i,
-                      ": its state must follow the parameter (converted to another dtype or layout since the last "
-                      "step) under CUDA graph capture; run one step outside the capture first");
-        };
-        follow_param(
-            p, static_cast<State&>(*it->second),
-            Follow(
-                p, refuse,
-                [&](at::Tensor& field, at::Tensor value) {
-                  undo_.push_back([&field, before = field]() mutable { field = std::move(before); });
-                  field = std::move(value);
-                },
-                [&](const at::Tensor& field) { state_fields_.push_back({g, i, &field}); }));
+        fn(g, i, p, static_cast<State&>(*it->second));
       }
+  }
+
+  // follow_param for every parameter with a state of this optimizer's type,
+  // each replaced field recorded in undo_.
+  void follow_params() {
+    state_fields_.clear();
+    for_each_own_state([&](std::size_t g, std::size_t i, const at::Tensor& p, State& state) {
+      const auto refuse = [&] {
+        TORCH_CHECK(!stream_capturing(p.device()), name(), ": param group ", g, ", param ", i,
+                    ": its state must follow the parameter (converted to another dtype or layout since the last "
+                    "step) under CUDA graph capture; run one step outside the capture first");
+      };
+      follow_param(p, state,
+                   Follow(
+                       p, refuse,
+                       [&](at::Tensor& field, at::Tensor value) {
+                         undo_.push_back([&field, before = field]() mutable { field = std::move(before); });
+                         field = std::move(value);
+                       },
+                       [&](const at::Tensor& field) { state_fields_.push_back({g, i, &field}); }));
+    });
   }
 
   // The state tensors follow_param names, of every parameter's state of
   // this optimizer's type (what a plan records of their memory).
   std::vector<const at::Tensor*> state_tensors() {
     std::vector<const at::Tensor*> tensors;
-    for (const auto& group : this->param_groups())
-      for (const at::Tensor& p : group.params()) {
-        if (!p.defined()) continue;
-        const auto it = this->state().find(p.unsafeGetTensorImpl());
-        if (it == this->state().end() || !it->second || typeid(*it->second) != typeid(State)) continue;
-        follow_param(p, static_cast<State&>(*it->second),
-                     Follow(
-                         p, [] {}, [](at::Tensor&, at::Tensor) {},
-                         [&](const at::Tensor& field) { tensors.push_back(&field); }));
-      }
+    for_each_own_state([&](std::size_t, std::size_t, const at::Tensor& p, State& state) {
+      follow_param(p, state,
+                   Follow(
+                       p, [] {}, [](at::Tensor&, at::Tensor) {},
+                       [&](const at::Tensor& field) { tensors.push_back(&field); }));
+    });
     return tensors;
   }
 
