@@ -416,6 +416,16 @@ LatticeVerdict compare_on_one_lattice(const std::vector<const at::Tensor*>& view
   return {LatticeVerdict::kDisjoint};
 }
 
+// The bytes tensor `impl` spans from its first element to its last, [begin,
+// end); {0, 0} without memory.
+std::pair<std::uintptr_t, std::uintptr_t> bytes_spanned(const c10::TensorImpl& impl, const void* data) {
+  if (data == nullptr || impl.numel() == 0) return {0, 0};
+  std::int64_t last = 0;  // (strides are not negative)
+  for (std::int64_t d = 0; d < impl.dim(); ++d) last += (impl.size(d) - 1) * impl.stride(d);
+  const auto begin = reinterpret_cast<std::uintptr_t>(data);
+  return {begin, begin + static_cast<std::uintptr_t>(last + 1) * impl.itemsize()};
+}
+
 }  // namespace
 
 // Extents sorted by address, O(n log n), and where
@@ -445,12 +455,8 @@ void find_shared_memory(const std::vector<const at::Tensor*>& tensors,
     const at::Tensor& p = *tensors[k];
     // (No memory to share: no element, no storage, or none allocated: meta.)
     if (!p.defined() || p.numel() == 0 || !p.has_storage() || p.const_data_ptr() == nullptr) continue;
-    std::int64_t last = 0;  // the offset of the last element, in elements (strides are not negative)
     bool expanded = false;
-    for (std::int64_t d = 0; d < p.dim(); ++d) {
-      last += (p.size(d) - 1) * p.stride(d);
-      expanded |= p.size(d) > 1 && p.stride(d) == 0;
-    }
+    for (std::int64_t d = 0; d < p.dim(); ++d) expanded |= p.size(d) > 1 && p.stride(d) == 0;
     if (expanded) {
       shared(k, k);
       std::vector<std::int64_t> sizes = p.sizes().vec();
@@ -459,8 +465,8 @@ void find_shared_memory(const std::vector<const at::Tensor*>& tensors,
       const at::NoGradGuard no_grad;  // (read for its addresses alone: no autograd view)
       collapsed.emplace_back(k, p.as_strided(sizes, p.strides()));
     }
-    const auto begin = reinterpret_cast<std::uintptr_t>(p.const_data_ptr());
-    extents.push_back({p.device(), begin, begin + static_cast<std::uintptr_t>(last + 1) * p.itemsize(), k});
+    const auto [begin, end] = bytes_spanned(*p.unsafeGetTensorImpl(), p.const_data_ptr());
+    extents.push_back({p.device(), begin, end, k});
   }
   // (kept_looked points into `collapsed`: read only while this call runs,
   // and written anew before any later call reads it.)
@@ -1099,16 +1105,6 @@ std::vector<const at::Tensor*> all_params(torch::optim::Optimizer& opt) {
 static_assert(std::is_same_v<decltype(PlanKeys::groups), GroupSpans>, "a plan keeps its groups as GroupSpans");
 
 namespace {
-
-// The bytes tensor `impl` spans from its first element to its last, [begin,
-// end); {0, 0} without memory.
-std::pair<std::uintptr_t, std::uintptr_t> bytes_spanned(const c10::TensorImpl& impl, const void* data) {
-  if (data == nullptr || impl.numel() == 0) return {0, 0};
-  std::int64_t last = 0;  // (strides are not negative)
-  for (std::int64_t d = 0; d < impl.dim(); ++d) last += (impl.size(d) - 1) * impl.stride(d);
-  const auto begin = reinterpret_cast<std::uintptr_t>(data);
-  return {begin, begin + static_cast<std::uintptr_t>(last + 1) * impl.itemsize()};
-}
 
 // Whether [begin, end) meets the bytes of a state tensor the plan recorded.
 bool meets_state(const PlanKeys& keys, std::pair<std::uintptr_t, std::uintptr_t> bytes) {
