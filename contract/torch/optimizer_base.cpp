@@ -316,22 +316,6 @@ at::Tensor element_addresses(const at::Tensor& t) {
   return at.reshape({-1});
 }
 
-// Whether a strided tensor's strides alone show that no two of its elements
-// share memory: ordered by stride, each stride passes the furthest offset the
-// smaller ones reach (so every slice, transpose and permutation passes).
-bool strides_never_overlap(const at::Tensor& t) {
-  std::vector<std::pair<std::int64_t, std::int64_t>> dims;  // (stride, size) with size > 1
-  for (std::int64_t d = 0; d < t.dim(); ++d)
-    if (t.size(d) > 1) dims.emplace_back(t.stride(d), t.size(d));
-  std::sort(dims.begin(), dims.end());
-  std::int64_t reach = 0;  // the furthest offset of the dims so far, in elements
-  for (const auto& [stride, size] : dims) {
-    if (stride <= reach) return false;
-    reach += (size - 1) * stride;
-  }
-  return true;
-}
-
 // Floor and ceiling of a / b for b > 0.
 std::int64_t floor_div(std::int64_t a, std::int64_t b) { return a >= 0 ? a / b : -((-a + b - 1) / b); }
 std::int64_t ceil_div(std::int64_t a, std::int64_t b) { return -floor_div(-a, b); }
@@ -361,7 +345,9 @@ LatticeVerdict compare_on_one_lattice(const std::vector<const at::Tensor*>& view
   const auto item = static_cast<std::int64_t>(views[0]->itemsize());
   std::vector<std::int64_t> strides;  // every stride of a dimension of more than one element, largest first
   for (const at::Tensor* t : views) {
-    if (static_cast<std::int64_t>(t->itemsize()) != item || !strides_never_overlap(*t)) return {};
+    if (static_cast<std::int64_t>(t->itemsize()) != item ||
+        !ampfuse::detail::strides_never_overlap(t->sizes(), t->strides()))
+      return {};
     for (std::int64_t d = 0; d < t->dim(); ++d)
       if (t->size(d) > 1) strides.push_back(t->stride(d));
   }
@@ -503,7 +489,9 @@ void find_shared_memory(const std::vector<const at::Tensor*>& tensors,
     }
     // A view alone in its extent: only whether it overlaps itself, which its
     // strides tell where they show no overlap.
-    if (views.size() == 1 && k - j == 1 && strides_never_overlap(tensor_at(j))) views.clear();
+    if (views.size() == 1 && k - j == 1 &&
+        ampfuse::detail::strides_never_overlap(tensor_at(j).sizes(), tensor_at(j).strides()))
+      views.clear();
     if (dense.empty() && views.size() > 1) {
       // Views on one lattice (the column blocks of one matrix): by their strides.
       std::vector<const at::Tensor*> lattice;

@@ -260,12 +260,7 @@ bool contiguous_runs(c10::IntArrayRef sizes, c10::IntArrayRef strides, std::int6
     --outer;
   }
   if (length < min_run || outer == 0) return false;
-  // Disjoint when each outer dimension steps past all that is inside it.
-  std::int64_t span = length;  // elements from the first to past the last of the inner dimensions
-  for (std::size_t k = outer; disjoint && k-- > 0;) {
-    if (strides[dims[k]] < span) return false;
-    span += (sizes[dims[k]] - 1) * strides[dims[k]];
-  }
+  if (disjoint && !detail::strides_never_overlap(sizes, strides)) return false;
   runs->length = length;
   runs->count = 1;
   runs->sizes.clear();
@@ -367,6 +362,19 @@ CheckedList make_views(const std::vector<const at::Tensor*>& tensors, const std:
                    [](std::size_t) -> const at::Tensor* { return nullptr; }, op, name, name, list.views.lists[0],
                    &list.staged, in_place, &list.split);
   return list;
+}
+
+bool strides_never_overlap(c10::IntArrayRef sizes, c10::IntArrayRef strides) {
+  std::vector<std::pair<std::int64_t, std::int64_t>> dims;  // (stride, size) with size > 1
+  for (std::size_t d = 0; d < sizes.size(); ++d)
+    if (sizes[d] > 1) dims.emplace_back(strides[d], sizes[d]);
+  std::sort(dims.begin(), dims.end());
+  std::int64_t reach = 0;  // the furthest offset of the dims so far, in elements
+  for (const auto& [stride, size] : dims) {
+    if (stride <= reach) return false;
+    reach += (size - 1) * stride;
+  }
+  return true;
 }
 
 bool copy_by_runs(const at::Tensor& dst, const at::Tensor& src) {

@@ -42,6 +42,12 @@ struct CheckedList {
 CheckedList make_views(const std::vector<const at::Tensor*>& tensors, const std::string& name, const char* op,
                        bool in_place);
 
+/// Whether a strided tensor's strides alone show that no two of its
+/// elements share memory: ordered by stride, each stride passes the furthest
+/// offset the smaller ones reach (so every slice, transpose and permutation
+/// passes; a dimension of stride 0 and more than one element fails).
+bool strides_never_overlap(c10::IntArrayRef sizes, c10::IntArrayRef strides);
+
 /// dst.copy_(src) on CPU, where one of them has gaps between long runs of
 /// adjacent elements that the other holds adjacent too (a column slice and a
 /// dense copy of it): a memcpy per run, on ATen's threads. Same sizes and
