@@ -1,8 +1,8 @@
 // FusedSGD (momentum 0.9) against torch::optim::SGD, ATen's _fused_sgd_ and
 // the traffic twin (read p, g, buf; write p, buf: 20 bytes per fp32 parameter).
 // SGDGaps: without momentum, on parameters that are column slices of wider
-// tensors (stepped through dense copies; torch::optim updates them in place):
-// 12 bytes per parameter counted, what an update in place moves.
+// tensors, which both update in place (FusedSGD run by run): 12 bytes per
+// parameter counted, what an update in place moves.
 
 #include <ampfuse/fused_sgd.h>
 #include <ampfuse/tensor_ops.h>

@@ -82,17 +82,26 @@ std::vector<std::pair<std::string, MakeOpt>> optimizers() {
   };
 }
 
-// How the last step of one of optimizers() found its plan (-1: not one of them).
-int plan_match(const torch::optim::Optimizer& opt) {
-  auto match = [&](auto* typed) { return typed ? static_cast<int>(typed->last_plan_match()) : -1; };
-  for (const int m : {match(dynamic_cast<const ampfuse::FusedAdam*>(&opt)),
-                      match(dynamic_cast<const ampfuse::FusedAdamW*>(&opt)),
-                      match(dynamic_cast<const ampfuse::FusedSGD*>(&opt)),
-                      match(dynamic_cast<const ampfuse::FusedLAMB*>(&opt)),
-                      match(dynamic_cast<const ampfuse::FusedAdagrad*>(&opt)),
-                      match(dynamic_cast<const ampfuse::FusedRMSprop*>(&opt))})
+// f(typed) of the one of optimizers() that opt is, as a long (-1: not one of them).
+template <class F>
+long of_fused(const torch::optim::Optimizer& opt, F&& f) {
+  auto as = [&](auto* typed) { return typed ? static_cast<long>(f(*typed)) : -1L; };
+  for (const long m : {as(dynamic_cast<const ampfuse::FusedAdam*>(&opt)), as(dynamic_cast<const ampfuse::FusedAdamW*>(&opt)),
+                       as(dynamic_cast<const ampfuse::FusedSGD*>(&opt)), as(dynamic_cast<const ampfuse::FusedLAMB*>(&opt)),
+                       as(dynamic_cast<const ampfuse::FusedAdagrad*>(&opt)),
+                       as(dynamic_cast<const ampfuse::FusedRMSprop*>(&opt))})
     if (m >= 0) return m;
   return -1;
+}
+
+// How the last step of one of optimizers() found its plan (-1: not one of them).
+int plan_match(const torch::optim::Optimizer& opt) {
+  return static_cast<int>(of_fused(opt, [](const auto& o) { return static_cast<int>(o.last_plan_match()); }));
+}
+
+// How many parameters one of optimizers()' plan steps through dense copies (-1: not one of them).
+long staged_of(const torch::optim::Optimizer& opt) {
+  return of_fused(opt, [](const auto& o) { return o.staged_params(); });
 }
 
 // Each step gives every parameter a grad in a random layout (sometimes the
@@ -225,6 +234,95 @@ TEST_P(GradLayoutTest, ParametersWithGapsStepAsDenseParameters) {
           ASSERT_TRUE(bitwise_equal(ours[i].detach(), twin[i].detach())) << "step " << step << ", param " << i;
           ASSERT_TRUE(gaps_untouched(bases[i], static_cast<int>(i % 3), twin[i].size(1)))
               << "a step wrote into the gaps of param " << i;
+        }
+      }
+    }
+  }
+}
+
+// Views with gaps between long runs (at least 128 adjacent elements) are
+// stepped where they lie, run by run, by the optimizers whose kernels walk
+// runs (all but LAMB: no dense copy), and through copies by LAMB: bit for bit as dense twins laid out as the views'
+// states are, the gaps (NaN) never written, one step counted per parameter,
+// across steps that reuse the plan or take new grads. The views: runs longer
+// than a chunk (65,537 elements: a last chunk of one element, whose place in
+// memory is not its dense index; 70,000), the shortest runs taken (128) in
+// three dimensions, a transposed slice (runs down its columns), beside a
+// dense parameter, a one-element one and a view of short runs (staged).
+TEST_P(GradLayoutTest, ViewsWithLongRunsAreSteppedWhereTheyLie) {
+  if (!device_.is_cpu()) GTEST_SKIP() << "runs are walked in place by the CPU kernels (CUDA stages views with gaps)";
+  auto extra = optimizers();
+  extra.push_back({"FusedSGD (plain)", [](std::vector<torch::Tensor> p) {
+                     return std::make_unique<ampfuse::FusedSGD>(p, torch::optim::SGDOptions(1e-2).weight_decay(0.1));
+                   }});
+  extra.push_back({"FusedAdam (master_weights)", [](std::vector<torch::Tensor> p) {
+                     return std::make_unique<ampfuse::FusedAdam>(p, torch::optim::AdamOptions(1e-2),
+                                                                 ampfuse::FusedAdamOptions().master_weights(true));
+                   }});
+  extra.push_back({"FusedRMSprop (momentum)", [](std::vector<torch::Tensor> p) {
+                     return std::make_unique<ampfuse::FusedRMSprop>(
+                         p, torch::optim::RMSpropOptions(1e-2).momentum(0.9).weight_decay(0.1));
+                   }});
+  const auto steps_of = [](torch::optim::Optimizer& opt, const torch::Tensor& p) -> std::int64_t {
+    const auto it = opt.state().find(p.unsafeGetTensorImpl());
+    if (it == opt.state().end()) return -1;
+    if (auto* s = dynamic_cast<ampfuse::FusedRMSpropParamState*>(it->second.get())) return s->step();
+    if (auto* s = dynamic_cast<ampfuse::FusedAdagradParamState*>(it->second.get())) return s->step();
+    return -2;  // counted elsewhere (or not at all)
+  };
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  for (const auto& [name, make] : extra) {
+    SCOPED_TRACE(name);
+    const bool in_place = name.find("LAMB") == std::string::npos;  // LAMB's norms are summed per tensor
+    for (const auto dtype : {torch::kFloat, torch::kDouble, torch::kBFloat16}) {
+      if (name.find("master") != std::string::npos && dtype != torch::kBFloat16) continue;  // (fp16/bf16 only)
+      SCOPED_TRACE(ampfuse_test::dtype_name(dtype));
+      const auto opts = torch::TensorOptions().device(device_).dtype(dtype);
+      std::vector<torch::Tensor> bases = {
+          torch::full({3, 65540}, nan, opts), torch::full({2, 70003}, nan, opts), torch::full({4, 5, 150}, nan, opts),
+          torch::full({10, 300}, nan, opts),  torch::randn({7, 9}, opts),         torch::randn({1}, opts),
+          torch::full({6, 40}, nan, opts)};
+      std::vector<torch::Tensor> ours = {
+          bases[0].slice(1, 0, 65537), bases[1].slice(1, 0, 70000),    bases[2].slice(2, 0, 128),
+          bases[3].slice(0, 0, 8).slice(1, 0, 260).t(), bases[4],        bases[5],
+          bases[6].slice(1, 0, 30)};  // runs of 30: staged
+      std::vector<torch::Tensor> twin;
+      for (auto& v : ours) {
+        {
+          torch::NoGradGuard no_grad;
+          v.copy_(torch::randn(v.sizes(), opts));
+        }
+        twin.push_back(at::empty_like(v).copy_(v).requires_grad_());  // dense, laid out as the view's state
+        v.requires_grad_();
+      }
+      const std::vector<bool> gapped = {true, true, true, true, false, false, true};
+      auto opt = make(ours);
+      auto twin_opt = make(twin);
+      for (int step = 0; step < 4; ++step) {
+        for (std::size_t i = 0; i < ours.size(); ++i) {
+          const auto values = torch::randn_like(twin[i]);
+          twin[i].mutable_grad() = values.clone();
+          if (step == 2) ours[i].mutable_grad().copy_(values);  // same grads: the plan is reused
+          else ours[i].mutable_grad() = at::empty_like(twin[i]).copy_(values);
+        }
+        opt->step();
+        twin_opt->step();
+        if (step == 2) ASSERT_EQ(plan_match(*opt), static_cast<int>(ampfuse::sdk::PlanMatch::kSame));
+        // In place: only the view of short runs is copied; otherwise all five views with gaps.
+        ASSERT_EQ(staged_of(*opt), in_place ? 1 : 5) << "step " << step;
+        for (std::size_t i = 0; i < ours.size(); ++i) {
+          ASSERT_TRUE(bitwise_equal(ours[i].detach(), twin[i].detach())) << "step " << step << ", param " << i;
+          ASSERT_EQ(steps_of(*opt, ours[i]), steps_of(*twin_opt, twin[i])) << "step " << step << ", param " << i;
+          if (!gapped[i]) continue;
+          torch::NoGradGuard no_grad;
+          auto probe = bases[i].clone();
+          const auto view = i == 0   ? probe.slice(1, 0, 65537)
+                            : i == 1 ? probe.slice(1, 0, 70000)
+                            : i == 2 ? probe.slice(2, 0, 128)
+                            : i == 3 ? probe.slice(0, 0, 8).slice(1, 0, 260)
+                                     : probe.slice(1, 0, 30);
+          view.fill_(nan);
+          ASSERT_TRUE(probe.isnan().all().item<bool>()) << "a step wrote into the gaps of param " << i;
         }
       }
     }

@@ -196,8 +196,14 @@ FlushSubnormals::~FlushSubnormals() {}
 #endif
 
 PlanRef plan_ref(const Plan& plan) {
-  return {plan.tensors().data(), plan.numels().data(), plan.chunk_offsets().data(),
-          static_cast<std::int64_t>(plan.tensors().size()), plan.chunk_size()};
+  const bool runs = !plan.begins().empty();
+  return {plan.tensors().data(),
+          plan.numels().data(),
+          plan.chunk_offsets().data(),
+          static_cast<std::int64_t>(plan.tensors().size()),
+          plan.chunk_size(),
+          runs ? plan.begins().data() : nullptr,
+          runs ? plan.places().data() : nullptr};
 }
 
 std::int64_t chunks_grain(const Plan& plan) { return chunks_grain(plan.num_chunks(), plan.total_elements()); }

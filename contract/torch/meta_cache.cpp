@@ -115,6 +115,8 @@ at::Tensor device_meta(const std::vector<std::int64_t>& words, c10::Device devic
 }
 
 void make_launch_meta(const TensorListsView& views, const Plan& plan, c10::Device device, sdk::ListMeta& out) {
+  // Runs are walked by the CPU executor only: a CUDA kernel's chunks begin at element 0 of each slot.
+  TORCH_INTERNAL_ASSERT(plan.begins().empty(), "make_launch_meta: a Plan of runs (CPU kernels only)");
   out.words = sdk::cuda::pack_meta(views, plan);
   sdk::cuda::LaunchMeta& m = out.launch;
   m.depth = views.depth();

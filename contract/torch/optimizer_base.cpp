@@ -544,7 +544,8 @@ void check_signals(const StepSignals& signals, const char* name) {
 
 std::vector<Entry> validate_params(torch::optim::Optimizer& opt, const char* name, const StepSignals* signals,
                                    const CheckState& check_state, bool float64, std::deque<StagedGrad>* staged,
-                                   std::vector<Entry>* sparse, std::deque<StagedParam>* staged_params) {
+                                   std::vector<Entry>* sparse, std::deque<StagedParam>* staged_params,
+                                   bool runs_in_place) {
   if (signals) check_signals(*signals, name);
   auto& groups = opt.param_groups();
   // Kept per thread between steps (no allocation); a plain reference for the
@@ -656,10 +657,13 @@ std::vector<Entry> validate_params(torch::optim::Optimizer& opt, const char* nam
   if (parts.size() == 1 && !any_staged.load()) return std::move(parts.front().second);
   std::vector<Entry> entries;
   entries.reserve(places.size());
+  std::vector<PlanRun> runs;
   for (const auto& part : parts)
     for (const Entry& e : part.second) {  // Entry holds references: not assignable
       const bool stage_grad = grad_needs_staging(e.param, e.grad);
-      const bool stage_param = param_needs_staging(e.param);
+      // A parameter with gaps between long runs, for kernels that walk it in place: not staged.
+      runs.clear();
+      const bool stage_param = param_needs_staging(e.param) && !(runs_in_place && runs_of_param(e.param, 0, &runs));
       if (!stage_grad && !stage_param) {
         entries.push_back(e);
         continue;
@@ -1152,6 +1156,31 @@ void copy_into_dense(const at::Tensor& dst, const at::Tensor& src) {
 }
 
 }  // namespace
+
+bool runs_of_param(const at::Tensor& p, std::int64_t tensor, std::vector<PlanRun>* runs) {
+  return ampfuse::detail::runs_of_param(p, tensor, runs);
+}
+
+std::shared_ptr<const Plan> list_plan(const std::vector<const Entry*>& entries, const std::vector<std::int64_t>& numels,
+                                      int param_list) {
+  TORCH_INTERNAL_ASSERT(entries.size() == numels.size(), "list_plan: ", entries.size(), " entries, ", numels.size(),
+                        " numels");
+  const auto gapped = [&](std::size_t i) { return numels[i] > 0 && !entries[i]->param.is_non_overlapping_and_dense(); };
+  std::size_t i = 0;
+  while (i < entries.size() && !gapped(i)) ++i;
+  if (i == entries.size()) return std::make_shared<const Plan>(numels, cpu::kChunkSize);
+  TORCH_INTERNAL_ASSERT(param_list == 0, "list_plan: a parameter with gaps is walked as the executor's list 0, not ",
+                        param_list);
+  std::vector<PlanRun> runs;
+  runs.reserve(entries.size());
+  for (i = 0; i < entries.size(); ++i) {
+    if (numels[i] == 0) continue;
+    TORCH_INTERNAL_ASSERT(numels[i] == entries[i]->param.numel() &&
+                              runs_of_param(entries[i]->param, static_cast<std::int64_t>(i), &runs),
+                          "list_plan: parameter ", i, " has gaps that no run covers (validate_params stages it)");
+  }
+  return std::make_shared<const Plan>(runs, cpu::kChunkSize);
+}
 
 void refresh_staged_grads(std::deque<StagedGrad>& staged) {
   for (StagedGrad& s : staged) copy_into_dense(s.buffer, s.param->grad());

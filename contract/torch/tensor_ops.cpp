@@ -377,6 +377,27 @@ bool strides_never_overlap(c10::IntArrayRef sizes, c10::IntArrayRef strides) {
   return true;
 }
 
+bool runs_of_param(const at::Tensor& p, std::int64_t tensor, std::vector<PlanRun>* out) {
+  if (p.is_neg()) return false;  // its memory holds the values negated: stepped through a copy
+  if (p.is_non_overlapping_and_dense()) {
+    out->push_back({tensor, 0, p.numel(), 0});
+    return true;
+  }
+  Runs runs;
+  if (!p.is_cpu() || p.layout() != c10::kStrided || p.numel() == 0 ||
+      !contiguous_runs(p.sizes(), p.strides(), kMinRunElements, /*disjoint=*/true, &runs))
+    return false;
+  // Run r holds dense elements [r * length, (r + 1) * length): the runs in
+  // memory order are the dense layout's order (strides sorted, as
+  // at::empty_like lays out the state and a staged grad).
+  std::int64_t begin = 0;
+  runs.for_each([&](std::int64_t offset) {
+    out->push_back({tensor, begin, runs.length, offset});
+    begin += runs.length;
+  });
+  return true;
+}
+
 bool copy_by_runs(const at::Tensor& dst, const at::Tensor& src) {
   if (!dst.is_cpu() || !src.is_cpu() || dst.sizes() != src.sizes() || dst.scalar_type() != src.scalar_type() ||
       dst.layout() != c10::kStrided || src.layout() != c10::kStrided || dst.is_neg() || src.is_neg() ||

@@ -48,6 +48,9 @@ CheckedList make_views(const std::vector<const at::Tensor*>& tensors, const std:
 /// passes; a dimension of stride 0 and more than one element fails).
 bool strides_never_overlap(c10::IntArrayRef sizes, c10::IntArrayRef strides);
 
+/// ampfuse::sdk::runs_of_param (ampfuse/sdk/optimizer.h).
+bool runs_of_param(const at::Tensor& p, std::int64_t tensor, std::vector<PlanRun>* runs);
+
 /// dst.copy_(src) on CPU, where one of them has gaps between long runs of
 /// adjacent elements that the other holds adjacent too (a column slice and a
 /// dense copy of it): a memcpy per run, on ATen's threads. Same sizes and

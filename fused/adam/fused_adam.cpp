@@ -555,7 +555,7 @@ sdk::Launch FusedAdamImpl<Base, Options, State, kDecoupled>::prepare_list(const 
         if (o.amsgrad()) list_ptrs(AdamList::kMaxExpAvgSq)[i] = sdk::writable_data(s.max_exp_avg_sq());
         if (master) list_ptrs(AdamList::kMaster)[i] = sdk::writable_data(s.master());
       });
-      kept->plan = std::make_shared<const Plan>(kept->numels, sdk::cpu::kChunkSize);
+      kept->plan = sdk::list_plan(list, kept->numels, list_index(AdamList::kParam));  // (runs of views with gaps)
       if (any_coded) kept->plan8 = std::make_shared<const Plan>(kept->numels8, sdk::cpu::kChunkSize);
     } else if (pl.grads_moved) {
       sdk::parallel_entries(n, [&](std::size_t i) {

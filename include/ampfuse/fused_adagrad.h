@@ -71,6 +71,7 @@ class FusedAdagrad
  protected:
   const char* name() const override { return "FusedAdagrad"; }
   bool takes_float64() const override { return true; }
+  bool updates_runs_in_place() const override { return true; }  // a column slice stepped where it lies
   /// The sum.
   void follow_param(const at::Tensor& param, FusedAdagradParamState& state, const sdk::Follow& follow) override;
   void check_state(const at::Tensor& param, const FusedAdagradParamState& state, std::size_t group,

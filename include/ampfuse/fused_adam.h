@@ -166,6 +166,9 @@ class FusedAdamImpl : public sdk::FusedOptimizer<Base, Options, State>, public s
  protected:
   const char* name() const override;
   bool takes_float64() const override { return true; }
+  /// A column slice stepped where it lies, but with moments_8bit (whose
+  /// blocks of 256 follow a dense tensor's elements; such views are staged).
+  bool updates_runs_in_place() const override { return !fused_.moments_8bit(); }
   void check_state(const at::Tensor& param, const State& state, std::size_t group, std::size_t index) const override;
   /// check_state, and 8-bit absmax values that are finite.
   void check_loaded_state(const at::Tensor& param, const State& state, std::size_t group,

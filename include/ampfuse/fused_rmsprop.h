@@ -65,6 +65,7 @@ class FusedRMSprop
  protected:
   const char* name() const override { return "FusedRMSprop"; }
   bool takes_float64() const override { return true; }
+  bool updates_runs_in_place() const override { return true; }  // a column slice stepped where it lies
   /// square_avg, momentum_buffer and grad_avg.
   void follow_param(const at::Tensor& param, FusedRMSpropParamState& state, const sdk::Follow& follow) override;
   void check_state(const at::Tensor& param, const FusedRMSpropParamState& state, std::size_t group,

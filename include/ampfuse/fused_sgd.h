@@ -68,6 +68,7 @@ class FusedSGD : public sdk::FusedOptimizer<torch::optim::SGD, torch::optim::SGD
  protected:
   const char* name() const override { return "FusedSGD"; }
   bool takes_float64() const override { return true; }
+  bool updates_runs_in_place() const override { return true; }  // a column slice stepped where it lies
   /// The momentum buffer (a sparse one, kept by sparse grads, stays sparse).
   void follow_param(const at::Tensor& param, FusedSGDParamState& state, const sdk::Follow& follow) override;
   void check_state(const at::Tensor& param, const FusedSGDParamState& state, std::size_t group,

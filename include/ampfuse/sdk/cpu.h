@@ -23,6 +23,11 @@ struct PlanRef {
   const std::int64_t* chunk_offsets;  ///< first chunk of each slot, num_slots + 1 entries
   std::int64_t num_slots;
   std::int64_t chunk_size;
+  /// A plan of runs (Plan::begins, Plan::places): each slot's first element
+  /// in its tensor's dense order, and where it lies in the parameter's
+  /// memory (list 0 of the executor); both null in a plan of whole tensors.
+  const std::int64_t* slot_begin = nullptr;
+  const std::int64_t* slot_place = nullptr;
 };
 
 /// The view of `plan` a kernel takes; valid while `plan` lives.

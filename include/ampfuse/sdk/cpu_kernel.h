@@ -323,9 +323,12 @@ constexpr std::size_t size_of(ScalarType st) { return element_size(st); }
 // The largest storage element (fp64): a tail block holds kWidth of them.
 constexpr std::size_t kMaxElementSize = 8;
 
-/// One chunk of a plan: elements [begin, begin + n) of tensor `tensor`.
+/// One chunk of a plan: elements [begin, begin + n) of tensor `tensor`, in
+/// its dense order; in a plan of runs (ampfuse::Plan's constructor of runs)
+/// the first of them lies `place` elements into the memory of list 0 (a
+/// parameter with gaps, walked where it is), elsewhere place is begin.
 struct ChunkRef {
-  std::int64_t chunk, tensor, begin, n;
+  std::int64_t chunk, tensor, begin, n, place;
 };
 
 // How far ahead, in elements, for_each_block_lists prefetches each list:
@@ -344,6 +347,13 @@ constexpr std::int64_t kReadPrefetchElements = 2 * kPrefetchElements;
 // kPrefetchElements (ChunkLookahead).
 constexpr std::int64_t kChunksAhead = 8;
 
+// Whether slot s of `plan` is a whole tensor of one element (begin and place
+// 0): the one-element walks below read such slots off the plan without a
+// cursor. (A plan of runs may hold a run of one element elsewhere in a tensor.)
+[[gnu::always_inline]] inline bool whole_one_element(const PlanRef& plan, std::int64_t s) {
+  return plan.slot_numel[s] == 1 && (plan.slot_begin == nullptr || (plan.slot_begin[s] == 0 && plan.slot_place[s] == 0));
+}
+
 // Finds chunks of a plan in increasing order: at(c) for c at or past the
 // chunk asked before (and past `first`) walks the slots forward from there.
 class ChunkCursor {
@@ -358,9 +368,11 @@ class ChunkCursor {
   }
   ChunkRef at(std::int64_t c) {
     while (plan_.chunk_offsets[slot_ + 1] <= c) ++slot_;
-    const std::int64_t begin = (c - plan_.chunk_offsets[slot_]) * plan_.chunk_size;
-    const std::int64_t rest = plan_.slot_numel[slot_] - begin;
-    return ChunkRef{c, plan_.slot_tensor[slot_], begin, rest < plan_.chunk_size ? rest : plan_.chunk_size};
+    const std::int64_t into = (c - plan_.chunk_offsets[slot_]) * plan_.chunk_size;  // elements into the slot
+    const std::int64_t rest = plan_.slot_numel[slot_] - into;
+    const std::int64_t n = rest < plan_.chunk_size ? rest : plan_.chunk_size;
+    if (plan_.slot_begin == nullptr) return ChunkRef{c, plan_.slot_tensor[slot_], into, n, into};
+    return ChunkRef{c, plan_.slot_tensor[slot_], plan_.slot_begin[slot_] + into, n, plan_.slot_place[slot_] + into};
   }
   /// The slot of the chunk asked last.
   std::int64_t slot() const { return slot_; }
@@ -371,6 +383,9 @@ class ChunkCursor {
 };
 
 // Calls f(chunk, tensor, begin, size) for chunks [chunk_begin, chunk_end).
+// Dense lists only: in a plan of runs a parameter with gaps lies at each
+// chunk's place, which this leaves out (the executor, for_each_chunk_block,
+// and ChunkCursor's ChunkRef carry it).
 template <class F>
 inline void for_each_chunk(const PlanRef& plan, std::int64_t chunk_begin, std::int64_t chunk_end, F&& f) {
   if (chunk_begin >= chunk_end) return;
@@ -409,13 +424,15 @@ class ChunkLookahead {
 // prefetcher follows from one to the next).
 template <class F>
 inline void for_each_chunk_with_next(const PlanRef& plan, std::int64_t chunk_begin, std::int64_t chunk_end, F&& f) {
-  ChunkRef pending{-1, 0, 0, 0};
-  for_each_chunk(plan, chunk_begin, chunk_end, [&](std::int64_t c, std::int64_t t, std::int64_t begin, std::int64_t n) {
-    const ChunkRef current{c, t, begin, n};
-    if (pending.chunk >= 0) f(pending, &current);
+  if (chunk_begin >= chunk_end) return;
+  ChunkCursor cursor(plan, chunk_begin);
+  ChunkRef pending = cursor.at(chunk_begin);
+  for (std::int64_t c = chunk_begin + 1; c < chunk_end; ++c) {
+    const ChunkRef current = cursor.at(c);
+    f(pending, &current);
     pending = current;
-  });
-  if (pending.chunk >= 0) f(pending, static_cast<const ChunkRef*>(nullptr));
+  }
+  f(pending, static_cast<const ChunkRef*>(nullptr));
 }
 
 // Calls f(ch, next, far) for chunks [chunk_begin, chunk_end) in order: next
@@ -433,19 +450,20 @@ inline void for_each_chunk_ahead(const PlanRef& plan, std::int64_t chunk_begin, 
   for (;;) {
     const std::int64_t c = ch.chunk;
     ChunkRef next{};
-    if (ch.n == 1 && ch.begin == 0) {  // a one-element tensor: the run starts here
+    // A one-element tensor: the run starts here.
+    if (ch.n == 1 && whole_one_element(plan, cursor.slot())) {
       const std::int64_t s = cursor.slot();
       std::int64_t run = 1;  // chunk c + k is slot s + k for k < run
-      while (c + run < chunk_end && plan.slot_numel[s + run] == 1) ++run;
+      while (c + run < chunk_end && whole_one_element(plan, s + run)) ++run;
       for (std::int64_t k = 0; k < run; ++k) {
-        const ChunkRef one{c + k, plan.slot_tensor[s + k], 0, 1};
+        const ChunkRef one{c + k, plan.slot_tensor[s + k], 0, 1, 0};
         const bool last = k + 1 == run;
-        if (!last) next = ChunkRef{c + k + 1, plan.slot_tensor[s + k + 1], 0, 1};
+        if (!last) next = ChunkRef{c + k + 1, plan.slot_tensor[s + k + 1], 0, 1, 0};
         else if (c + run < chunk_end) next = cursor.at(c + run);
         ChunkRef far_in_run;
         const ChunkRef* far = nullptr;
         if (k + kChunksAhead < run) {
-          far_in_run = ChunkRef{c + k + kChunksAhead, plan.slot_tensor[s + k + kChunksAhead], 0, 1};
+          far_in_run = ChunkRef{c + k + kChunksAhead, plan.slot_tensor[s + k + kChunksAhead], 0, 1, 0};
           far = &far_in_run;
         } else {
           far = lookahead.far(one);
@@ -478,10 +496,10 @@ inline void for_each_chunk_or_run(const PlanRef& plan, std::int64_t chunk_begin,
   for (;;) {
     const std::int64_t c = ch.chunk;
     std::int64_t after = c + 1;
-    if (ch.n == 1 && ch.begin == 0) {
+    if (ch.n == 1 && whole_one_element(plan, cursor.slot())) {
       const std::int64_t s = cursor.slot();
       std::int64_t count = 1;
-      while (c + count < chunk_end && plan.slot_numel[s + count] == 1) ++count;
+      while (c + count < chunk_end && whole_one_element(plan, s + count)) ++count;
       run(c, plan.slot_tensor + s, count);
       after = c + count;
       if (after >= chunk_end) return;
@@ -911,12 +929,12 @@ inline void for_each_block_lists(char* const (&base)[Depth], char* const* next, 
 }
 
 // for_each_block_lists over a chunk of one element (n == 1, kOneElementTails)
-// of tensor t at element `begin`: one block through zero-padded copies made by
-// load_one, the written lists stored back by store_one.
+// of tensor t at element `begin` (list 0 at `place`): one block through
+// zero-padded copies made by load_one, the written lists stored back by store_one.
 template <int Depth, unsigned kUsed, unsigned kWritten, class BlockFn>
 [[gnu::always_inline]] inline void for_one_element_lists(void* const* const (&lists)[Depth], std::int64_t t,
-                                                         std::int64_t begin, const std::size_t (&elem_size)[Depth],
-                                                         BlockFn&& block_fn) {
+                                                         std::int64_t begin, std::int64_t place,
+                                                         const std::size_t (&elem_size)[Depth], BlockFn&& block_fn) {
   constexpr std::size_t kBlockBytes = kWidth * kMaxElementSize;
   alignas(64) unsigned char tail[Depth][kBlockBytes];
   char* at[Depth] = {};
@@ -925,7 +943,7 @@ template <int Depth, unsigned kUsed, unsigned kWritten, class BlockFn>
   for (int l = 0; l < Depth; ++l) {
     if (((kUsed >> l) & 1u) == 0) continue;
     assert(elem_size[l] <= kMaxElementSize && "an element is at most 8 bytes");
-    at[l] = static_cast<char*>(lists[l][t]) + begin * static_cast<std::int64_t>(elem_size[l]);
+    at[l] = static_cast<char*>(lists[l][t]) + (l == 0 ? place : begin) * static_cast<std::int64_t>(elem_size[l]);
     load_one<kBlockBytes>(tail[l], at[l], elem_size[l]);
     blocks[l] = tail[l];
   }
@@ -1021,6 +1039,15 @@ inline float horizontal_sum(VecF v) {
   return s;
 }
 
+// The first element of chunk ch in list l: list 0 (the parameter) at the
+// chunk's place, the others at its begin (the same but in a plan of runs).
+template <int Depth>
+[[gnu::always_inline]] inline char* element_of(void* const* const (&lists)[Depth], int l, const ChunkRef& ch,
+                                               const std::size_t (&elem_size)[Depth]) {
+  return static_cast<char*>(lists[l][ch.tensor]) +
+         (l == 0 ? ch.place : ch.begin) * static_cast<std::int64_t>(elem_size[l]);
+}
+
 /// The executor: for every chunk in [chunk_begin, chunk_end) of `plan`, runs
 /// block_fn(tensor, blocks) over the chunk's elements kWidth at a
 /// time, blocks[l] pointing at the storage of list l (lists[l][tensor],
@@ -1030,6 +1057,10 @@ inline float horizontal_sum(VecF v) {
 /// zero-padded tail block (grads are never written, not even with their own
 /// bytes). chunk_fn(tensor, chunk) runs after each chunk's last block, for
 /// per-chunk results such as partial sums.
+/// List 0 is the parameter: in a plan of runs (a parameter with gaps, taken
+/// in place by KeptLists::gather for an optimizer whose
+/// updates_runs_in_place() is true) it is walked run by run where it lies,
+/// the other lists densely; block_fn sees the same blocks either way.
 template <int Depth, unsigned kUsed, unsigned kWritten, class BlockFn, class ChunkFn>
 inline void for_each_chunk_block(const PlanRef& plan, std::int64_t chunk_begin, std::int64_t chunk_end,
                                  void* const* const (&lists)[Depth], const std::size_t (&elem_size)[Depth],
@@ -1037,17 +1068,17 @@ inline void for_each_chunk_block(const PlanRef& plan, std::int64_t chunk_begin, 
   const auto bases = [&](const ChunkRef& ch, char* (&base)[Depth]) {
     #pragma GCC unroll 16  // a list left out of kUsed then costs nothing
     for (int l = 0; l < Depth; ++l)
-      base[l] = ((kUsed >> l) & 1u) != 0 ? static_cast<char*>(lists[l][ch.tensor]) + ch.begin * elem_size[l] : nullptr;
+      base[l] = ((kUsed >> l) & 1u) != 0 ? element_of(lists, l, ch, elem_size) : nullptr;
   };
   for_each_chunk_ahead(plan, chunk_begin, chunk_end, [&](const ChunkRef& ch, const ChunkRef* next, const ChunkRef* far) {
     if (far != nullptr) {
       #pragma GCC unroll 16  // a list left out of kUsed then costs nothing
       for (int l = 0; l < Depth; ++l)
         if (((kUsed >> l) & 1u) != 0)
-          __builtin_prefetch(static_cast<char*>(lists[l][far->tensor]) + far->begin * elem_size[l]);
+          __builtin_prefetch(element_of(lists, l, *far, elem_size));
     }
     if (kOneElementTails && ch.n == 1) {
-      for_one_element_lists<Depth, kUsed, kWritten>(lists, ch.tensor, ch.begin, elem_size,
+      for_one_element_lists<Depth, kUsed, kWritten>(lists, ch.tensor, ch.begin, ch.place, elem_size,
                                                     [&](void* const (&blocks)[Depth]) { block_fn(ch.tensor, blocks); });
     } else {
       char* base[Depth];

@@ -103,7 +103,10 @@ namespace ampfuse::sdk {
 /// param is that copy (what the kernels read and write, laid out as
 /// at::empty_like lays out the parameter, as the state is), and `owner` the
 /// optimizer's parameter, by which the state is keyed and whose version a
-/// master copy follows; the copy is written back after the step.
+/// master copy follows; the copy is written back after the step. Except,
+/// for an optimizer whose updates_runs_in_place() is true, a CPU view with
+/// gaps between long runs: param is then the view itself (owner null),
+/// which its kernels walk through a plan of runs (list_plan).
 struct Entry {
   std::size_t group;
   std::size_t index;
@@ -184,10 +187,29 @@ std::vector<std::int64_t> kernel_strides(const at::Tensor& p);
 /// With `staged_params` (not null), a parameter with gaps is accepted: a
 /// StagedParam is appended for it and its Entry's param is the buffer
 /// (Entry::owner the parameter). Without, it is refused.
+/// With `runs_in_place` too, a parameter with gaps on CPU whose runs are
+/// long (runs_of_param) is not staged: its Entry's param is the parameter,
+/// for kernels that walk it in place (FusedOptimizer::updates_runs_in_place).
 std::vector<Entry> validate_params(torch::optim::Optimizer& opt, const char* name, const StepSignals* signals,
                                    const CheckState& check_state, bool float64 = false,
                                    std::deque<StagedGrad>* staged = nullptr, std::vector<Entry>* sparse = nullptr,
-                                   std::deque<StagedParam>* staged_params = nullptr);
+                                   std::deque<StagedParam>* staged_params = nullptr, bool runs_in_place = false);
+
+/// Appends the runs of parameter `p` (tensor `tensor` of a list) to *runs,
+/// for a Plan of runs: one run for a dense parameter; for one with gaps on
+/// CPU, one per run of at least 128 adjacent elements, in memory order,
+/// where its elements are disjoint and its sign bit clear. False, appending
+/// nothing, where p has gaps and no such runs (it is then staged).
+bool runs_of_param(const at::Tensor& p, std::int64_t tensor, std::vector<PlanRun>* runs);
+
+/// The chunk plan (cpu::kChunkSize) of a list's CPU kernels over numels[i]
+/// elements of entries[i]'s parameter (0 leaves it out: a tensor another
+/// kernel steps): a plan of whole tensors; where a parameter has gaps (taken
+/// in place: FusedOptimizer::updates_runs_in_place), a plan of runs
+/// (runs_of_param), whose kernels must walk the parameters as the executor's
+/// list 0 (`param_list`, their index there, is checked to be 0).
+std::shared_ptr<const Plan> list_plan(const std::vector<const Entry*>& entries, const std::vector<std::int64_t>& numels,
+                                      int param_list);
 
 /// Copies every staged grad's current values into its buffer (one copy per
 /// such grad; grads laid out as their parameters cost nothing).
@@ -788,7 +810,7 @@ void parallel_chunks(const Plan& plan, F&& fn, Done&& done, const std::vector<st
     fn(b, e);
     for (auto k = static_cast<std::size_t>(std::lower_bound(first.begin(), first.end() - 1, b) - first.begin());
          k < tensors.size() && first[k] < e; ++k)
-      done(static_cast<std::size_t>(tensors[k]));
+      if (plan.first_of_tensor(k)) done(static_cast<std::size_t>(tensors[k]));  // (a plan of runs: once per tensor)
   });
   for (const std::size_t t : empty) done(t);
 }
@@ -959,7 +981,9 @@ struct KeptLists {
   /// on ATen's threads (parallel_entries): tensor i's parameter into list
   /// `param`, its grad into list `grad`, and each state tensor t that
   /// state_tensors(i, put) puts into list l (a list other than those two)
-  /// by put(l, t); then plans the numels (cpu::kChunkSize chunks).
+  /// by put(l, t); then plans the numels (cpu::kChunkSize chunks), or where
+  /// a parameter has gaps (taken in place: updates_runs_in_place) the runs
+  /// of every parameter (runs_of_param; the kernel's list 0 must be `param`).
   /// state_tensors runs on several threads at once: it must only read (the
   /// states are made before, on the calling thread).
   template <class StateTensors>
@@ -989,7 +1013,7 @@ struct KeptLists {
     empty.clear();
     for (std::size_t i = 0; i < n; ++i)
       if (numels[i] == 0) empty.push_back(i);
-    plan = std::make_shared<const Plan>(numels, cpu::kChunkSize);
+    plan = list_plan(entries, numels, param);
   }
 
   /// For a step that reuses what was kept: the grads' pointers read again
@@ -1203,6 +1227,10 @@ class FusedOptimizer : public Base, public ScalerAware {
   /// How the last step found its step plan (see "Step plans" above):
   /// kChanged when it validated and prepared from scratch.
   PlanMatch last_plan_match() const { return last_match_; }
+  /// How many parameters the step plan steps through dense copies written
+  /// back (views with gaps; see updates_runs_in_place): each costs about
+  /// four passes over its elements more than a dense one.
+  std::size_t staged_params() const { return staged_params_.size(); }
 
   /// LibTorch's optimizer format, each state written by State::serialize;
   /// a parameter whose state has_saved_state() refuses is left out.
@@ -1306,6 +1334,18 @@ class FusedOptimizer : public Base, public ScalerAware {
   /// refused. Sparse grads are refused under signals: GradScaler::step
   /// steps an optimizer that has any on the classic path.
   virtual bool takes_sparse_grads() const { return false; }
+  /// True when the optimizer's CPU kernels update a parameter with gaps (a
+  /// column slice of a wider tensor) where it lies, run by run: its lists
+  /// are gathered by KeptLists::gather, its kernels walk them with the SDK's
+  /// executor (for_each_chunk_block, the parameter list 0) and read what is
+  /// per tensor by tensor index, and its per-tensor `done` runs through
+  /// parallel_chunks. Such a parameter whose runs of adjacent elements are
+  /// long (at least 128 elements) then costs what a dense one costs; others,
+  /// and every one on CUDA, are stepped through a dense copy written back.
+  /// Otherwise (the default) every parameter with gaps takes the copy. A
+  /// subclass whose kernels address chunks otherwise (for_each_chunk, a
+  /// ChunkRef's begin for the parameter) must return false.
+  virtual bool updates_runs_in_place() const { return false; }
   /// Prepares the step of one parameter whose grad is sparse (only when
   /// takes_sparse_grads()): validates, makes state with state_for(), and
   /// returns what steps it, as prepare_list() does for a list.
@@ -1686,7 +1726,8 @@ class FusedOptimizer : public Base, public ScalerAware {
               check_state(p, *st, g, i);
               return st;
             },
-            takes_float64(), &staged_grads_, takes_sparse_grads() ? &plan_sparse_ : nullptr, &staged_params_);
+            takes_float64(), &staged_grads_, takes_sparse_grads() ? &plan_sparse_ : nullptr, &staged_params_,
+            updates_runs_in_place());
         check_state_memory(*this, state_fields_, name());
         check_entries(plan_entries_);
         plan_entry_ptrs_.clear();
