@@ -953,6 +953,33 @@ TEST_P(StateModelTest, AKeptPlanTakesOnlyWhatValidationTakes) {
     state.step(3);
     opt.step();
   }
+  if (device_.is_cpu()) {
+    // FusedLAMB keeps its count in a tensor, which a step reads on CPU: a
+    // count set from outside (negative, a fraction, NaN) is refused there,
+    // by the kept plan and by validation, as load() refuses it, naming it;
+    // nothing is written. (On CUDA load() checks it; a step does not read it.)
+    for (const double bad : {-3.0, 2.5, std::numeric_limits<double>::quiet_NaN()}) {
+      SCOPED_TRACE("FusedLAMB, a step count of " + std::to_string(bad));
+      auto p = param({50}, torch::kFloat), q = param({3}, torch::kFloat);
+      ampfuse::FusedLAMB opt({p, q}, ampfuse::FusedLAMBOptions(0.1));
+      for (int step = 0; step < 3; ++step) {
+        fill_grads(opt);
+        opt.step();
+      }
+      auto& state = static_cast<ampfuse::FusedLAMBParamState&>(*opt.state().at(q.unsafeGetTensorImpl()));
+      state.step().fill_(bad);
+      const auto before = clones({p, q});
+      for (int attempt = 0; attempt < 2; ++attempt)  // by the kept plan, then by validation
+        expect_step_refused(opt, "FusedLAMB: param group 0, param 1: state step is ");
+      EXPECT_TRUE(same_snapshots(before, clones({p, q})));
+      EXPECT_TRUE(std::isnan(bad) ? std::isnan(state.step().item<double>()) : state.step().item<double>() == bad);
+      EXPECT_EQ(static_cast<ampfuse::FusedLAMBParamState&>(*opt.state().at(p.unsafeGetTensorImpl())).step().item<double>(),
+                3.0);
+      state.step().fill_(3.0);
+      opt.step();
+      EXPECT_EQ(state.step().item<double>(), 4.0);
+    }
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(All, StateModelTest, ::testing::Values("cpu", "cuda"),

@@ -13,6 +13,7 @@
 #include <torch/optim/serialize.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <map>
 #include <memory>
@@ -97,6 +98,14 @@ struct FusedLambWorkspace {
 
 namespace {
 
+// A count of steps: a whole number from 0 to 2^53 (NaN, a negative, a
+// fraction or an infinite count made every parameter NaN at the next step).
+bool is_step_count(double step) { return step >= 0 && step <= 9007199254740992.0 && step == std::floor(step); }
+void check_step_count(double step, const char* name, std::size_t g, std::size_t i) {
+  TORCH_CHECK(is_step_count(step), name, ": param group ", g, ", param ", i, ": state step is ", step,
+              "; it counts steps: a whole number from 0 to 2^53");
+}
+
 fused::LambHyper make_hyper(const FusedLAMBOptions& o) {
   fused::LambHyper h;
   h.lr = o.lr();
@@ -164,12 +173,8 @@ void FusedLAMB::check_state(const at::Tensor& p, const FusedLAMBParamState& st, 
 void FusedLAMB::check_loaded_state(const at::Tensor& p, const FusedLAMBParamState& st, std::size_t g,
                                    std::size_t i) const {
   check_state(p, st, g, i);
-  // A count of steps: a whole number from 0 (NaN, a negative or an infinite
-  // count made every parameter NaN at the next step). Read at load only: on
-  // CUDA the read waits for the device.
-  const double step = st.step().item<double>();
-  TORCH_CHECK(step >= 0 && step <= 9007199254740992.0 && step == std::floor(step), name(), ": param group ", g,
-              ", param ", i, ": state step is ", step, "; it counts steps: a whole number from 0 to 2^53");
+  // Read here on CUDA too (the read waits for the device); on CPU every step reads it (prepare_list).
+  check_step_count(st.step().item<double>(), name(), g, i);
 }
 
 void FusedLAMB::check_entries(const std::vector<sdk::Entry>& entries) const {
@@ -360,7 +365,16 @@ sdk::Launch FusedLAMB::prepare_list(const sdk::ParamList& pl) {
     }
     std::vector<double>& steps = kept->steps;
     steps.resize(n);
-    sdk::parallel_entries(n, [&](std::size_t i) { steps[i] = *states[i]->step().const_data_ptr<double>() + 1.0; });
+    std::atomic<bool> bad_count{false};
+    sdk::parallel_entries(n, [&](std::size_t i) {
+      const double step = *states[i]->step().const_data_ptr<double>();
+      if (!is_step_count(step)) bad_count.store(true, std::memory_order_relaxed);
+      steps[i] = step + 1.0;
+    });
+    // A count set from outside since load() (which checks it) is refused as load() refuses it, before any write.
+    if (bad_count.load())
+      for (std::size_t i = 0; i < n; ++i)
+        check_step_count(*states[i]->step().const_data_ptr<double>(), name(), list[i]->group, list[i]->index);
     sdk::per_tensor(steps, kept->scalars, [&](double step) { return fused::lamb_step_scalars<double>(hyper, step); });
     const double grad_factor = sdk::cpu_grad_factor(pl.signal);
     const bool f64 = st == ScalarType::Float64;

@@ -71,7 +71,9 @@ struct FusedLAMBOptions : public torch::optim::OptimizerCloneableOptions<FusedLA
 struct FusedLAMBParamState : public torch::optim::OptimizerCloneableParamState<FusedLAMBParamState>,
                              public sdk::PooledState {
   /// Steps applied: an fp64 tensor of one element on the parameter's device
-  /// (advanced by the kernel on CUDA, so a skipped step is decided there).
+  /// (advanced by the kernel on CUDA, so a skipped step is decided there); a
+  /// whole number from 0 to 2^53, checked by load() and, on CPU, by every
+  /// step (a step refuses a count set otherwise from outside, naming it).
   TORCH_ARG(torch::Tensor, step);
   TORCH_ARG(torch::Tensor, exp_avg);
   TORCH_ARG(torch::Tensor, exp_avg_sq);
