@@ -343,6 +343,10 @@ constexpr std::int64_t kPrefetchElements = 256;
 // 2 KiB ahead it reads as fast as a plain read of the same bytes.
 constexpr std::int64_t kReadPrefetchElements = 2 * kPrefetchElements;
 
+// In a plan of runs, how much of the next run of list 0 the executor
+// prefetches when it starts a run (see for_each_chunk_block).
+constexpr std::int64_t kRunLeadBytes = 1024;
+
 // How far ahead, in chunks, kernels prefetch chunks smaller than
 // kPrefetchElements (ChunkLookahead).
 constexpr std::int64_t kChunksAhead = 8;
@@ -1085,6 +1089,15 @@ inline void for_each_chunk_block(const PlanRef& plan, std::int64_t chunk_begin, 
       char* next_base[Depth] = {};
       bases(ch, base);
       if (next != nullptr && ch.n >= kWidth) bases(*next, next_base);  // read by the block loop only
+      if (plan.slot_begin != nullptr && next != nullptr && ((kUsed & 1u) != 0)) {
+        // A plan of runs: the next run of list 0 lies elsewhere, where no
+        // hardware prefetcher follows; its first lines are asked for now, a
+        // whole run ahead (the block loop's prefetch reaches them only
+        // kPrefetchElements before they are read, less than a miss takes).
+        const char* const first = element_of(lists, 0, *next, elem_size);
+        const std::int64_t bytes = next->n * static_cast<std::int64_t>(elem_size[0]);
+        for (std::int64_t b = 0; b < bytes && b < kRunLeadBytes; b += 64) __builtin_prefetch(first + b);
+      }
       for_each_block_lists<Depth, kUsed, kWritten>(base, next_base, next ? next->n : 0, elem_size, ch.n,
                                                    [&](void* const (&blocks)[Depth]) { block_fn(ch.tensor, blocks); });
     }
