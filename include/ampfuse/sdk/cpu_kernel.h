@@ -932,12 +932,20 @@ inline void for_each_block_lists(char* const (&base)[Depth], char* const* next, 
   }
 }
 
-// for_each_block_lists over a chunk of one element (n == 1, kOneElementTails)
-// of tensor t at element `begin` (list 0 at `place`): one block through
-// zero-padded copies made by load_one, the written lists stored back by store_one.
+// The first element of chunk ch in list l: list 0 (the parameter) at the
+// chunk's place, the others at its begin (the same but in a plan of runs).
+template <int Depth>
+[[gnu::always_inline]] inline char* element_of(void* const* const (&lists)[Depth], int l, const ChunkRef& ch,
+                                               const std::size_t (&elem_size)[Depth]) {
+  return static_cast<char*>(lists[l][ch.tensor]) +
+         (l == 0 ? ch.place : ch.begin) * static_cast<std::int64_t>(elem_size[l]);
+}
+
+// for_each_block_lists over chunk ch of one element (n == 1,
+// kOneElementTails): one block through zero-padded copies made by load_one,
+// the written lists stored back by store_one.
 template <int Depth, unsigned kUsed, unsigned kWritten, class BlockFn>
-[[gnu::always_inline]] inline void for_one_element_lists(void* const* const (&lists)[Depth], std::int64_t t,
-                                                         std::int64_t begin, std::int64_t place,
+[[gnu::always_inline]] inline void for_one_element_lists(void* const* const (&lists)[Depth], const ChunkRef& ch,
                                                          const std::size_t (&elem_size)[Depth], BlockFn&& block_fn) {
   constexpr std::size_t kBlockBytes = kWidth * kMaxElementSize;
   alignas(64) unsigned char tail[Depth][kBlockBytes];
@@ -947,7 +955,7 @@ template <int Depth, unsigned kUsed, unsigned kWritten, class BlockFn>
   for (int l = 0; l < Depth; ++l) {
     if (((kUsed >> l) & 1u) == 0) continue;
     assert(elem_size[l] <= kMaxElementSize && "an element is at most 8 bytes");
-    at[l] = static_cast<char*>(lists[l][t]) + (l == 0 ? place : begin) * static_cast<std::int64_t>(elem_size[l]);
+    at[l] = element_of(lists, l, ch, elem_size);
     load_one<kBlockBytes>(tail[l], at[l], elem_size[l]);
     blocks[l] = tail[l];
   }
@@ -1043,15 +1051,6 @@ inline float horizontal_sum(VecF v) {
   return s;
 }
 
-// The first element of chunk ch in list l: list 0 (the parameter) at the
-// chunk's place, the others at its begin (the same but in a plan of runs).
-template <int Depth>
-[[gnu::always_inline]] inline char* element_of(void* const* const (&lists)[Depth], int l, const ChunkRef& ch,
-                                               const std::size_t (&elem_size)[Depth]) {
-  return static_cast<char*>(lists[l][ch.tensor]) +
-         (l == 0 ? ch.place : ch.begin) * static_cast<std::int64_t>(elem_size[l]);
-}
-
 /// The executor: for every chunk in [chunk_begin, chunk_end) of `plan`, runs
 /// block_fn(tensor, blocks) over the chunk's elements kWidth at a
 /// time, blocks[l] pointing at the storage of list l (lists[l][tensor],
@@ -1082,7 +1081,7 @@ inline void for_each_chunk_block(const PlanRef& plan, std::int64_t chunk_begin, 
           __builtin_prefetch(element_of(lists, l, *far, elem_size));
     }
     if (kOneElementTails && ch.n == 1) {
-      for_one_element_lists<Depth, kUsed, kWritten>(lists, ch.tensor, ch.begin, ch.place, elem_size,
+      for_one_element_lists<Depth, kUsed, kWritten>(lists, ch, elem_size,
                                                     [&](void* const (&blocks)[Depth]) { block_fn(ch.tensor, blocks); });
     } else {
       char* base[Depth];
