@@ -542,6 +542,76 @@ TEST_F(CheckpointTest, TensorsReachingOutsideTheirStorageAreRefused) {
   }
 }
 
+// A file's records may put two tensors in one storage: a damaged pickle
+// naming another tensor's storage (the fuzz found one), or a hand-made file
+// of views. A step would refuse such state (they share memory); the load
+// refuses it first, naming both, and changes nothing. Views of one storage
+// that share no element load, and step as the intact file does.
+TEST_F(CheckpointTest, StateTensorsSharingMemoryAreRefusedDisjointViewsLoad) {
+  const std::string bytes = stepped(Kind::kAdam, seed_, 2).save();
+  const Tree intact = read_tree(bytes);
+  const auto saved = [&](std::size_t g, std::size_t i, const char* key) {
+    Tree copy = intact;
+    return state_tree(copy, g, i).find(key)->tensor;
+  };
+  // One storage of 24 floats for param 1's exp_avg and exp_avg_sq ([3, 4]), at these offsets.
+  const auto in_one_storage = [&](std::int64_t avg_at, std::int64_t sq_at) {
+    torch::Tensor storage = torch::zeros({24});
+    storage.narrow(0, avg_at, 12).copy_(saved(0, 1, "exp_avg").reshape({-1}));
+    storage.narrow(0, sq_at, 12).copy_(saved(0, 1, "exp_avg_sq").reshape({-1}));
+    return [storage, avg_at, sq_at](Tree& tree) {
+      Tree& st = state_tree(tree, 0, 1);
+      st.find("exp_avg")->tensor = storage.narrow(0, avg_at, 12).view({3, 4});
+      st.find("exp_avg_sq")->tensor = storage.narrow(0, sq_at, 12).view({3, 4});
+    };
+  };
+  struct Case {
+    const char* what;
+    std::function<void(Tree&)> change;
+    std::vector<std::string> expected;  // empty: accepted
+  };
+  const Case cases[] = {
+      {"one tensor saved as two states of a parameter",
+       [&](Tree& tree) {
+         Tree& st = state_tree(tree, 0, 1);
+         st.find("exp_avg_sq")->tensor = st.find("exp_avg")->tensor;
+       },
+       {"FusedAdam: param group 0, param 1: the checkpoint's state exp_avg", "shares memory with state exp_avg",
+        "of param group 0, param 1", "a damaged or hand-made checkpoint?"}},
+      {"states of two parameters",
+       [&](Tree& tree) {
+         state_tree(tree, 1, 0).find("max_exp_avg_sq")->tensor = state_tree(tree, 0, 0).find("exp_avg")->tensor;
+       },
+       {"the checkpoint's state", "shares memory with state", "param group 0, param 0", "param group 1, param 0"}},
+      {"overlapping views of one storage", in_one_storage(0, 6),
+       {"FusedAdam: param group 0, param 1: the checkpoint's state exp_avg", "shares memory with state exp_avg"}},
+      {"views of one storage that share no element", in_one_storage(12, 0), {}},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.what);
+    Tree tree = read_tree(bytes);
+    c.change(tree);
+    const std::string changed = write_tree(tree);
+    Rig victim = stepped(Kind::kAdam, seed_ + 3, 2);
+    const Snapshot before = snapshot(victim);
+    if (!c.expected.empty()) {
+      expect_refused(*victim.opt, changed, c.expected);
+      EXPECT_TRUE(same(before, snapshot(victim)));
+      continue;
+    }
+    Rig twin = stepped(Kind::kAdam, seed_ + 3, 2);
+    ASSERT_EQ(load_error(*victim.opt, changed), "");
+    ASSERT_EQ(load_error(*twin.opt, bytes), "");
+    std::mt19937_64 grads_victim(seed_ + 1), grads_twin(seed_ + 1);
+    for (int s = 0; s < 3; ++s) {
+      victim.step(grads_victim);
+      twin.step(grads_twin);
+    }
+    for (std::size_t i = 0; i < victim.params.size(); ++i)
+      EXPECT_TRUE(bitwise_equal(victim.params[i], twin.params[i])) << "param " << i;
+  }
+}
+
 // What ampfuse::verify_checkpoint says of `bytes`: "" when it accepts them.
 std::string verify_error(const std::string& bytes) {
   std::istringstream in(bytes);

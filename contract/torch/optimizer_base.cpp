@@ -862,6 +862,48 @@ void lay_out_saved_state(torch::serialize::InputArchive& archive, const at::Tens
   archive = read_back(out);
 }
 
+void check_saved_state_memory(std::vector<CheckpointLayout::SavedState>& states, const char* name) {
+  // Every strided tensor each state's archive holds (a sparse one's parts),
+  // with where it was read.
+  struct Where {
+    std::size_t group, index;
+    std::string key;
+  };
+  std::vector<at::Tensor> tensors;
+  std::vector<Where> places;
+  const auto add = [&](const at::Tensor& t, const CheckpointLayout::SavedState& s, const std::string& key) {
+    if (!t.defined() || t.layout() != c10::kStrided || t.numel() == 0) return;
+    for (const std::int64_t stride : t.strides())
+      if (stride < 0) return;  // (no state takes one: check_state refuses it)
+    tensors.push_back(t);
+    places.push_back({s.group, s.index, key});
+  };
+  for (CheckpointLayout::SavedState& s : states)
+    for (const std::string& key : s.archive.keys()) {
+      c10::IValue v;
+      if (!s.archive.try_read(key, v) || !v.isTensor()) continue;
+      const at::Tensor& t = v.toTensor();
+      if (t.defined() && t.layout() == c10::kSparse) {
+        add(t._indices(), s, key + " (indices)");
+        add(t._values(), s, key + " (values)");
+      } else {
+        add(t, s, key);
+      }
+    }
+  std::vector<const at::Tensor*> pointers;
+  pointers.reserve(tensors.size());
+  for (const at::Tensor& t : tensors) pointers.push_back(&t);
+  find_shared_memory(pointers, [&](std::size_t x, std::size_t y) {
+    if (x == y) return;  // a tensor overlapping itself: check_state's
+    const Where& a = places[x];
+    const Where& b = places[y];
+    TORCH_CHECK(false, name, ": param group ", b.group, ", param ", b.index, ": the checkpoint's state ", b.key,
+                " shares memory with state ", a.key, " of param group ", a.group, ", param ", a.index,
+                " (the file puts both in one storage: a damaged or hand-made checkpoint?); each state tensor "
+                "needs memory of its own, and the load changes nothing");
+  });
+}
+
 CheckpointLayout read_checkpoint_layout(torch::serialize::InputArchive& archive, const char* name,
                                         const std::vector<std::size_t>& group_sizes) {
   c10::IValue version;

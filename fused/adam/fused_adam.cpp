@@ -311,6 +311,8 @@ void FusedAdamImpl<Base, Options, State, kDecoupled>::follow_param(const at::Ten
   follow(st.max_exp_avg_sq(), dtype);
   follow(st.master(), at::kFloat);
   const auto recode = [&](at::Tensor& codes, at::Tensor& absmax, Moment8 which) {
+    follow.seen(codes);
+    follow.seen(absmax);
     // What check_codes would refuse for more than its layout is left to it.
     if (!codes.defined() || !absmax.defined() || codes.scalar_type() != at::kByte || codes.sizes() != p.sizes() ||
         codes.device() != p.device() || absmax.device() != p.device() || !codes.is_non_overlapping_and_dense() ||

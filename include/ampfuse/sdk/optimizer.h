@@ -343,6 +343,12 @@ class Follow {
     refuse_under_capture_();
     replace_(field, followed_state_tensor(field, param_, dtype));
   }
+  /// A state tensor that follows otherwise than operator()'s fields (8-bit
+  /// codes and their absmax, through replace()): checked for shared memory
+  /// as theirs are.
+  void seen(const at::Tensor& field) const {
+    if (seen_) seen_(field);
+  }
   /// Throws under CUDA graph capture, naming the parameter: call it before
   /// the work whose result replace() takes.
   void refuse_under_capture() const { refuse_under_capture_(); }
@@ -534,6 +540,15 @@ CheckpointLayout read_checkpoint_layout(torch::serialize::InputArchive& archive,
 /// codes, whose blocks follow the saved memory order) are left as saved,
 /// for check_state to refuse.
 void lay_out_saved_state(torch::serialize::InputArchive& archive, const at::Tensor& p);
+
+/// Throws, naming both states and keys, where two tensors of the saved
+/// states (after lay_out_saved_state) share an element's memory: a file
+/// whose records put two state tensors in one storage (a damaged pickle can
+/// name another tensor's storage, and a hand-made file can save views of
+/// one tensor). A step refuses such state (check_state_memory); load()
+/// refuses it before anything changes. Views of one storage that share no
+/// element pass.
+void check_saved_state_memory(std::vector<CheckpointLayout::SavedState>& states, const char* name);
 
 /// A master copy (fp32) loaded for `param`, with every element that `param`
 /// does not round to taken from `param`: the parameter was written after
@@ -1298,6 +1313,7 @@ class FusedOptimizer : public Base, public ScalerAware {
       loaded.emplace_back(&saved, st.get());
       states[p.unsafeGetTensorImpl()] = std::move(st);
     }
+    check_saved_state_memory(layout.states, name());
     // In place, validated with the options they come with, and swapped back
     // when refused: the same objects as before the load, so the step plan
     // still holds.
