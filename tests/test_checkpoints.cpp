@@ -580,9 +580,16 @@ TEST_F(CheckpointTest, StateTensorsSharingMemoryAreRefusedDisjointViewsLoad) {
         "of param group 0, param 1", "a damaged or hand-made checkpoint?"}},
       {"states of two parameters",
        [&](Tree& tree) {
-         state_tree(tree, 1, 0).find("max_exp_avg_sq")->tensor = state_tree(tree, 0, 0).find("exp_avg")->tensor;
+         Tree& a = state_tree(tree, 0, 0);  // [5]
+         Tree& b = state_tree(tree, 1, 0);  // [7]
+         torch::Tensor storage = torch::zeros({12});
+         storage.narrow(0, 0, 5).copy_(a.find("exp_avg")->tensor);
+         storage.narrow(0, 3, 7).copy_(b.find("max_exp_avg_sq")->tensor);
+         a.find("exp_avg")->tensor = storage.narrow(0, 0, 5);
+         b.find("max_exp_avg_sq")->tensor = storage.narrow(0, 3, 7);
        },
-       {"the checkpoint's state", "shares memory with state", "param group 0, param 0", "param group 1, param 0"}},
+       {"FusedAdam: param group 1, param 0: the checkpoint's state max_exp_avg_sq shares memory with state exp_avg "
+        "of param group 0, param 0"}},
       {"overlapping views of one storage", in_one_storage(0, 6),
        {"FusedAdam: param group 0, param 1: the checkpoint's state exp_avg", "shares memory with state exp_avg"}},
       {"views of one storage that share no element", in_one_storage(12, 0), {}},
@@ -609,6 +616,53 @@ TEST_F(CheckpointTest, StateTensorsSharingMemoryAreRefusedDisjointViewsLoad) {
     }
     for (std::size_t i = 0; i < victim.params.size(); ++i)
       EXPECT_TRUE(bitwise_equal(victim.params[i], twin.params[i])) << "param " << i;
+  }
+
+  // Beyond the moments: FusedLAMB's step counts (no step checks their
+  // memory: each would be written into the other), a step count of one
+  // element under a negative stride (which moves nothing: still looked at),
+  // and the master copy that FusedAdam reads from beside the state, where
+  // checkpoints of its earlier format keep it.
+  const auto refused = [&](Kind k, const std::function<void(Tree&)>& change, const std::vector<std::string>& expected) {
+    Tree tree = read_tree(stepped(k, seed_, 2).save());
+    change(tree);
+    Rig victim = stepped(k, seed_ + 3, 2);
+    const Snapshot before = snapshot(victim);
+    expect_refused(*victim.opt, write_tree(tree), expected);
+    EXPECT_TRUE(same(before, snapshot(victim)));
+  };
+  {
+    SCOPED_TRACE("FusedLAMB's step counts");
+    refused(
+        Kind::kLAMB,
+        [](Tree& tree) { state_tree(tree, 1, 0).find("step")->tensor = state_tree(tree, 0, 0).find("step")->tensor; },
+        {"FusedLAMB: param group 1, param 0: the checkpoint's state step shares memory with state step of param "
+         "group 0, param 0"});
+    refused(
+        Kind::kLAMB,
+        [](Tree& tree) {
+          const torch::Tensor step = state_tree(tree, 0, 0).find("step")->tensor;
+          torch::Tensor reversed = step.detach();  // (as_strided refuses a negative stride; a damaged file has one)
+          reversed.unsafeGetTensorImpl()->set_sizes_and_strides(c10::IntArrayRef{1}, c10::IntArrayRef{-1},
+                                                               step.storage_offset());
+          state_tree(tree, 1, 0).find("step")->tensor = reversed;
+        },
+        {"FusedLAMB: param group 1, param 0: the checkpoint's state step shares memory with state step of param "
+         "group 0, param 0"});
+  }
+  {
+    SCOPED_TRACE("a master copy of the earlier format");
+    refused(
+        Kind::kAdamWMaster,
+        [](Tree& tree) {
+          Tree& st = state_tree(tree, 0, 1);
+          const torch::Tensor exp_avg = st.find("exp_avg")->tensor;
+          st.items.erase(std::find_if(st.items.begin(), st.items.end(),
+                                      [](const Tree::Item& item) { return item.key == "master"; }));
+          tree.items.push_back({"ampfuse_master_weights_0_1", nullptr, exp_avg, {}, true});
+        },
+        {"FusedAdamW: param group 0, param 1: the checkpoint's state (a tensor read from beside the state: an "
+         "earlier format's key) shares memory with state exp_avg of param group 0, param 1"});
   }
 }
 

@@ -24,6 +24,7 @@
 #include <exception>
 #include <map>
 #include <mutex>
+#include <set>
 #include <sstream>
 #include <string>
 #include <tuple>
@@ -862,34 +863,54 @@ void lay_out_saved_state(torch::serialize::InputArchive& archive, const at::Tens
   archive = read_back(out);
 }
 
-void check_saved_state_memory(std::vector<CheckpointLayout::SavedState>& states, const char* name) {
+void check_saved_state_memory(std::vector<CheckpointLayout::SavedState>& states, const std::vector<StateField>& held,
+                              const char* name) {
   // Every strided tensor each state's archive holds (a sparse one's parts),
-  // with where it was read.
+  // then those the states hold that no archive does (read from elsewhere
+  // by load_extra), with where each was read.
   struct Where {
     std::size_t group, index;
     std::string key;
   };
   std::vector<at::Tensor> tensors;
   std::vector<Where> places;
-  const auto add = [&](const at::Tensor& t, const CheckpointLayout::SavedState& s, const std::string& key) {
-    if (!t.defined() || t.layout() != c10::kStrided || t.numel() == 0) return;
-    for (const std::int64_t stride : t.strides())
-      if (stride < 0) return;  // (no state takes one: check_state refuses it)
-    tensors.push_back(t);
-    places.push_back({s.group, s.index, key});
+  const auto add = [&](const at::Tensor& t, std::size_t g, std::size_t i, const std::string& key) {
+    if (!t.defined() || t.layout() != c10::kStrided || t.numel() == 0 || c10::isQIntType(t.scalar_type())) return;
+    // A stride of a dimension of one element moves nothing: set to 1, the
+    // view reaches the same bytes. One below 0 elsewhere no state has.
+    std::vector<std::int64_t> strides(t.strides().begin(), t.strides().end());
+    for (std::size_t d = 0; d < strides.size(); ++d) {
+      if (t.size(static_cast<std::int64_t>(d)) == 1) strides[d] = 1;
+      TORCH_CHECK(strides[d] >= 0, name, ": param group ", g, ", param ", i, ": the checkpoint's state ", key,
+                  " has strides ", t.strides(), " (a negative stride: a damaged checkpoint?)");
+    }
+    tensors.push_back(strides == t.strides() ? t : t.as_strided(t.sizes(), strides, t.storage_offset()));
+    places.push_back({g, i, key});
   };
+  // Each tensor a state's keys read, once per key (a file that names one
+  // tensor under two keys reads as one TensorImpl): what `held` matches.
+  std::multiset<std::tuple<std::size_t, std::size_t, const c10::TensorImpl*>> read;
   for (CheckpointLayout::SavedState& s : states)
     for (const std::string& key : s.archive.keys()) {
       c10::IValue v;
       if (!s.archive.try_read(key, v) || !v.isTensor()) continue;
       const at::Tensor& t = v.toTensor();
+      read.emplace(s.group, s.index, t.unsafeGetTensorImpl());
       if (t.defined() && t.layout() == c10::kSparse) {
-        add(t._indices(), s, key + " (indices)");
-        add(t._values(), s, key + " (values)");
+        add(t._indices(), s.group, s.index, key + " (indices)");
+        add(t._values(), s.group, s.index, key + " (values)");
       } else {
-        add(t, s, key);
+        add(t, s.group, s.index, key);
       }
     }
+  for (const StateField& f : held) {
+    const auto it = read.find({f.group, f.index, f.tensor->unsafeGetTensorImpl()});
+    if (it != read.end()) {
+      read.erase(it);  // one of its keys
+      continue;
+    }
+    add(*f.tensor, f.group, f.index, "(a tensor read from beside the state: an earlier format's key)");
+  }
   std::vector<const at::Tensor*> pointers;
   pointers.reserve(tensors.size());
   for (const at::Tensor& t : tensors) pointers.push_back(&t);

@@ -542,13 +542,18 @@ CheckpointLayout read_checkpoint_layout(torch::serialize::InputArchive& archive,
 void lay_out_saved_state(torch::serialize::InputArchive& archive, const at::Tensor& p);
 
 /// Throws, naming both states and keys, where two tensors of the saved
-/// states (after lay_out_saved_state) share an element's memory: a file
+/// states (after lay_out_saved_state), or of `held` (the state tensors the
+/// loaded states hold, as follow_param names them: those read from outside
+/// the states' archives by load_extra), share an element's memory: a file
 /// whose records put two state tensors in one storage (a damaged pickle can
 /// name another tensor's storage, and a hand-made file can save views of
-/// one tensor). A step refuses such state (check_state_memory); load()
-/// refuses it before anything changes. Views of one storage that share no
-/// element pass.
-void check_saved_state_memory(std::vector<CheckpointLayout::SavedState>& states, const char* name);
+/// one tensor). A step refuses such state where check_state_memory looks,
+/// and elsewhere (a step count) writes one into the other; load() refuses
+/// it before anything changes. Views of one storage that share no element
+/// pass. Also throws on a negative stride of a dimension of more than one
+/// element, which no state has.
+void check_saved_state_memory(std::vector<CheckpointLayout::SavedState>& states, const std::vector<StateField>& held,
+                              const char* name);
 
 /// A master copy (fp32) loaded for `param`, with every element that `param`
 /// does not round to taken from `param`: the parameter was written after
@@ -1313,7 +1318,6 @@ class FusedOptimizer : public Base, public ScalerAware {
       loaded.emplace_back(&saved, st.get());
       states[p.unsafeGetTensorImpl()] = std::move(st);
     }
-    check_saved_state_memory(layout.states, name());
     // In place, validated with the options they come with, and swapped back
     // when refused: the same objects as before the load, so the step plan
     // still holds.
@@ -1323,8 +1327,17 @@ class FusedOptimizer : public Base, public ScalerAware {
     };
     swap_in();
     try {
-      for (const auto& [saved, st] : loaded)
-        check_loaded_state(groups[saved->group].params()[saved->index], *st, saved->group, saved->index);
+      std::vector<StateField> held;
+      for (const auto& [saved, st] : loaded) {
+        const at::Tensor& p = groups[saved->group].params()[saved->index];
+        check_loaded_state(p, *st, saved->group, saved->index);
+        const std::size_t g = saved->group, i = saved->index;
+        follow_param(p, *st,
+                     Follow(
+                         p, [] {}, [](at::Tensor&, at::Tensor) {},
+                         [&](const at::Tensor& field) { held.push_back({g, i, &field}); }));
+      }
+      check_saved_state_memory(layout.states, held, name());
       check_entries({});
     } catch (...) {
       swap_in();
