@@ -1146,14 +1146,32 @@ void collect(Tree& tree, std::vector<std::pair<Tree*, std::size_t>>& out) {
 }
 
 // One structural mutation: a tensor's shape or dtype, a value's type or a
-// count, a key removed, renamed or added.
+// count, a key removed, renamed or added, or a tensor made another's (one
+// tensor under two keys, as a damaged pickle can name another's storage).
 void mutate_tree(Tree& root, std::mt19937_64& rng) {
   std::vector<std::pair<Tree*, std::size_t>> all;
   collect(root, all);
   auto [tree, index] = all[rng() % all.size()];
   Tree::Item& item = tree->items[index];
   const bool ends_in_size = item.key.size() >= 4 && item.key.compare(item.key.size() - 4, 4, "size") == 0;
-  switch (rng() % 6) {
+  switch (rng() % 7) {
+    case 6: {  // another tensor's (of the same shape where one has it)
+      std::vector<const Tree::Item*> same, any;
+      for (const auto& [t, i] : all) {
+        const Tree::Item& other = t->items[i];
+        if (!other.is_tensor || &other == &item) continue;
+        any.push_back(&other);
+        if (item.is_tensor && other.tensor.sizes() == item.tensor.sizes()) same.push_back(&other);
+      }
+      const std::vector<const Tree::Item*>& pick = same.empty() ? any : same;
+      if (!pick.empty()) {
+        item.tensor = pick[rng() % pick.size()]->tensor;
+        item.is_tensor = true;
+        item.sub = nullptr;
+        return;
+      }
+      [[fallthrough]];
+    }
     case 0:  // shape
       if (item.is_tensor) {
         item.tensor = item.tensor.numel() > 1 && rng() % 2 ? item.tensor.reshape({-1}).narrow(0, 0, item.tensor.numel() - 1)
@@ -1206,7 +1224,7 @@ TEST_F(CheckpointTest, FuzzedArchivesAreRefusedWholeOrAcceptedWhole) {
   std::mt19937_64 rng(seed_);
   constexpr int kBytesPerKind = 25, kTreesPerKind = 40, kScaler = 50;
   int iterations = 0, refused = 0, accepted = 0, bytes_refused = 0, reader_refused = 0, directories = 0;
-  int bytes_accepted = 0, verify_refused = 0, kept_from_loading = 0;
+  int bytes_accepted = 0, verify_refused = 0, kept_from_loading = 0, shared_refused = 0;
   std::vector<std::string> files;
   for (Kind k : kKinds) files.push_back(canonical(stepped(k, seed_ + 100, 3).save()));
   for (std::size_t a = 0; a < std::size(kKinds); ++a) {
@@ -1257,6 +1275,7 @@ TEST_F(CheckpointTest, FuzzedArchivesAreRefusedWholeOrAcceptedWhole) {
       }
       if (!message.empty()) {
         ++refused;
+        shared_refused += message.find("shares memory with") != std::string::npos ? 1 : 0;
         ASSERT_TRUE(same(before, snapshot(victim))) << "iteration " << it << ": a refused load changed the optimizer: "
                                                     << message;
         if (threw_other || it < kBytesPerKind) {
@@ -1375,9 +1394,12 @@ TEST_F(CheckpointTest, FuzzedArchivesAreRefusedWholeOrAcceptedWhole) {
             << " files not loaded: damaged so that a record reads as a directory (verify_checkpoint refused each); "
             << "of the " << bytes_accepted << " byte-damaged optimizer files load() accepted, verify_checkpoint refused "
             << verify_refused << "; " << kept_from_loading
-            << " byte-damaged files verify_checkpoint refused not loaded (AddressSanitizer build only)\n";
+            << " byte-damaged files verify_checkpoint refused not loaded (AddressSanitizer build only); "
+            << shared_refused << " refused for state tensors sharing memory\n";
   ::testing::Test::RecordProperty("fuzz_iterations", std::to_string(iterations));
   EXPECT_GT(refused, iterations / 2);
+  // (shared_refused is 3-6 a run, and may be 0 for some seed: the class is
+  // covered for certain by StateTensorsSharingMemoryAreRefusedDisjointViewsLoad.)
 }
 
 }  // namespace
