@@ -859,8 +859,13 @@ TEST(Adam8Map, MapIsMoreAccurateThanTheDynamicMap) {
   };
   std::vector<Moments> sets;
   {
+    // One training run, the same in every test run: across training seeds
+    // ampfuse's error is 1.07-1.08% and the dynamic map's 1.12-1.14%, a
+    // margin some seed of a heavy-tailed few elements could close.
+    torch::manual_seed(20260601);
     auto [m, v] = trained_mlp_moments();
     sets.push_back({"Adam moments of an MLP after 100 steps", std::move(m), std::move(v)});
+    torch::manual_seed(seed);  // the other sets from the test's seed
   }
   {
     // Grads of log-normally spread scales (a scale mixture: heavy tails), v = g^2 (1 + U).
