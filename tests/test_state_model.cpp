@@ -574,6 +574,86 @@ TEST_P(StateModelTest, AStateTensorSharingMemoryIsRefusedNamingBoth) {
   }
 }
 
+// The one-element tensors a step writes (FusedLAMB's step; on CUDA the
+// device step counters and FusedSGD's momentum flag) are looked at too: two
+// parameters' counters made one tensor by hand were advanced twice a step
+// (on CUDA by two blocks at once), and a counter that is an element of a
+// moment was written as both. Refused naming the parameter, nothing
+// written; put back, the step goes on.
+template <class State, class Opt, class Field, class Set>
+void expect_counter_sharing_refused(Opt& opt, const std::string& name, Field field, Set set) {
+  fill_grads(opt);
+  opt.step();
+  auto& groups = opt.param_groups();
+  auto& s0 = static_cast<State&>(*opt.state().at(groups[0].params()[0].unsafeGetTensorImpl()));
+  auto& s1 = static_cast<State&>(*opt.state().at(groups[0].params()[1].unsafeGetTensorImpl()));
+  const torch::Tensor own = field(s1);
+  ASSERT_TRUE(own.defined()) << name;
+  set(s1, field(s0));
+  const auto before = snapshot<State>(opt);
+  ampfuse_test::expect_step_refused(
+      opt, name + ": param group 0, param 1: a state tensor shares memory with a state tensor of param group 0, param 0");
+  EXPECT_TRUE(same_snapshots(before, snapshot<State>(opt))) << name;
+  set(s1, own);
+  const auto p1 = groups[0].params()[1].detach().clone();
+  opt.step();
+  EXPECT_FALSE(bitwise_equal(groups[0].params()[1].detach(), p1)) << name;
+}
+
+TEST_P(StateModelTest, StepCountersSharingMemoryAreRefused) {
+  const auto params = [&](torch::ScalarType dtype) {
+    return std::vector<torch::Tensor>{param({40}, dtype), param({7}, dtype)};
+  };
+  {
+    ampfuse::FusedLAMB lamb(params(torch::kFloat), ampfuse::FusedLAMBOptions(1e-2));
+    expect_counter_sharing_refused<ampfuse::FusedLAMBParamState>(
+        lamb, "FusedLAMB", [](auto& s) { return s.step(); }, [](auto& s, torch::Tensor t) { s.step(t); });
+  }
+  {
+    // A Double parameter's step made an element of its own exp_avg: one
+    // element, Double, on its device, so check_state takes it.
+    auto p = param({5}, torch::kDouble);
+    ampfuse::FusedLAMB lamb({p}, ampfuse::FusedLAMBOptions(1e-2));
+    fill_grads(lamb);
+    lamb.step();
+    auto& s = static_cast<ampfuse::FusedLAMBParamState&>(*lamb.state().at(p.unsafeGetTensorImpl()));
+    const torch::Tensor step = s.step();
+    s.step(s.exp_avg().narrow(0, 2, 1));
+    const auto before = snapshot<ampfuse::FusedLAMBParamState>(lamb);
+    ampfuse_test::expect_step_refused(
+        lamb, "FusedLAMB: param group 0, param 0: a state tensor shares memory with a state tensor of param group 0, "
+              "param 0");
+    EXPECT_TRUE(same_snapshots(before, snapshot<ampfuse::FusedLAMBParamState>(lamb)));
+    s.step(step);
+    lamb.step();
+  }
+  if (!device_.is_cuda()) return;  // the device counters and the flag are CUDA's
+  {
+    ampfuse::FusedAdam adam(params(torch::kFloat), torch::optim::AdamOptions(1e-2));
+    expect_counter_sharing_refused<ampfuse::FusedAdamParamState>(
+        adam, "FusedAdam", [](auto& s) { return s.device_step(); },
+        [](auto& s, torch::Tensor t) { s.device_step(t); });
+  }
+  {
+    ampfuse::FusedAdagrad adagrad(params(torch::kFloat), torch::optim::AdagradOptions(0.1));
+    expect_counter_sharing_refused<ampfuse::FusedAdagradParamState>(
+        adagrad, "FusedAdagrad", [](auto& s) { return s.device_step(); },
+        [](auto& s, torch::Tensor t) { s.device_step(t); });
+  }
+  {
+    ampfuse::FusedRMSprop rmsprop(params(torch::kFloat), torch::optim::RMSpropOptions(0.01));
+    expect_counter_sharing_refused<ampfuse::FusedRMSpropParamState>(
+        rmsprop, "FusedRMSprop", [](auto& s) { return s.device_step(); },
+        [](auto& s, torch::Tensor t) { s.device_step(t); });
+  }
+  {
+    ampfuse::FusedSGD sgd(params(torch::kFloat), torch::optim::SGDOptions(0.1).momentum(0.9));
+    expect_counter_sharing_refused<ampfuse::FusedSGDParamState>(
+        sgd, "FusedSGD", [](auto& s) { return s.momentum_initialized(); },
+        [](auto& s, torch::Tensor t) { s.momentum_initialized(t); });
+  }
+}
+
 #if defined(AMPFUSE_WITH_CUDA)
 // The device step counter is fp64: exact past 2^24, where fp32 stops counting.
 TEST_P(StateModelTest, DeviceStepCountersAreExactPast2To24) {

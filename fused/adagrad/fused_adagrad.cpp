@@ -73,6 +73,7 @@ FusedAdagrad::FusedAdagrad(std::vector<at::Tensor> params, torch::optim::Adagrad
 
 void FusedAdagrad::follow_param(const at::Tensor& p, FusedAdagradParamState& st, const sdk::Follow& follow) {
   follow(st.sum(), p.scalar_type());
+  follow.seen(st.device_step());  // (written by the kernels; never follows)
 }
 
 void FusedAdagrad::check_state(const at::Tensor& p, const FusedAdagradParamState& st, std::size_t g,

@@ -310,11 +310,12 @@ void FusedAdamImpl<Base, Options, State, kDecoupled>::follow_param(const at::Ten
   follow(st.exp_avg_sq(), dtype);
   follow(st.max_exp_avg_sq(), dtype);
   follow(st.master(), at::kFloat);
+  follow.seen(st.device_step());  // (written by the kernels; never follows)
   const auto recode = [&](at::Tensor& codes, at::Tensor& absmax, Moment8 which) {
     follow.seen(codes);
     follow.seen(absmax);
     // What check_codes would refuse for more than its layout is left to it.
-    if (!codes.defined() || !absmax.defined() || codes.scalar_type() != at::kByte || codes.sizes() != p.sizes() ||
+    if (follow.records_only() || !codes.defined() || !absmax.defined() || codes.scalar_type() != at::kByte || codes.sizes() != p.sizes() ||
         codes.device() != p.device() || absmax.device() != p.device() || !codes.is_non_overlapping_and_dense() ||
         absmax.scalar_type() != at::kFloat || absmax.dim() != 1 || absmax.numel() != fused::quant_blocks(p.numel()) ||
         codes.strides() == c10::IntArrayRef(sdk::kernel_strides(p)))

@@ -158,6 +158,7 @@ void FusedLAMB::follow_param(const at::Tensor& p, FusedLAMBParamState& st, const
   follow(st.exp_avg(), lamb_state_dtype(p));
   follow(st.exp_avg_sq(), lamb_state_dtype(p));
   follow(st.master(), at::kFloat);
+  follow.seen(st.step());  // (advanced by every step; never follows)
 }
 
 void FusedLAMB::check_state(const at::Tensor& p, const FusedLAMBParamState& st, std::size_t g, std::size_t i) const {

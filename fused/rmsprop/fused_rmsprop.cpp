@@ -48,6 +48,7 @@ void FusedRMSprop::follow_param(const at::Tensor& p, FusedRMSpropParamState& st,
   follow(st.square_avg(), p.scalar_type());
   follow(st.momentum_buffer(), p.scalar_type());
   follow(st.grad_avg(), p.scalar_type());
+  follow.seen(st.device_step());  // (written by the kernels; never follows)
 }
 
 void FusedRMSprop::check_state(const at::Tensor& p, const FusedRMSpropParamState& st, std::size_t g,

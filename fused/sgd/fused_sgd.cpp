@@ -65,6 +65,7 @@ FusedSGD::~FusedSGD() = default;
 
 void FusedSGD::follow_param(const at::Tensor& p, FusedSGDParamState& st, const sdk::Follow& follow) {
   follow(st.momentum_buffer(), p.scalar_type());
+  follow.seen(st.momentum_initialized());  // (written by the kernels; never follows)
 }
 
 void FusedSGD::check_state(const at::Tensor& p, const FusedSGDParamState& st, std::size_t g, std::size_t i) const {

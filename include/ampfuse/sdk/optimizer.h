@@ -339,22 +339,28 @@ class Follow {
   /// check_state_memory.)
   void operator()(at::Tensor& field, c10::ScalarType dtype) const {
     if (seen_) seen_(field);
-    if (!state_tensor_follows(field, param_, dtype)) return;
+    if (records_only() || !state_tensor_follows(field, param_, dtype)) return;
     refuse_under_capture_();
     replace_(field, followed_state_tensor(field, param_, dtype));
   }
   /// A state tensor that follows otherwise than operator()'s fields (8-bit
-  /// codes and their absmax, through replace()): checked for shared memory
-  /// as theirs are.
+  /// codes and their absmax, through replace()), or that the kernels write
+  /// and that never follows (a step count or flag of one element): checked
+  /// for shared memory as operator()'s fields are.
   void seen(const at::Tensor& field) const {
     if (seen_) seen_(field);
   }
+  /// Whether this Follow only names the fields (made with a null Replace:
+  /// nothing is replaced, so follow_param may skip the work whose result
+  /// replace() would take).
+  bool records_only() const { return !replace_; }
   /// Throws under CUDA graph capture, naming the parameter: call it before
   /// the work whose result replace() takes.
   void refuse_under_capture() const { refuse_under_capture_(); }
   /// `field` set to `value` (state that follows otherwise than by a copy,
   /// such as 8-bit codes, blocked in memory order, coded again).
   void replace(at::Tensor& field, at::Tensor value) const {
+    if (records_only()) return;
     refuse_under_capture_();
     replace_(field, std::move(value));
   }
@@ -378,7 +384,9 @@ struct StateField {
 /// state tensor put into state() as a view of another tensor, or as the
 /// same tensor twice): the kernels read every tensor of an element before
 /// they write, where torch::optim's ops run one after another, so such a
-/// step would give other numbers. Run when a step plan is made.
+/// step would give other numbers (two parameters' step counts that are one
+/// tensor would be advanced twice a step, on CUDA by two blocks at once).
+/// Run when a step plan is made.
 void check_state_memory(const torch::optim::Optimizer& opt, const std::vector<StateField>& fields, const char* name);
 
 /// check_state_tensor for a tensor that every state of the optimizer holds:
@@ -1332,10 +1340,7 @@ class FusedOptimizer : public Base, public ScalerAware {
         const at::Tensor& p = groups[saved->group].params()[saved->index];
         check_loaded_state(p, *st, saved->group, saved->index);
         const std::size_t g = saved->group, i = saved->index;
-        follow_param(p, *st,
-                     Follow(
-                         p, [] {}, [](at::Tensor&, at::Tensor) {},
-                         [&](const at::Tensor& field) { held.push_back({g, i, &field}); }));
+        name_fields(p, *st, [&](const at::Tensor& field) { held.push_back({g, i, &field}); });
       }
       check_saved_state_memory(layout.states, held, name());
       check_entries({});
@@ -1396,16 +1401,19 @@ class FusedOptimizer : public Base, public ScalerAware {
   /// Names the state tensors that follow their parameter: call follow(field,
   /// dtype) for each tensor of `state` kept with the parameter's shape, in
   /// `dtype` (what check_state asks of it), or follow.replace(field, value)
-  /// for state that follows otherwise. When the step plan is made, a step
+  /// for state that follows otherwise; and follow.seen(field) for every
+  /// other tensor the kernels write (a step count, a flag), so that one
+  /// sharing memory with another is refused (check_state_memory). When the step plan is made, a step
   /// calls it for every parameter that has a state, before any validation;
   /// a field whose dtype or layout is no longer what the parameter asks for
   /// (the parameter was converted since: Module::to(dtype), set_data to
   /// channels_last) is replaced by a converted copy (followed_state_tensor),
   /// put back if the step is refused, as torch::optim steps on such state.
   /// Refused under CUDA graph capture. The default names none: check_state
-  /// then refuses such state. Not called by load(), which refuses a
-  /// checkpoint's tensor of another dtype (another layout it lays out as
-  /// the parameter's).
+  /// then refuses such state. load() calls it with a Follow that only
+  /// names the fields (Follow::records_only(): nothing is replaced), for
+  /// the memory check; it refuses a checkpoint's tensor of another dtype
+  /// (another layout it lays out as the parameter's).
   virtual void follow_param(const at::Tensor& /*param*/, State& /*state*/, const Follow& /*follow*/) {}
   /// What load() calls for every state a checkpoint holds: check_state,
   /// unless overridden to check more, such as values a step reads on the
@@ -1693,15 +1701,19 @@ class FusedOptimizer : public Base, public ScalerAware {
     });
   }
 
+  // fn(field) for each state tensor follow_param names of p's state,
+  // nothing replaced (a Follow that records only).
+  template <class Fn>
+  void name_fields(const at::Tensor& p, State& state, Fn&& fn) {
+    follow_param(p, state, Follow(p, [] {}, nullptr, [&](const at::Tensor& field) { fn(field); }));
+  }
+
   // The state tensors follow_param names, of every parameter's state of
   // this optimizer's type (what a plan records of their memory).
   std::vector<const at::Tensor*> state_tensors() {
     std::vector<const at::Tensor*> tensors;
     for_each_own_state([&](std::size_t, std::size_t, const at::Tensor& p, State& state) {
-      follow_param(p, state,
-                   Follow(
-                       p, [] {}, [](at::Tensor&, at::Tensor) {},
-                       [&](const at::Tensor& field) { tensors.push_back(&field); }));
+      name_fields(p, state, [&](const at::Tensor& field) { tensors.push_back(&field); });
     });
     return tensors;
   }
