@@ -6,6 +6,13 @@
 // unscale_ and clip_grad_norm_'s arithmetic on the classic path), and a
 // save/load into a fresh optimizer mid-run. Parameters and the scale must
 // agree at the end, and each returned norm with the fp64 norm of the grads.
+// Between steps, what training code does to a model under a kept step plan
+// happens to ours and the twins alike (Event): a parameter frozen for a step
+// (no grad), grads written in place into the last step's tensors, a grad in
+// another layout (transposed, or a view with gaps; ours only), a parameter
+// written from outside or given new memory (set_data), a group's lr
+// changed, a parameter's state erased (made afresh at its next step), a
+// parameter group added.
 //
 // Every configuration has its own seed, printed on failure; replay one with
 // AMPFUSE_SOAK_CONFIG_SEED=<seed>. AMPFUSE_SOAK_CONFIGS sets how many run
@@ -14,8 +21,11 @@
 #include <ampfuse/ampfuse.h>
 
 #include <cstdlib>
+#include <iterator>
 #include <limits>
+#include <numeric>
 #include <sstream>
+#include <type_traits>
 
 #include "tests/common.h"
 #include "tests/random_options.h"
@@ -81,6 +91,24 @@ std::int64_t g_compared = 0, g_widened = 0;
 // A torch::optim twin of the run: its own copies of the parameters and its
 // own GradScaler (the classic path). The perturbed twins run in fp64 with
 // every grad multiplied by 1 + perturb before the step.
+enum class Event { kNone, kFreeze, kGradsInPlace, kOddLayoutGrad, kParamWritten, kParamSetData, kLrHalved,
+                   kStateErased, kGroupAdded };
+constexpr const char* kEventNames[] = {"",           "a parameter frozen", "grads written in place (most)",
+                                       "a grad in another layout", "a parameter written", "a parameter's set_data",
+                                       "an lr halved", "a state erased", "a group added"};
+
+// How many of each event the soak applied (printed with its summary).
+std::int64_t g_events[std::size(kEventNames)] = {};
+
+// g in another layout, same values: transposed (2-d), or a view with gaps.
+torch::Tensor odd_layout(const torch::Tensor& g, std::mt19937_64& rng) {
+  if (g.dim() == 2 && rng() % 2 == 0) return g.t().contiguous().t();
+  auto wide = torch::zeros({g.numel(), 2}, g.options());
+  auto view = wide.select(1, static_cast<std::int64_t>(rng() % 2)).view(g.sizes());  // every stride doubled
+  view.copy_(g);
+  return view;
+}
+
 template <class Ref>
 struct Twin {
   std::vector<torch::Tensor> params;
@@ -156,17 +184,91 @@ std::string run_config(std::mt19937_64& rng, Random&& random, const Fused& fused
       if (p.grad().defined()) p.grad().mul_(1 + t.perturb);
   };
   for (int step = 0; step < steps; ++step) {
+    Event event = step > 0 && rng() % 2 == 0 ? static_cast<Event>(1 + rng() % 8) : Event::kNone;
+    // (LibTorch's Adagrad makes its state in its constructor and asserts it at every step.)
+    if (std::is_same<Ref, torch::optim::Adagrad>::value && (event == Event::kStateErased || event == Event::kGroupAdded))
+      event = Event::kParamWritten;
+    // (A step with no grad at all is refused under a scaler, as PyTorch's: "No inf checks were recorded".)
+    if (event == Event::kFreeze && ours.size() == 1) event = Event::kGradsInPlace;
+    const std::size_t target = rng() % ours.size();
+    ++g_events[static_cast<int>(event)];
+    if (event != Event::kNone)
+      description += std::string(", ") + kEventNames[static_cast<int>(event)] + " (" + std::to_string(target) +
+                     ") before step " + std::to_string(step);
+    switch (event) {
+      case Event::kParamWritten: {
+        torch::NoGradGuard no_grad;
+        ours[target].mul_(0.5);
+        for (auto& t : twins) t.params[target].mul_(0.5);
+        break;
+      }
+      case Event::kParamSetData:
+        ours[target].set_data(ours[target].detach().clone());
+        for (auto& t : twins) t.params[target].set_data(t.params[target].detach().clone());
+        break;
+      case Event::kLrHalved: {
+        const std::size_t g = rng() % opt->param_groups().size();
+        const auto halve = [g](torch::optim::Optimizer& o) {
+          auto& options = static_cast<Options&>(o.param_groups()[g].options());
+          options.lr(options.lr() * 0.5);
+        };
+        halve(*opt);
+        for (auto& t : twins) halve(*t.opt);
+        break;
+      }
+      case Event::kStateErased:
+        opt->state().erase(ours[target].unsafeGetTensorImpl());
+        for (auto& t : twins) t.opt->state().erase(t.params[target].unsafeGetTensorImpl());
+        break;
+      case Event::kGroupAdded: {
+        std::vector<torch::Tensor> mine;
+        const int n = 1 + static_cast<int>(rng() % 2);
+        for (int i = 0; i < n; ++i) mine.push_back(torch::randn(pool[rng() % pool.size()], dtype).requires_grad_());
+        Options o = random(rng);
+        if constexpr (std::is_same<Options, torch::optim::RMSpropOptions>::value)
+          if (dtype == torch::kFloat && o.centered()) o.eps(std::max(o.eps(), 1e-6));
+        opt->add_param_group(torch::optim::OptimizerParamGroup(mine, std::make_unique<Options>(o)));
+        ours.insert(ours.end(), mine.begin(), mine.end());
+        for (std::size_t k = 0; k < twins.size(); ++k) {
+          const auto theirs = ampfuse_test::leaf_copies(mine, k == 0 ? dtype : torch::kDouble);
+          twins[k].opt->add_param_group(torch::optim::OptimizerParamGroup(theirs, std::make_unique<Options>(o)));
+          twins[k].params.insert(twins[k].params.end(), theirs.begin(), theirs.end());
+        }
+        break;
+      }
+      default:
+        break;
+    }
     const double scale = scaled ? scaler.get_scale() : 1.0;
     if (scaled) {
       scaler.scale(torch::ones({}));
       for (auto& t : twins) t.scaler->scale(torch::ones({}));
     }
+    // A new grad tensor, or (kGradsInPlace: most grads, so that the others
+    // move under the kept plan) written into the last step's.
+    bool in_place = false;
+    const auto give = [&](torch::Tensor& p, const torch::Tensor& g) {
+      const at::Tensor& had = p.grad();
+      if (in_place && had.defined() && had.sizes() == g.sizes() && had.scalar_type() == g.scalar_type())
+        p.mutable_grad().copy_(g);
+      else
+        p.mutable_grad() = g.clone();
+    };
     for (std::size_t i = 0; i < ours.size(); ++i) {
       auto g = torch::randn_like(ours[i]) * scale;
       if (step == inf_step && i == ours.size() - 1 && g.numel() > 0)
         g.view(-1)[rng() % g.numel()] = std::numeric_limits<double>::infinity();
-      ours[i].mutable_grad() = g.clone();
-      for (auto& t : twins) t.params[i].mutable_grad() = (maximize ? -g : g).to(t.params[i].scalar_type()).clone();
+      in_place = event == Event::kGradsInPlace && rng() % 4 != 0;
+      if (event == Event::kFreeze && i == target) {
+        ours[i].mutable_grad() = torch::Tensor();
+        for (auto& t : twins) t.params[i].mutable_grad() = torch::Tensor();
+        continue;
+      }
+      if (event == Event::kOddLayoutGrad && i == target)
+        ours[i].mutable_grad() = odd_layout(g, rng);
+      else
+        give(ours[i], g);
+      for (auto& t : twins) give(t.params[i], (maximize ? -g : g).to(t.params[i].scalar_type()));
     }
     if (!scaled) {
       opt->step();
@@ -269,7 +371,7 @@ TEST(Soak, RandomConfigurationsMatchTorchOptim) {
   if (const char* env = std::getenv("AMPFUSE_SOAK_CONFIG_SEED")) {
     seeds.push_back(std::strtoull(env, nullptr, 10));
   } else {
-    for (int c = 0; c < configs; ++c) seeds.push_back(splitmix(base + static_cast<std::uint64_t>(c)));
+    for (int c = 0; c < configs; ++c) seeds.push_back(splitmix(splitmix(base) + static_cast<std::uint64_t>(c)));  // (nearby bases: other configs)
   }
   int failures = 0;
   for (const std::uint64_t seed : seeds) {
@@ -282,6 +384,10 @@ TEST(Soak, RandomConfigurationsMatchTorchOptim) {
   }
   std::cout << "[ soak     ] " << seeds.size() << " configurations, " << failures << " failed; " << g_compared
             << " elements compared, " << g_widened << " of them ill-conditioned (bound widened by the twins' spread)\n";
+  std::cout << "[ soak     ] between steps:";
+  for (std::size_t e = 1; e < std::size(kEventNames); ++e)
+    std::cout << (e > 1 ? ", " : " ") << kEventNames[e] << " " << g_events[e];
+  std::cout << " (in " << std::accumulate(std::begin(g_events), std::end(g_events), std::int64_t{0}) << " steps)\n";
 }
 
 }  // namespace
