@@ -646,8 +646,9 @@ TEST_P(StepPlanTest, EightBitSparseAndMasterStateFollowAConversion) {
     EXPECT_EQ(st.exp_avg_sq_8bit().strides(), w.strides());
     // Each step moves an element by up to about lr (1e-3). Coded once more in other blocks, the moments
     // differ by the map's resolution at their new block's absmax: a fraction of a step (1.4e-4 seen).
-    // Moments paired with the wrong elements would move elements by whole steps the other way.
-    EXPECT_LT((w.detach() - twin.detach()).abs().max().item<double>(), 3e-4);
+    // Moments paired with the wrong elements would move elements by whole steps the other way (2e-3 each).
+    // The bound: 4x the largest seen (the recoding error adds up over the last three steps; helper-86).
+    EXPECT_LT((w.detach() - twin.detach()).abs().max().item<double>(), 6e-4);
   }
   {
     auto options = torch::TensorOptions().device(device_);

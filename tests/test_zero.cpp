@@ -324,9 +324,15 @@ TEST(ZeroOptimizer, ClipsByTheGlobalNorm) {
 // clip_grad_norm_ on one process) under ZeroOptimizer: the grads are reduced
 // into the shard first and the squares summed across the ranks, so every
 // rank gets the one-process norm and steps as one process (within 1e-6).
+// FusedAdamW (decoupled weight decay): the two norms differ by an fp32 ulp
+// now and then (clip_grad_norm_ rounds each tensor's norm to fp32, the
+// shards sum in fp64), and under FusedAdam's L2 decay an element where
+// c * g + 0.01 * p nearly cancels turns that ulp into a first step's
+// lr * sign, past 1e-6 (helper-86: seeds 2089, 13916, 15787, 17287, about
+// one run in 5,000). Without the L2 term |c * g| stays far above eps.
 TEST(ZeroOptimizer, DisabledScalerClipsByTheGlobalNorm) {
   const auto seed = ampfuse_test::seed_for_test();
-  const Kind k = kinds()[0];
+  const Kind k = kinds()[1];
   for (int world : {2, 3}) {
     SCOPED_TRACE("world " + std::to_string(world));
     const Scenario s = make_scenario(seed, world, /*inf_step=*/-1, /*steps=*/3);
