@@ -27,6 +27,8 @@ export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE}
 # The soak's numeric coverage is the plain run's; here 30 of its random
 # configurations look for memory errors (each runs 3 torch::optim twins).
 export AMPFUSE_SOAK_CONFIGS=${AMPFUSE_SOAK_CONFIGS:-30}
+# The step-plan fuzz likewise: 30 of its configurations per device (300 in the plain run).
+export AMPFUSE_PLAN_FUZZ_CONFIGS=${AMPFUSE_PLAN_FUZZ_CONFIGS:-30}
 
 log "AddressSanitizer + UndefinedBehaviorSanitizer: build ($AMPFUSE_BUILD_DIR)"
 t0=$(date +%s)

@@ -88,9 +88,6 @@ std::unique_ptr<Ours> reloaded(Ours& opt, const Fused& fused) {
 // tol (printed: the soak says how much of it rests on the wider bound).
 std::int64_t g_compared = 0, g_widened = 0;
 
-// A torch::optim twin of the run: its own copies of the parameters and its
-// own GradScaler (the classic path). The perturbed twins run in fp64 with
-// every grad multiplied by 1 + perturb before the step.
 enum class Event { kNone, kFreeze, kGradsInPlace, kOddLayoutGrad, kParamWritten, kParamSetData, kLrHalved,
                    kStateErased, kGroupAdded };
 constexpr const char* kEventNames[] = {"",           "a parameter frozen", "grads written in place (most)",
@@ -109,6 +106,9 @@ torch::Tensor odd_layout(const torch::Tensor& g, std::mt19937_64& rng) {
   return view;
 }
 
+// A torch::optim twin of the run: its own copies of the parameters and its
+// own GradScaler (the classic path). The perturbed twins run in fp64 with
+// every grad multiplied by 1 + perturb before the step.
 template <class Ref>
 struct Twin {
   std::vector<torch::Tensor> params;

@@ -576,8 +576,9 @@ TEST_P(StateModelTest, AStateTensorSharingMemoryIsRefusedNamingBoth) {
 
 // The one-element tensors a step writes (FusedLAMB's step; on CUDA the
 // device step counters and FusedSGD's momentum flag) are looked at too: two
-// parameters' counters made one tensor by hand were advanced twice a step
-// (on CUDA by two blocks at once), and a counter that is an element of a
+// parameters' counters made one tensor by hand were one count, moved by
+// either one's step, a frozen parameter's too (on CUDA written by two
+// blocks at once), and a counter that is an element of a
 // moment was written as both. Refused naming the parameter, nothing
 // written; put back, the step goes on.
 template <class State, class Opt, class Field, class Set>

@@ -385,7 +385,8 @@ struct StateField {
 /// same tensor twice): the kernels read every tensor of an element before
 /// they write, where torch::optim's ops run one after another, so such a
 /// step would give other numbers (two parameters' step counts that are one
-/// tensor would be advanced twice a step, on CUDA by two blocks at once).
+/// tensor would be one count, moved by either parameter's step, frozen or
+/// not; on CUDA written by two blocks at once).
 /// Run when a step plan is made.
 void check_state_memory(const torch::optim::Optimizer& opt, const std::vector<StateField>& fields, const char* name);
 
