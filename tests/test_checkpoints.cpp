@@ -395,13 +395,28 @@ TEST_F(CheckpointTest, StateTensorsOfAnotherShapeOrDtypeAreRefusedNamingTheKey) 
     Tree tree = read_tree(bytes);
     Tree::Item* item = state_tree(tree, 1, 0).find("exp_avg_sq");
     ASSERT_NE(item, nullptr);
-    item->tensor = change == 0 ? torch::zeros({8}) : item->tensor.to(torch::kDouble);
+    item->tensor = change == 0 ? torch::zeros({8}) : item->tensor.to(torch::kInt);
     Rig victim = stepped(Kind::kAdam, seed_ + 3, 2);
     const Snapshot before = snapshot(victim);
     expect_refused(*victim.opt, write_tree(tree),
                    {change == 0 ? "FusedAdam: param group 1, param 0: state exp_avg_sq has shape [8], dtype Float"
-                                : "FusedAdam: param group 1, param 0: state exp_avg_sq has shape [7], dtype Double"});
+                                : "FusedAdam: param group 1, param 0: state exp_avg_sq has shape [7], dtype Int"});
     EXPECT_TRUE(same(before, snapshot(victim)));
+  }
+  // Another floating dtype (a model converted since the checkpoint was
+  // written; here the file's): read as a copy in the dtype kept for the
+  // parameter, as a step's state follows a converted parameter.
+  {
+    Tree tree = read_tree(bytes);
+    Tree::Item* item = state_tree(tree, 1, 0).find("exp_avg_sq");
+    const torch::Tensor saved = item->tensor.clone();
+    item->tensor = item->tensor.to(torch::kDouble);
+    Rig victim = stepped(Kind::kAdam, seed_ + 3, 2);
+    ASSERT_EQ(load_error(*victim.opt, write_tree(tree)), "");
+    const torch::Tensor& p = victim.opt->param_groups()[1].params()[0];
+    const auto& st = static_cast<const ampfuse::FusedAdamParamState&>(*victim.opt->state().at(p.unsafeGetTensorImpl()));
+    EXPECT_EQ(st.exp_avg_sq().scalar_type(), torch::kFloat);
+    EXPECT_TRUE(ampfuse_test::bitwise_equal(st.exp_avg_sq(), saved));
   }
   // Strides: a transposed state for a 3x4 parameter loads, as into LibTorch,
   // as a copy in the parameter's layout with the saved values.

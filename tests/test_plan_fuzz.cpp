@@ -14,6 +14,10 @@
 // weights refuse it), a group's lr halved, a state erased, a group added, the
 // kept copy's optimizer saved and loaded; under a GradScaler (half the
 // configurations, clipping in half of those), an inf in some steps' grads.
+// In unscaled configurations, some steps' grads are then made what no step
+// takes (another dtype, a shape that only broadcasts, resized in place) or
+// restrided in place: the kept plan must refuse, or take, what a fresh plan
+// does, with the same error, and change nothing when it refuses.
 //
 // Each configuration has its own seed, printed on failure; replay one with
 // AMPFUSE_PLAN_FUZZ_SEED=<seed>. AMPFUSE_PLAN_FUZZ_CONFIGS sets how many run.
@@ -139,6 +143,15 @@ constexpr const char* kEventNames[] = {"",
                                        "the optimizer saved and loaded (the kept one)"};
 std::int64_t g_events[std::size(kEventNames)] = {};
 
+// What no step may take, done to a grad after it was given (in unscaled
+// configurations): both copies must refuse it alike, the kept plan's as the
+// fresh one's, and change nothing; or both take it alike.
+enum class Hostile { kNone, kGradOtherDtype, kGradBroadcasts, kGradResizedInPlace, kGradRestridedInPlace };
+constexpr const char* kHostileNames[] = {"", "a grad of another dtype", "a grad of a shape that only broadcasts",
+                                         "a grad resized in place to another shape",
+                                         "a grad restrided in place (column-major)"};
+std::int64_t g_hostile[std::size(kHostileNames)] = {}, g_refused = 0;
+
 // A leaf parameter holding `values`: dense, or (gaps, two or more
 // dimensions) every other element of its last dimension's runs in a tensor
 // twice as wide.
@@ -219,6 +232,12 @@ std::string run_config(const Kind& k, std::uint64_t seed, torch::Device device, 
     const std::size_t target = rng() % kept.params.size();
     const int how = static_cast<int>(rng() % 3);
     const bool inf = scaled && rng() % 6 == 0;
+    const Hostile hostile =
+        !scaled && step > 0 && rng() % 4 == 0 ? static_cast<Hostile>(1 + rng() % 4) : Hostile::kNone;
+    ++g_hostile[static_cast<int>(hostile)];
+    if (hostile != Hostile::kNone)
+      description += std::string(", ") + kHostileNames[static_cast<int>(hostile)] + " (" + std::to_string(target) +
+                     ") at step " + std::to_string(step);
     ++g_events[static_cast<int>(event)];
     if (event != Event::kNone)
       description += std::string(", ") + kEventNames[static_cast<int>(event)] + " (" + std::to_string(target) +
@@ -302,16 +321,49 @@ std::string run_config(const Kind& k, std::uint64_t seed, torch::Device device, 
       }
     }
     for (Copy* c : copies) {
-      if (c == &fresh) k.forget_plan(*c->opt);
-      if (!scaled) {
-        c->opt->step();
-        continue;
+      if (!c->params[target].grad().defined()) break;
+      const at::Tensor g = c->params[target].grad();
+      switch (hostile) {
+        case Hostile::kGradOtherDtype:
+          c->params[target].mutable_grad() = g.to(g.scalar_type() == torch::kDouble ? torch::kFloat : torch::kDouble);
+          break;
+        case Hostile::kGradBroadcasts:
+          if (g.dim() >= 1 && g.size(0) > 1) c->params[target].mutable_grad() = g.narrow(0, 0, 1).clone();
+          break;
+        case Hostile::kGradResizedInPlace:
+          if (g.dim() == 2 && g.size(0) != g.size(1) && g.is_contiguous()) g.resize_({g.size(1), g.size(0)});
+          break;
+        case Hostile::kGradRestridedInPlace:
+          if (g.dim() == 2 && g.is_contiguous() && g.size(0) > 1 && g.size(1) > 1)
+            g.as_strided_(g.sizes(), {1, g.size(0)});
+          break;
+        default:
+          break;
       }
-      c->scaler->scale(torch::ones({}, torch::TensorOptions().device(device)));
-      if (clip) c->scaler->clip_grad_norm_(*c->opt, max_norm);
-      c->scaler->step(*c->opt);
-      c->scaler->update();
     }
+    std::string errors[2];
+    for (int n = 0; n < 2; ++n) {
+      Copy* c = copies[n];
+      if (c == &fresh) k.forget_plan(*c->opt);
+      try {
+        if (!scaled) {
+          c->opt->step();
+          continue;
+        }
+        c->scaler->scale(torch::ones({}, torch::TensorOptions().device(device)));
+        if (clip) c->scaler->clip_grad_norm_(*c->opt, max_norm);
+        c->scaler->step(*c->opt);
+        c->scaler->update();
+      } catch (const c10::Error& e) {
+        errors[n] = e.what_without_backtrace();
+      }
+    }
+    if (errors[0] != errors[1])
+      return "step " + std::to_string(step) + ": the kept plan's step " +
+             (errors[0].empty() ? std::string("was taken") : "was refused: " + errors[0]) + "; the fresh plan's " +
+             (errors[1].empty() ? std::string("was taken") : "was refused: " + errors[1]);
+    if (!errors[0].empty() && hostile == Hostile::kNone) return "step " + std::to_string(step) + " refused: " + errors[0];
+    g_refused += errors[0].empty() ? 0 : 1;
     for (std::size_t i = 0; i < kept.params.size(); ++i) {
       const auto same = ampfuse_test::bitwise_equal(kept.params[i].detach(), fresh.params[i].detach());
       if (!same) return "param " + std::to_string(i) + " after step " + std::to_string(step) + ": " + same.message();
@@ -351,6 +403,8 @@ TEST_P(PlanFuzz, AKeptPlanStepsAsAFreshOneUnderRandomEvents) {
   }
   const std::vector<Kind> all = kinds();
   std::fill(std::begin(g_events), std::end(g_events), 0);
+  std::fill(std::begin(g_hostile), std::end(g_hostile), 0);
+  g_refused = 0;
   int failures = 0;
   for (const std::uint64_t seed : seeds) {
     const Kind& k = all[seed % all.size()];
@@ -364,7 +418,10 @@ TEST_P(PlanFuzz, AKeptPlanStepsAsAFreshOneUnderRandomEvents) {
   std::cout << "[ fuzz     ] " << seeds.size() << " configurations, " << failures << " failed; between steps:";
   for (std::size_t e = 1; e < std::size(kEventNames); ++e)
     std::cout << (e > 1 ? ", " : " ") << kEventNames[e] << " " << g_events[e];
-  std::cout << "\n";
+  std::cout << "; after the grads:";
+  for (std::size_t e = 1; e < std::size(kHostileNames); ++e)
+    std::cout << (e > 1 ? ", " : " ") << kHostileNames[e] << " " << g_hostile[e];
+  std::cout << "; steps refused alike " << g_refused << "\n";
 }
 
 INSTANTIATE_TEST_SUITE_P(All, PlanFuzz, ::testing::Values("cpu", "cuda"),

@@ -327,11 +327,16 @@ class Follow {
  public:
   using Replace = std::function<void(at::Tensor& field, at::Tensor value)>;
   using Seen = std::function<void(const at::Tensor& field)>;
-  Follow(const at::Tensor& param, std::function<void()> refuse_under_capture, Replace replace, Seen seen = nullptr)
+  /// copies_only: operator()'s copies replace their fields, replace() does
+  /// nothing (load(): a checkpoint's state of another dtype than its
+  /// parameter now asks for is read as such a copy; 8-bit codes are not coded again).
+  Follow(const at::Tensor& param, std::function<void()> refuse_under_capture, Replace replace, Seen seen = nullptr,
+         bool copies_only = false)
       : param_(param),
         refuse_under_capture_(std::move(refuse_under_capture)),
         replace_(std::move(replace)),
-        seen_(std::move(seen)) {}
+        seen_(std::move(seen)),
+        copies_only_(copies_only) {}
   /// State tensor `field`, kept in `dtype` with the parameter's shape, in
   /// its kernel layout: replaced by followed_state_tensor's copy where it
   /// has one. (Every field given is also checked for memory shared with
@@ -351,16 +356,18 @@ class Follow {
     if (seen_) seen_(field);
   }
   /// Whether this Follow only names the fields (made with a null Replace:
-  /// nothing is replaced, so follow_param may skip the work whose result
-  /// replace() would take).
+  /// nothing is replaced).
   bool records_only() const { return !replace_; }
+  /// Whether replace() replaces (neither records_only() nor copies_only):
+  /// follow_param may skip the work whose result replace() would take.
+  bool replaces_otherwise() const { return replace_ && !copies_only_; }
   /// Throws under CUDA graph capture, naming the parameter: call it before
   /// the work whose result replace() takes.
   void refuse_under_capture() const { refuse_under_capture_(); }
   /// `field` set to `value` (state that follows otherwise than by a copy,
   /// such as 8-bit codes, blocked in memory order, coded again).
   void replace(at::Tensor& field, at::Tensor value) const {
-    if (records_only()) return;
+    if (!replaces_otherwise()) return;
     refuse_under_capture_();
     replace_(field, std::move(value));
   }
@@ -370,6 +377,7 @@ class Follow {
   std::function<void()> refuse_under_capture_;
   Replace replace_;
   Seen seen_;
+  bool copies_only_;
 };
 
 /// A state tensor that FusedOptimizer::follow_param named, by its
@@ -1339,9 +1347,19 @@ class FusedOptimizer : public Base, public ScalerAware {
       std::vector<StateField> held;
       for (const auto& [saved, st] : loaded) {
         const at::Tensor& p = groups[saved->group].params()[saved->index];
-        check_loaded_state(p, *st, saved->group, saved->index);
         const std::size_t g = saved->group, i = saved->index;
-        name_fields(p, *st, [&](const at::Tensor& field) { held.push_back({g, i, &field}); });
+        // A floating state tensor of the parameter's shape in another
+        // floating dtype than the optimizer keeps for it now (a model
+        // converted since the checkpoint was written: Module::to(dtype)) is
+        // read as a copy in that dtype, as a step's state follows its
+        // parameter, where torch::optim takes any dtype; what no copy mends
+        // is left to check_loaded_state.
+        follow_param(p, *st,
+                     Follow(
+                         p, [&] { refuse_follow_under_capture(p, g, i); },
+                         [](at::Tensor& field, at::Tensor value) { field = std::move(value); },
+                         [&](const at::Tensor& field) { held.push_back({g, i, &field}); }, /*copies_only=*/true));
+        check_loaded_state(p, *st, g, i);
       }
       check_saved_state_memory(layout.states, held, name());
       check_entries({});
@@ -1411,10 +1429,12 @@ class FusedOptimizer : public Base, public ScalerAware {
   /// channels_last) is replaced by a converted copy (followed_state_tensor),
   /// put back if the step is refused, as torch::optim steps on such state.
   /// Refused under CUDA graph capture. The default names none: check_state
-  /// then refuses such state. load() calls it with a Follow that only
-  /// names the fields (Follow::records_only(): nothing is replaced), for
-  /// the memory check; it refuses a checkpoint's tensor of another dtype
-  /// (another layout it lays out as the parameter's).
+  /// then refuses such state. load() calls it too, for every state it
+  /// reads, with a Follow whose replace() does nothing (copies only): a
+  /// checkpoint's floating state tensor of another dtype (a model converted
+  /// since it was written) is read as operator()'s copy, and every field
+  /// named goes to the memory check (another layout load() lays out as the
+  /// parameter's before; 8-bit codes of another layout are refused).
   virtual void follow_param(const at::Tensor& /*param*/, State& /*state*/, const Follow& /*follow*/) {}
   /// What load() calls for every state a checkpoint holds: check_state,
   /// unless overridden to check more, such as values a step reads on the
@@ -1686,20 +1706,22 @@ class FusedOptimizer : public Base, public ScalerAware {
   void follow_params() {
     state_fields_.clear();
     for_each_own_state([&](std::size_t g, std::size_t i, const at::Tensor& p, State& state) {
-      const auto refuse = [&] {
-        TORCH_CHECK(!stream_capturing(p.device()), name(), ": param group ", g, ", param ", i,
-                    ": its state must follow the parameter (converted to another dtype or layout since the last "
-                    "step) under CUDA graph capture; run one step outside the capture first");
-      };
       follow_param(p, state,
                    Follow(
-                       p, refuse,
+                       p, [&] { refuse_follow_under_capture(p, g, i); },
                        [&](at::Tensor& field, at::Tensor value) {
                          undo_.push_back([&field, before = field]() mutable { field = std::move(before); });
                          field = std::move(value);
                        },
                        [&](const at::Tensor& field) { state_fields_.push_back({g, i, &field}); }));
     });
+  }
+
+  void refuse_follow_under_capture(const at::Tensor& p, std::size_t g, std::size_t i) const {
+    TORCH_CHECK(!stream_capturing(p.device()), name(), ": param group ", g, ", param ", i,
+                ": its state must follow the parameter (converted to another dtype or layout since the last "
+                "step, or since its checkpoint was written) under CUDA graph capture; run one step outside the "
+                "capture first");
   }
 
   // fn(field) for each state tensor follow_param names of p's state,
