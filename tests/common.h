@@ -50,6 +50,15 @@ inline std::uint64_t seed_for_test() {
   return seed;
 }
 
+/// splitmix64's mix: the seeds of a randomized test's configurations, drawn
+/// from its base seed (nearby bases give unrelated configurations).
+inline std::uint64_t splitmix(std::uint64_t x) {
+  x += 0x9E3779B97F4A7C15ull;
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+  return x ^ (x >> 31);
+}
+
 inline bool cuda_available() { return torch::cuda::is_available(); }
 
 #define AMPFUSE_SKIP_WITHOUT(device)                                        \

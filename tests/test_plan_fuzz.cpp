@@ -304,7 +304,8 @@ std::string run_config(const Kind& k, std::uint64_t seed, torch::Device device, 
     for (std::size_t i = 0; i < kept.params.size(); ++i) {
       const torch::Tensor& p = kept.params[i];
       auto g = (torch::randn(p.sizes(), torch::TensorOptions().device(device)) * scale).to(p.scalar_type());
-      if (inf && i == target && g.numel() > 0) g.view(-1)[static_cast<std::int64_t>(rng() % g.numel())] = std::numeric_limits<double>::infinity();
+      if (inf && i == target && g.numel() > 0)
+        g.view(-1)[static_cast<std::int64_t>(rng() % g.numel())] = std::numeric_limits<double>::infinity();
       const bool in_place = event == Event::kGradsInPlace && rng() % 4 != 0;
       for (Copy* c : copies) {
         torch::Tensor& q = c->params[i];
@@ -362,7 +363,8 @@ std::string run_config(const Kind& k, std::uint64_t seed, torch::Device device, 
       return "step " + std::to_string(step) + ": the kept plan's step " +
              (errors[0].empty() ? std::string("was taken") : "was refused: " + errors[0]) + "; the fresh plan's " +
              (errors[1].empty() ? std::string("was taken") : "was refused: " + errors[1]);
-    if (!errors[0].empty() && hostile == Hostile::kNone) return "step " + std::to_string(step) + " refused: " + errors[0];
+    if (!errors[0].empty() && hostile == Hostile::kNone)
+      return "step " + std::to_string(step) + " refused: " + errors[0];
     g_refused += errors[0].empty() ? 0 : 1;
     for (std::size_t i = 0; i < kept.params.size(); ++i) {
       const auto same = ampfuse_test::bitwise_equal(kept.params[i].detach(), fresh.params[i].detach());
@@ -373,13 +375,6 @@ std::string run_config(const Kind& k, std::uint64_t seed, torch::Device device, 
              std::to_string(fresh.scaler->get_scale()) + " after step " + std::to_string(step);
   }
   return "";
-}
-
-std::uint64_t splitmix(std::uint64_t x) {
-  x += 0x9E3779B97F4A7C15ull;
-  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
-  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
-  return x ^ (x >> 31);
 }
 
 class PlanFuzz : public ::testing::TestWithParam<std::string> {
@@ -399,7 +394,8 @@ TEST_P(PlanFuzz, AKeptPlanStepsAsAFreshOneUnderRandomEvents) {
   if (const char* env = std::getenv("AMPFUSE_PLAN_FUZZ_SEED")) {
     seeds.push_back(std::strtoull(env, nullptr, 10));
   } else {
-    for (int c = 0; c < configs; ++c) seeds.push_back(splitmix(splitmix(base) + static_cast<std::uint64_t>(c)));
+    for (int c = 0; c < configs; ++c)
+      seeds.push_back(ampfuse_test::splitmix(ampfuse_test::splitmix(base) + static_cast<std::uint64_t>(c)));
   }
   const std::vector<Kind> all = kinds();
   std::fill(std::begin(g_events), std::end(g_events), 0);

@@ -39,13 +39,6 @@ struct Config {
   std::string description;
 };
 
-std::uint64_t splitmix(std::uint64_t x) {
-  x += 0x9E3779B97F4A7C15ull;
-  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
-  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
-  return x ^ (x >> 31);
-}
-
 // torch::nn::utils::clip_grad_norm_'s arithmetic (fp32) from a given total
 // norm: the reference twins clip with the norm that ampfuse's scaler returned,
 // so that they see the coefficient the scaler contract carries (the norm is
@@ -186,7 +179,8 @@ std::string run_config(std::mt19937_64& rng, Random&& random, const Fused& fused
   for (int step = 0; step < steps; ++step) {
     Event event = step > 0 && rng() % 2 == 0 ? static_cast<Event>(1 + rng() % 8) : Event::kNone;
     // (LibTorch's Adagrad makes its state in its constructor and asserts it at every step.)
-    if (std::is_same<Ref, torch::optim::Adagrad>::value && (event == Event::kStateErased || event == Event::kGroupAdded))
+    if (std::is_same<Ref, torch::optim::Adagrad>::value &&
+        (event == Event::kStateErased || event == Event::kGroupAdded))
       event = Event::kParamWritten;
     // (A step with no grad at all is refused under a scaler, as PyTorch's: "No inf checks were recorded".)
     if (event == Event::kFreeze && ours.size() == 1) event = Event::kGradsInPlace;
@@ -371,7 +365,8 @@ TEST(Soak, RandomConfigurationsMatchTorchOptim) {
   if (const char* env = std::getenv("AMPFUSE_SOAK_CONFIG_SEED")) {
     seeds.push_back(std::strtoull(env, nullptr, 10));
   } else {
-    for (int c = 0; c < configs; ++c) seeds.push_back(splitmix(splitmix(base) + static_cast<std::uint64_t>(c)));  // (nearby bases: other configs)
+    for (int c = 0; c < configs; ++c)
+      seeds.push_back(ampfuse_test::splitmix(ampfuse_test::splitmix(base) + static_cast<std::uint64_t>(c)));
   }
   int failures = 0;
   for (const std::uint64_t seed : seeds) {

@@ -593,7 +593,8 @@ void expect_counter_sharing_refused(Opt& opt, const std::string& name, Field fie
   set(s1, field(s0));
   const auto before = snapshot<State>(opt);
   ampfuse_test::expect_step_refused(
-      opt, name + ": param group 0, param 1: a state tensor shares memory with a state tensor of param group 0, param 0");
+      opt,
+      name + ": param group 0, param 1: a state tensor shares memory with a state tensor of param group 0, param 0");
   EXPECT_TRUE(same_snapshots(before, snapshot<State>(opt))) << name;
   set(s1, own);
   const auto p1 = groups[0].params()[1].detach().clone();

@@ -315,8 +315,9 @@ void FusedAdamImpl<Base, Options, State, kDecoupled>::follow_param(const at::Ten
     follow.seen(codes);
     follow.seen(absmax);
     // What check_codes would refuse for more than its layout is left to it.
-    if (!follow.replaces_otherwise() || !codes.defined() || !absmax.defined() || codes.scalar_type() != at::kByte || codes.sizes() != p.sizes() ||
-        codes.device() != p.device() || absmax.device() != p.device() || !codes.is_non_overlapping_and_dense() ||
+    if (!follow.replaces_otherwise() || !codes.defined() || !absmax.defined() || codes.scalar_type() != at::kByte ||
+        codes.sizes() != p.sizes() || codes.device() != p.device() || absmax.device() != p.device() ||
+        !codes.is_non_overlapping_and_dense() ||
         absmax.scalar_type() != at::kFloat || absmax.dim() != 1 || absmax.numel() != fused::quant_blocks(p.numel()) ||
         codes.strides() == c10::IntArrayRef(sdk::kernel_strides(p)))
       return;
