@@ -473,6 +473,71 @@ void expect_loads_and_steps_on(const torch::Tensor& p0, const Options& options,
 // its numbers: torch::optim::SGD's momentum buffer is a clone of the grad
 // (contiguous grads of a transposed parameter), and a model saved with
 // channels_last weights keeps its Adam moments channels_last.
+// A checkpoint written before the model was converted (fp32 to fp64) loads
+// into the converted model, its state read as copies in fp64, and steps on
+// bit for bit as the optimizer converted with its model (whose state
+// followed at its next step): resuming a converted run from its last
+// checkpoint. A checkpoint of fp32 moments loads into bf16_moments as bf16.
+TEST_F(CheckpointTest, ACheckpointLoadsIntoAConvertedModelAsItsStateWouldFollow) {
+  for (const bool lamb : {false, true}) {
+    SCOPED_TRACE(lamb ? "FusedLAMB" : "FusedAdam");
+    torch::manual_seed(seed_);
+    std::vector<torch::Tensor> resumed, followed;
+    for (const std::vector<std::int64_t> shape : {std::vector<std::int64_t>{6}, std::vector<std::int64_t>{3, 5}}) {
+      const auto v = torch::randn(shape);
+      resumed.push_back(v.clone().requires_grad_());
+      followed.push_back(v.clone().requires_grad_());
+    }
+    const auto make = [lamb](const std::vector<torch::Tensor>& ps) -> std::unique_ptr<torch::optim::Optimizer> {
+      if (lamb) return std::make_unique<ampfuse::FusedLAMB>(ps, ampfuse::FusedLAMBOptions(1e-2).max_grad_norm(1.0));
+      return std::make_unique<ampfuse::FusedAdam>(ps, torch::optim::AdamOptions(1e-2).amsgrad(true));
+    };
+    const auto step_both = [&](torch::optim::Optimizer& a, torch::optim::Optimizer& b) {
+      for (std::size_t i = 0; i < resumed.size(); ++i) {
+        const auto g = torch::randn(resumed[i].sizes(), resumed[i].options());
+        resumed[i].mutable_grad() = g.clone();
+        followed[i].mutable_grad() = g.clone();
+      }
+      a.step();
+      b.step();
+    };
+    auto before = make(resumed), converted = make(followed);
+    for (int s = 0; s < 2; ++s) step_both(*before, *converted);
+    std::ostringstream bytes;
+    torch::save(*before, bytes);
+    for (auto* ps : {&resumed, &followed})
+      for (auto& p : *ps) p.set_data(p.detach().to(torch::kDouble));
+    auto after = make(resumed);
+    ASSERT_EQ(load_error(*after, bytes.str()), "");
+    for (const auto& [key, state] : after->state()) {
+      const at::Tensor& exp_avg = lamb ? static_cast<const ampfuse::FusedLAMBParamState&>(*state).exp_avg()
+                                       : static_cast<const ampfuse::FusedAdamParamState&>(*state).exp_avg();
+      EXPECT_EQ(exp_avg.scalar_type(), torch::kDouble);
+    }
+    for (int s = 0; s < 3; ++s) step_both(*after, *converted);
+    for (std::size_t i = 0; i < resumed.size(); ++i)
+      EXPECT_TRUE(ampfuse_test::bitwise_equal(resumed[i].detach(), followed[i].detach())) << "param " << i;
+  }
+  // fp32 moments into bf16_moments: rounded to bf16 (and the reverse, widened).
+  auto p = torch::randn({9}).requires_grad_();
+  ampfuse::FusedAdam fp32({p}, torch::optim::AdamOptions(1e-2));
+  p.mutable_grad() = torch::randn({9});
+  fp32.step();
+  std::ostringstream bytes;
+  torch::save(fp32, bytes);
+  ampfuse::FusedAdam bf16({p}, torch::optim::AdamOptions(1e-2), ampfuse::FusedAdamOptions().bf16_moments(true));
+  ASSERT_EQ(load_error(bf16, bytes.str()), "");
+  const auto& saved = static_cast<const ampfuse::FusedAdamParamState&>(*fp32.state().at(p.unsafeGetTensorImpl()));
+  const auto& loaded = static_cast<const ampfuse::FusedAdamParamState&>(*bf16.state().at(p.unsafeGetTensorImpl()));
+  EXPECT_TRUE(ampfuse_test::bitwise_equal(loaded.exp_avg(), saved.exp_avg().to(torch::kBFloat16)));
+  EXPECT_TRUE(ampfuse_test::bitwise_equal(loaded.exp_avg_sq(), saved.exp_avg_sq().to(torch::kBFloat16)));
+  std::ostringstream back;
+  torch::save(bf16, back);
+  ASSERT_EQ(load_error(fp32, back.str()), "");
+  const auto& widened = static_cast<const ampfuse::FusedAdamParamState&>(*fp32.state().at(p.unsafeGetTensorImpl()));
+  EXPECT_TRUE(ampfuse_test::bitwise_equal(widened.exp_avg(), loaded.exp_avg().to(torch::kFloat)));
+}
+
 TEST_F(CheckpointTest, LibTorchStateInAnotherLayoutLoadsAndStepsOn) {
   const auto same_layout = [](const torch::Tensor& p) { return p.detach().clone(torch::MemoryFormat::Preserve); };
   expect_loads_and_steps_on<torch::optim::SGD, ampfuse::FusedSGD>(
