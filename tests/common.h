@@ -59,6 +59,28 @@ inline std::uint64_t splitmix(std::uint64_t x) {
   return x ^ (x >> 31);
 }
 
+/// The seeds of a randomized test's configurations: `count` of them drawn
+/// from `base` (the environment variable `count_env`, where set, says how
+/// many), or the one `seed_env` names (a replay of one configuration).
+inline std::vector<std::uint64_t> config_seeds(std::uint64_t base, int count, const char* count_env,
+                                               const char* seed_env) {
+  if (const char* env = std::getenv(seed_env)) return {std::strtoull(env, nullptr, 10)};
+  if (const char* env = std::getenv(count_env)) count = std::atoi(env);
+  std::vector<std::uint64_t> seeds;
+  for (int c = 0; c < count; ++c) seeds.push_back(splitmix(splitmix(base) + static_cast<std::uint64_t>(c)));
+  return seeds;
+}
+
+/// g's values in another layout: transposed (2-d, how 0), or a view whose
+/// every stride is doubled (every other element of a wider tensor, from
+/// element how % 2).
+inline torch::Tensor odd_layout(const torch::Tensor& g, int how) {
+  if (g.dim() == 2 && how == 0) return g.t().contiguous().t();
+  auto view = torch::zeros({g.numel(), 2}, g.options()).select(1, how % 2).view(g.sizes());
+  view.copy_(g);
+  return view;
+}
+
 inline bool cuda_available() { return torch::cuda::is_available(); }
 
 #define AMPFUSE_SKIP_WITHOUT(device)                                        \

@@ -468,11 +468,6 @@ void expect_loads_and_steps_on(const torch::Tensor& p0, const Options& options,
   EXPECT_TRUE(torch::allclose(p_ours, p_ref, 1e-5, 1e-7)) << (p_ours - p_ref).abs().max().item<double>();
 }
 
-// A checkpoint of torch::optim whose state is laid out otherwise than the
-// parameter it loads for loads, as into torch::optim, and steps on with
-// its numbers: torch::optim::SGD's momentum buffer is a clone of the grad
-// (contiguous grads of a transposed parameter), and a model saved with
-// channels_last weights keeps its Adam moments channels_last.
 // A checkpoint written before the model was converted (fp32 to fp64) loads
 // into the converted model, its state read as copies in fp64, and steps on
 // bit for bit as the optimizer converted with its model (whose state
@@ -538,6 +533,11 @@ TEST_F(CheckpointTest, ACheckpointLoadsIntoAConvertedModelAsItsStateWouldFollow)
   EXPECT_TRUE(ampfuse_test::bitwise_equal(widened.exp_avg(), loaded.exp_avg().to(torch::kFloat)));
 }
 
+// A checkpoint of torch::optim whose state is laid out otherwise than the
+// parameter it loads for loads, as into torch::optim, and steps on with
+// its numbers: torch::optim::SGD's momentum buffer is a clone of the grad
+// (contiguous grads of a transposed parameter), and a model saved with
+// channels_last weights keeps its Adam moments channels_last.
 TEST_F(CheckpointTest, LibTorchStateInAnotherLayoutLoadsAndStepsOn) {
   const auto same_layout = [](const torch::Tensor& p) { return p.detach().clone(torch::MemoryFormat::Preserve); };
   expect_loads_and_steps_on<torch::optim::SGD, ampfuse::FusedSGD>(

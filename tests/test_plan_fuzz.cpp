@@ -164,15 +164,6 @@ torch::Tensor make_param(const torch::Tensor& values, bool gaps) {
   return view.requires_grad_();
 }
 
-// g in another layout, the same values: transposed (2-d, how 0), or a view
-// whose every stride is doubled.
-torch::Tensor odd_layout(const torch::Tensor& g, int how) {
-  if (g.dim() == 2 && how == 0) return g.t().contiguous().t();
-  auto view = torch::zeros({g.numel(), 2}, g.options()).select(1, how % 2).view(g.sizes());
-  view.copy_(g);
-  return view;
-}
-
 struct Copy {
   std::vector<torch::Tensor> params;
   std::unique_ptr<torch::optim::Optimizer> opt;
@@ -312,7 +303,7 @@ std::string run_config(const Kind& k, std::uint64_t seed, torch::Device device, 
         if (event == Event::kFreeze && i == target) {
           q.mutable_grad() = torch::Tensor();
         } else if (event == Event::kOddLayoutGrad && i == target) {
-          q.mutable_grad() = odd_layout(g, how);
+          q.mutable_grad() = ampfuse_test::odd_layout(g, how);
         } else if (in_place && q.grad().defined() && q.grad().sizes() == g.sizes() &&
                    q.grad().scalar_type() == g.scalar_type()) {
           q.mutable_grad().copy_(g);
@@ -388,15 +379,8 @@ class PlanFuzz : public ::testing::TestWithParam<std::string> {
 
 TEST_P(PlanFuzz, AKeptPlanStepsAsAFreshOneUnderRandomEvents) {
   const std::uint64_t base = ampfuse_test::seed_for_test();  // (printed once: the configurations' seeds come from it)
-  int configs = 300;
-  if (const char* env = std::getenv("AMPFUSE_PLAN_FUZZ_CONFIGS")) configs = std::atoi(env);
-  std::vector<std::uint64_t> seeds;
-  if (const char* env = std::getenv("AMPFUSE_PLAN_FUZZ_SEED")) {
-    seeds.push_back(std::strtoull(env, nullptr, 10));
-  } else {
-    for (int c = 0; c < configs; ++c)
-      seeds.push_back(ampfuse_test::splitmix(ampfuse_test::splitmix(base) + static_cast<std::uint64_t>(c)));
-  }
+  const std::vector<std::uint64_t> seeds =
+      ampfuse_test::config_seeds(base, 300, "AMPFUSE_PLAN_FUZZ_CONFIGS", "AMPFUSE_PLAN_FUZZ_SEED");
   const std::vector<Kind> all = kinds();
   std::fill(std::begin(g_events), std::end(g_events), 0);
   std::fill(std::begin(g_hostile), std::end(g_hostile), 0);

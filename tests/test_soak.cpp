@@ -90,15 +90,6 @@ constexpr const char* kEventNames[] = {"",           "a parameter frozen", "grad
 // How many of each event the soak applied (printed with its summary).
 std::int64_t g_events[std::size(kEventNames)] = {};
 
-// g in another layout, same values: transposed (2-d), or a view with gaps.
-torch::Tensor odd_layout(const torch::Tensor& g, std::mt19937_64& rng) {
-  if (g.dim() == 2 && rng() % 2 == 0) return g.t().contiguous().t();
-  auto wide = torch::zeros({g.numel(), 2}, g.options());
-  auto view = wide.select(1, static_cast<std::int64_t>(rng() % 2)).view(g.sizes());  // every stride doubled
-  view.copy_(g);
-  return view;
-}
-
 // A torch::optim twin of the run: its own copies of the parameters and its
 // own GradScaler (the classic path). The perturbed twins run in fp64 with
 // every grad multiplied by 1 + perturb before the step.
@@ -259,7 +250,7 @@ std::string run_config(std::mt19937_64& rng, Random&& random, const Fused& fused
         continue;
       }
       if (event == Event::kOddLayoutGrad && i == target)
-        ours[i].mutable_grad() = odd_layout(g, rng);
+        ours[i].mutable_grad() = ampfuse_test::odd_layout(g, static_cast<int>(rng() % 3));
       else
         give(ours[i], g);
       for (auto& t : twins) give(t.params[i], (maximize ? -g : g).to(t.params[i].scalar_type()));
@@ -359,15 +350,8 @@ std::string run_one(std::uint64_t seed, std::string& description) {
 
 TEST(Soak, RandomConfigurationsMatchTorchOptim) {
   const std::uint64_t base = ampfuse_test::seed_for_test();
-  int configs = 120;
-  if (const char* env = std::getenv("AMPFUSE_SOAK_CONFIGS")) configs = std::atoi(env);
-  std::vector<std::uint64_t> seeds;
-  if (const char* env = std::getenv("AMPFUSE_SOAK_CONFIG_SEED")) {
-    seeds.push_back(std::strtoull(env, nullptr, 10));
-  } else {
-    for (int c = 0; c < configs; ++c)
-      seeds.push_back(ampfuse_test::splitmix(ampfuse_test::splitmix(base) + static_cast<std::uint64_t>(c)));
-  }
+  const std::vector<std::uint64_t> seeds =
+      ampfuse_test::config_seeds(base, 120, "AMPFUSE_SOAK_CONFIGS", "AMPFUSE_SOAK_CONFIG_SEED");
   int failures = 0;
   for (const std::uint64_t seed : seeds) {
     std::string description;
