@@ -5,6 +5,10 @@
 //   Host        FusedAdam::step against at::_fused_adam_ on the same lists,
 //               torch::optim::Adam and the two object ceilings (below)
 //   HostMovedGrads  the same with new grad tensors at every step
+//   HostGradsComeAndGo  new grads at every step, with a tenth of the
+//               parameters without one, another tenth at each step (experts
+//               of a mixture that no token was routed to), against
+//               torch::optim::Adam on the same grads
 //   HostLAMB    FusedLAMB::step (two passes and the trust ratios between them)
 //   HostSGD, HostAdagrad, HostRMSprop  FusedSGD (momentum), FusedAdagrad and
 //               FusedRMSprop against torch::optim's SGD, Adagrad and RMSprop
@@ -13,6 +17,7 @@
 //               _fused_adam_ with found_inf, _foreach_sub_ of the steps,
 //               _amp_update_scale_)
 //   HostScalerMovedGrads  the same as ours with new grad tensors at every step
+//   HostScalerGradsComeAndGo  the same as ours with HostGradsComeAndGo's grads
 //   HostGroups  FusedAdam::step against torch::optim::Adam with the
 //               parameters in 1,000 groups of 10 (a list per group: each
 //               list's kernel runs on the calling thread, sdk::cpu::
@@ -149,10 +154,15 @@ struct GradsTakingTurns {
   std::array<std::vector<torch::Tensor>, 2> sets;
   int turn = 0;
 
-  explicit GradsTakingTurns(const std::vector<torch::Tensor>& of) {
+  // every_nth > 0: in each set, one parameter in every_nth has no grad (a
+  // different one in each set), as experts of a mixture that no token was
+  // routed to in that step: the parameters with a grad change every step.
+  explicit GradsTakingTurns(const std::vector<torch::Tensor>& of, std::size_t every_nth = 0) {
     for (const auto& p : of) params.push_back(p.detach().clone().requires_grad_());
-    for (auto& set : sets)
-      for (const auto& p : params) set.push_back(torch::randn_like(p));
+    for (std::size_t s = 0; s < sets.size(); ++s)
+      for (std::size_t i = 0; i < params.size(); ++i)
+        sets[s].push_back(every_nth > 0 && i % every_nth == s * every_nth / 2 ? torch::Tensor()
+                                                                             : torch::randn_like(params[i]));
   }
   void next() {
     const auto& grads = sets[static_cast<std::size_t>(turn++ & 1)];
@@ -186,6 +196,20 @@ void register_host(torch::Device device) {
       opt->step();
     });
   }, bytes);
+  // A tenth of the parameters without a grad, a different tenth at each step.
+  for (const bool ours : {true, false})
+    register_one(std::string("HostGradsComeAndGo/") + (ours ? "ours" : "torch_optim_adam") + tail, device, [=] {
+      auto turns = std::make_shared<GradsTakingTurns>(data().params, 10);
+      std::shared_ptr<torch::optim::Optimizer> opt;
+      if (ours)
+        opt = std::make_shared<ampfuse::FusedAdam>(turns->params, torch::optim::AdamOptions(kLr));
+      else
+        opt = std::make_shared<torch::optim::Adam>(turns->params, torch::optim::AdamOptions(kLr));
+      return Fn([=] {
+        turns->next();
+        opt->step();
+      });
+    }, bytes);
   register_one("HostLAMB/ours" + tail, device, [=] {
     auto opt = std::make_shared<ampfuse::FusedLAMB>(data().params, ampfuse::FusedLAMBOptions(kLr));
     return Fn([=] { opt->step(); });
@@ -251,6 +275,11 @@ void register_host(torch::Device device) {
   }, bytes);
   register_one("HostScalerMovedGrads/ours" + tail, device, [=] {
     auto turns = std::make_shared<GradsTakingTurns>(data().params);
+    auto opt = std::make_shared<ampfuse::FusedAdam>(turns->params, torch::optim::AdamOptions(kLr));
+    return scaler_steps(opt, device, 1.0, 0.0, [turns] { turns->next(); });
+  }, bytes);
+  register_one("HostScalerGradsComeAndGo/ours" + tail, device, [=] {
+    auto turns = std::make_shared<GradsTakingTurns>(data().params, 10);
     auto opt = std::make_shared<ampfuse::FusedAdam>(turns->params, torch::optim::AdamOptions(kLr));
     return scaler_steps(opt, device, 1.0, 0.0, [turns] { turns->next(); });
   }, bytes);

@@ -473,6 +473,46 @@ void expect_loads_and_steps_on(const torch::Tensor& p0, const Options& options,
 // bit for bit as the optimizer converted with its model (whose state
 // followed at its next step): resuming a converted run from its last
 // checkpoint. A checkpoint of fp32 moments loads into bf16_moments as bf16.
+// 8-bit codes saved for a parameter laid out otherwise than it is now (a
+// model made channels_last or column-major since the checkpoint was
+// written) are decoded in their saved memory order and coded again in the
+// parameter's layout, as a step codes them again after such a conversion:
+// the loaded optimizer steps bit for bit as one that followed by stepping.
+// Damaged codes are refused before anything decodes them.
+TEST_F(CheckpointTest, EightBitCodesLoadIntoAParameterLaidOutOtherwise) {
+  torch::manual_seed(seed_);
+  const auto v = torch::randn({64, 80});  // (5,120 elements: 8-bit moments)
+  auto resumed = v.clone().requires_grad_(), followed = v.clone().requires_grad_();
+  const auto make = [](const torch::Tensor& p) {
+    return std::make_unique<ampfuse::FusedAdam>(std::vector<torch::Tensor>{p}, torch::optim::AdamOptions(1e-2),
+                                                ampfuse::FusedAdamOptions().moments_8bit(true));
+  };
+  const auto step_both = [&](torch::optim::Optimizer& a, torch::optim::Optimizer& b) {
+    const auto g = torch::randn(resumed.sizes());
+    resumed.mutable_grad() = g.clone();
+    followed.mutable_grad() = g.clone();
+    a.step();
+    b.step();
+  };
+  auto before = make(resumed), converted = make(followed);
+  for (int s = 0; s < 2; ++s) step_both(*before, *converted);
+  std::ostringstream bytes, damaged;
+  torch::save(*before, bytes);
+  auto& kept = static_cast<ampfuse::FusedAdamParamState&>(*before->state().at(resumed.unsafeGetTensorImpl()));
+  kept.exp_avg_8bit().view(-1)[5] = 127;  // (exp_avg's magnitudes run to 126)
+  torch::save(*before, damaged);
+  for (auto* p : {&resumed, &followed}) p->set_data(p->detach().t().contiguous().t());  // column-major
+  auto after = make(resumed);
+  EXPECT_THAT(load_error(*after, damaged.str()), ::testing::HasSubstr("exp_avg_8bit holds the byte 127"));
+  EXPECT_TRUE(after->state().empty()) << "a refused load left state";
+  ASSERT_EQ(load_error(*after, bytes.str()), "");
+  const auto& loaded = static_cast<const ampfuse::FusedAdamParamState&>(*after->state().at(resumed.unsafeGetTensorImpl()));
+  EXPECT_EQ(loaded.exp_avg_8bit().strides(), resumed.strides());
+  EXPECT_EQ(loaded.exp_avg_sq_8bit().strides(), resumed.strides());
+  for (int s = 0; s < 3; ++s) step_both(*after, *converted);
+  EXPECT_TRUE(ampfuse_test::bitwise_equal(resumed.detach(), followed.detach()));
+}
+
 TEST_F(CheckpointTest, ACheckpointLoadsIntoAConvertedModelAsItsStateWouldFollow) {
   for (const bool lamb : {false, true}) {
     SCOPED_TRACE(lamb ? "FusedLAMB" : "FusedAdam");

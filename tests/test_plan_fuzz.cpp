@@ -50,6 +50,8 @@ struct Kind {
   /// The optimizer over `groups`; `replanned`: one whose forget_plan() the test calls.
   std::function<std::unique_ptr<torch::optim::Optimizer>(const Groups& groups, bool replanned)> make;
   std::function<void(torch::optim::Optimizer&)> forget_plan;  ///< of a replanned one
+  /// How the last step of one that keeps its plan found it.
+  std::function<ampfuse::sdk::PlanMatch(const torch::optim::Optimizer&)> plan_match;
   bool converts = true;  ///< whether a parameter may change dtype (not with 8-bit moments or master weights)
 };
 
@@ -67,7 +69,8 @@ Kind kind(std::string name, torch::Dtype dtype, std::function<Options(std::mt199
             if (replanned) return std::make_unique<Replanned<Opt>>(groups, args...);
             return std::make_unique<Opt>(groups, args...);
           },
-          [](torch::optim::Optimizer& opt) { static_cast<Replanned<Opt>&>(opt).forget(); }};
+          [](torch::optim::Optimizer& opt) { static_cast<Replanned<Opt>&>(opt).forget(); },
+          [](const torch::optim::Optimizer& opt) { return static_cast<const Opt&>(opt).last_plan_match(); }};
 }
 
 ampfuse::FusedLAMBOptions random_lamb(std::mt19937_64& rng) {
@@ -130,7 +133,7 @@ enum class Event {
   kReloaded,
 };
 constexpr const char* kEventNames[] = {"",
-                                       "a parameter frozen",
+                                       "a parameter frozen (or a third of them)",
                                        "grads written in place (most)",
                                        "a grad in another layout",
                                        "a parameter written",
@@ -151,6 +154,9 @@ constexpr const char* kHostileNames[] = {"", "a grad of another dtype", "a grad 
                                          "a grad resized in place to another shape",
                                          "a grad restrided in place (column-major)"};
 std::int64_t g_hostile[std::size(kHostileNames)] = {}, g_refused = 0;
+// How the kept plan's steps found it (by ampfuse::sdk::PlanMatch), of the steps taken.
+constexpr const char* kMatchNames[] = {"changed", "same", "grads moved", "grads came or went"};
+std::int64_t g_matches[std::size(kMatchNames)] = {};
 
 // A leaf parameter holding `values`: dense, or (gaps, two or more
 // dimensions) every other element of its last dimension's runs in a tensor
@@ -291,6 +297,8 @@ std::string run_config(const Kind& k, std::uint64_t seed, torch::Device device, 
       default:
         break;
     }
+    // (Frozen with the target: a third of the parameters, never all.)
+    const bool freeze_more = event == Event::kFreeze && rng() % 2 == 0;
     const double scale = kept.scaler->get_scale();
     for (std::size_t i = 0; i < kept.params.size(); ++i) {
       const torch::Tensor& p = kept.params[i];
@@ -300,7 +308,7 @@ std::string run_config(const Kind& k, std::uint64_t seed, torch::Device device, 
       const bool in_place = event == Event::kGradsInPlace && rng() % 4 != 0;
       for (Copy* c : copies) {
         torch::Tensor& q = c->params[i];
-        if (event == Event::kFreeze && i == target) {
+        if (event == Event::kFreeze && (i == target || (freeze_more && i % 3 == target % 3))) {
           q.mutable_grad() = torch::Tensor();
         } else if (event == Event::kOddLayoutGrad && i == target) {
           q.mutable_grad() = ampfuse_test::odd_layout(g, how);
@@ -357,6 +365,7 @@ std::string run_config(const Kind& k, std::uint64_t seed, torch::Device device, 
     if (!errors[0].empty() && hostile == Hostile::kNone)
       return "step " + std::to_string(step) + " refused: " + errors[0];
     g_refused += errors[0].empty() ? 0 : 1;
+    if (errors[0].empty()) ++g_matches[static_cast<int>(k.plan_match(*kept.opt))];
     for (std::size_t i = 0; i < kept.params.size(); ++i) {
       const auto same = ampfuse_test::bitwise_equal(kept.params[i].detach(), fresh.params[i].detach());
       if (!same) return "param " + std::to_string(i) + " after step " + std::to_string(step) + ": " + same.message();
@@ -389,7 +398,12 @@ TEST_P(PlanFuzz, AKeptPlanStepsAsAFreshOneUnderRandomEvents) {
   for (const std::uint64_t seed : seeds) {
     const Kind& k = all[seed % all.size()];
     std::string description;
-    const std::string error = run_config(k, seed, device_, description);
+    std::string error;
+    try {
+      error = run_config(k, seed, device_, description);
+    } catch (const std::exception& e) {  // (outside a step: an event, or the set-up)
+      error = std::string("threw outside a step: ") + e.what();
+    }
     if (error.empty()) continue;
     ++failures;
     ADD_FAILURE() << description << ": " << error << " (replay: AMPFUSE_PLAN_FUZZ_SEED=" << seed << ")";
@@ -401,7 +415,10 @@ TEST_P(PlanFuzz, AKeptPlanStepsAsAFreshOneUnderRandomEvents) {
   std::cout << "; after the grads:";
   for (std::size_t e = 1; e < std::size(kHostileNames); ++e)
     std::cout << (e > 1 ? ", " : " ") << kHostileNames[e] << " " << g_hostile[e];
-  std::cout << "; steps refused alike " << g_refused << "\n";
+  std::cout << "; steps refused alike " << g_refused << "; the kept plan found";
+  for (std::size_t m = 0; m < std::size(kMatchNames); ++m)
+    std::cout << (m > 0 ? ", " : " ") << kMatchNames[m] << " " << g_matches[m];
+  std::cout << "\n";
 }
 
 INSTANTIATE_TEST_SUITE_P(All, PlanFuzz, ::testing::Values("cpu", "cuda"),

@@ -274,18 +274,111 @@ TEST_P(StepPlanTest, FrozenParametersKeepThePlanAndAGradOnOneIsSeen) {
   EXPECT_TRUE(t.step(PlanMatch::kChanged));
   grads({0, 1, 2});
   EXPECT_TRUE(t.step(PlanMatch::kSame));
-  t.apply([](auto&, auto& params) { params[1].mutable_grad() = torch::Tensor(); });  // frozen again, with state
+  // Frozen again, with state: the plan's entries and lists are made again, nothing else validated again.
+  t.apply([](auto&, auto& params) { params[1].mutable_grad() = torch::Tensor(); });
   grads({0, 2});
-  EXPECT_TRUE(t.step(PlanMatch::kChanged));
+  EXPECT_TRUE(t.step(PlanMatch::kGradsCameOrWent));
+  grads({0, 2});
+  EXPECT_TRUE(t.step(PlanMatch::kSame));
+  grads({0, 1, 2});  // unfrozen, with its state
+  EXPECT_TRUE(t.step(PlanMatch::kGradsCameOrWent));
+  grads({0, 1, 2});
+  EXPECT_TRUE(t.step(PlanMatch::kSame));
+  // One frozen and another unfrozen at once, beside a grad that moved (a new tensor).
+  t.apply([](auto&, auto& params) {
+    params[0].mutable_grad() = torch::Tensor();
+    params[2].mutable_grad() = torch::Tensor();
+  });
+  grads({0, 1});
+  EXPECT_TRUE(t.step(PlanMatch::kGradsCameOrWent));
+  t.apply([](auto&, auto& params) {
+    params[0].mutable_grad() = torch::ones_like(params[0]);  // (a new tensor: moved)
+    params[1].mutable_grad() = torch::Tensor();
+  });
+  grads({2});
+  EXPECT_TRUE(t.step(PlanMatch::kGradsCameOrWent));
+  t.apply([](auto&, auto& params) { params[2].mutable_grad() = torch::Tensor(); });
+  grads({0, 1});
+  EXPECT_TRUE(t.step(PlanMatch::kGradsCameOrWent));
+  grads({0, 1, 2});
+  EXPECT_TRUE(t.step(PlanMatch::kGradsCameOrWent));
   for (int s = 0; s < 2; ++s) {
+    t.apply([](auto&, auto& params) { params[1].mutable_grad() = torch::Tensor(); });
     grads({0, 2});
-    EXPECT_TRUE(t.step(PlanMatch::kSame));
+    EXPECT_TRUE(t.step(s == 0 ? PlanMatch::kGradsCameOrWent : PlanMatch::kSame));
   }
   t.apply([](auto& opt, auto& params) { opt.state().erase(params[1].unsafeGetTensorImpl()); });  // its state dropped
   grads({0, 2});
   EXPECT_TRUE(t.step(PlanMatch::kChanged));
   grads({0, 2});
   EXPECT_TRUE(t.step(PlanMatch::kSame));
+}
+
+// A grad that a parameter gains under a kept plan is validated as a moved
+// one, and the parameter's state as the plan's first step validates it:
+// what a step made from scratch refuses is refused alike, naming the
+// parameter, and changes nothing; a grad that is read through a copy makes
+// the plan again.
+TEST_P(StepPlanTest, AGradGainedUnderAPlanIsValidatedAsAFreshStepValidatesIt) {
+  Twins<ampfuse::FusedAdam> t({param({9}, torch::kFloat), param({4, 6}, torch::kFloat), param({3000}, torch::kFloat)},
+                              maker<ampfuse::FusedAdam>(torch::optim::AdamOptions(1e-2)));
+  const auto freeze = [&t] { t.apply([](auto&, auto& params) { params[1].mutable_grad() = torch::Tensor(); }); };
+  const auto both_refuse = [&t](const char* what, const char* message) {
+    const std::vector<torch::Tensor> before = {t.a[0].detach().clone(), t.a[1].detach().clone(),
+                                               t.a[2].detach().clone()};
+    std::string errors[2];
+    int k = 0;
+    for (auto* opt : {static_cast<torch::optim::Optimizer*>(t.reused.get()),
+                      static_cast<torch::optim::Optimizer*>(t.fresh.get())}) {
+      if (k == 1) t.fresh->forget();
+      try {
+        opt->step();
+      } catch (const c10::Error& e) {
+        errors[k] = e.what_without_backtrace();
+      }
+      ++k;
+    }
+    EXPECT_THAT(errors[0], HasSubstr("param group 0, param 1")) << what;
+    EXPECT_THAT(errors[0], HasSubstr(message)) << what;
+    EXPECT_EQ(errors[0], errors[1]) << what << ": the kept plan's error and a fresh step's differ";
+    for (std::size_t i = 0; i < before.size(); ++i)
+      EXPECT_TRUE(bitwise_equal(t.a[i].detach(), before[i])) << what << ": parameter " << i << " was written";
+  };
+  // New grads for params 0 and 2, in place (equal in both twins).
+  const auto grads_but_1 = [&t] {
+    for (const std::size_t i : {0, 2}) {
+      const torch::Tensor g = torch::randn_like(t.a[i]);
+      t.a[i].mutable_grad().copy_(g);
+      t.b[i].mutable_grad().copy_(g);
+    }
+  };
+  t.grads(false);
+  EXPECT_TRUE(t.step(PlanMatch::kChanged));
+  freeze();
+  grads_but_1();
+  EXPECT_TRUE(t.step(PlanMatch::kGradsCameOrWent));
+  // A grad of another dtype gained: refused by both, naming the parameter.
+  t.apply([](auto&, auto& params) {
+    params[1].mutable_grad() = torch::ones(params[1].sizes(), params[1].options().dtype(torch::kDouble));
+  });
+  both_refuse("a Double grad", "Double");
+  // A grad laid out otherwise (transposed): read through a copy, so the plan is made again.
+  t.apply([](auto&, auto& params) { params[1].mutable_grad() = torch::ones({6, 4}, params[1].options()).t(); });
+  grads_but_1();
+  EXPECT_TRUE(t.step(PlanMatch::kChanged));
+  t.grads(false);
+  EXPECT_TRUE(t.step(PlanMatch::kChanged));  // (its grad read in place again)
+  freeze();
+  grads_but_1();
+  EXPECT_TRUE(t.step(PlanMatch::kGradsCameOrWent));
+  // A state tensor restrided in place while its parameter was frozen (the same tensor: the plan's
+  // stamp matches): the state of a parameter that gains a grad is validated again.
+  t.apply([](auto& opt, auto& params) {
+    auto& s = static_cast<ampfuse::FusedAdamParamState&>(*opt.state().at(params[1].unsafeGetTensorImpl()));
+    s.exp_avg().as_strided_({6, 4}, {4, 1});
+    params[1].mutable_grad() = torch::ones_like(params[1]);
+  });
+  both_refuse("a state tensor of another shape", "exp_avg");
 }
 
 // New grads at every step take the plan's fast path for moved grads, which

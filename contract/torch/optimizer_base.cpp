@@ -1349,15 +1349,18 @@ PlanMatch match_plan(torch::optim::Optimizer& opt, const StateStamp& stamp, cons
   };
   std::atomic<bool> changed{false};
   std::atomic<bool> moved{false};
+  std::atomic<bool> came_or_went{false};
   std::mutex mutex;
   std::size_t first_error = total;
   std::exception_ptr error;
+  keys.came.clear();
   at::parallel_for(0, static_cast<std::int64_t>(total), kEntriesGrain, [&](std::int64_t begin, std::int64_t end) {
     // The flags shared between threads are written once per range, and what
     // the loop reads of this frame is copied: a store per parameter to a
     // line that other threads read (this frame's) made them wait on each other.
     const bool float64_ok = float64, staged_ok = stage_grads;
-    bool any_moved = false;
+    bool any_moved = false, any_went = false;
+    std::vector<std::pair<std::size_t, std::size_t>> came;  // this range's parameters that gained a grad
     FlatParams cursor(keys.groups, static_cast<std::size_t>(begin));
     for (std::int64_t k = begin; k < end && !changed.load(std::memory_order_relaxed); ++k, cursor.advance()) {
       const at::Tensor& p = *cursor;
@@ -1373,12 +1376,21 @@ PlanMatch match_plan(torch::optim::Optimizer& opt, const StateStamp& stamp, cons
       GradNow now;
       const Same same = compare(p, kept, &now);
       if (same == Same::kAll) continue;
+      bool gained = false;
       if (same == Same::kNo) {
         const PlanParam full = plan_param(p, opt, stamp);
+        // A parameter stepped in place that gained a grad (read in place,
+        // below) or lost one it read in place, all else as recorded: the step makes its
+        // entries and lists again, and validates nothing else again (a
+        // parameter that gains its first grad has no state yet: the step
+        // makes it, so the plan is made again).
+        gained = full.grad != nullptr && kept.grad == nullptr;
+        const bool lost = full.grad == nullptr && kept.grad != nullptr;
         if (full.param != kept.param || full.param_data != kept.param_data || full.numel != kept.numel ||
             full.layout != kept.layout || full.dtype != kept.dtype || full.state != kept.state ||
             full.stamp != kept.stamp || (full.state != nullptr && full.stamp == kNoStamp) ||
-            (full.grad == nullptr) != (kept.grad == nullptr) || kept.grad_sparse ||
+            ((gained || lost) && (kept.layout != 0 || param_needs_staging(p))) || (gained && full.state == nullptr) ||
+            (lost && kept.grad_staged) || kept.grad_sparse ||
             (full.grad != nullptr && (full.grad->is_sparse() || copy_on_write(p.unsafeGetTensorImpl()))) ||
             (full.grad != nullptr && full.grad == kept.grad &&
              (p.grad().sizes() != p.sizes() || (!kept.grad_staged && grad_needs_staging(p, p.grad()))))) {
@@ -1387,6 +1399,11 @@ PlanMatch match_plan(torch::optim::Optimizer& opt, const StateStamp& stamp, cons
           // a grad read in place, now laid out otherwise, is read through a copy (or refused).
           changed = true;
           break;
+        }
+        if (lost) {
+          kept = full;  // (its grad fields as a frozen parameter's: none)
+          any_went = true;
+          continue;
         }
         now = {full.grad, full.grad_data, full.grad_numel, full.grad_dtype, full.grad_storage};
       }
@@ -1417,12 +1434,22 @@ PlanMatch match_plan(torch::optim::Optimizer& opt, const StateStamp& stamp, cons
         kept.grad_dtype = now.grad_dtype;
         kept.grad_storage = now.grad_storage;  // what the next match prefetches
         any_moved = true;
+        if (gained) came.emplace_back(cursor.group(), cursor.index());
       }
     }
     if (any_moved) moved.store(true, std::memory_order_relaxed);
+    if (any_went || !came.empty()) came_or_went.store(true, std::memory_order_relaxed);
+    if (!came.empty()) {
+      const std::lock_guard<std::mutex> lock(mutex);
+      keys.came.insert(keys.came.end(), came.begin(), came.end());
+    }
   });
   if (changed) return PlanMatch::kChanged;
   if (error) std::rethrow_exception(error);
+  if (came_or_went) {
+    std::sort(keys.came.begin(), keys.came.end());  // (the ranges' parts in any order)
+    return PlanMatch::kGradsCameOrWent;
+  }
   return moved ? PlanMatch::kGradsMoved : PlanMatch::kSame;
 }
 

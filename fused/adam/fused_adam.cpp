@@ -170,6 +170,9 @@ void decode_moments(State& s, c10::ScalarType dtype) {
   s.exp_avg_sq_absmax(at::Tensor());
 }
 
+void check_code_values(const at::Tensor& codes, const at::Tensor& absmax, const char* name, const char* codes_key,
+                       const char* absmax_key, std::size_t g, std::size_t i, bool loading);
+
 void check_codes(const at::Tensor& codes, const at::Tensor& absmax, const at::Tensor& p, const char* name,
                  const char* codes_key, const char* absmax_key, std::size_t g, std::size_t i, bool loading) {
   sdk::check_required_state_tensor(codes, p, at::kByte, name, codes_key, g, i);
@@ -181,6 +184,14 @@ void check_codes(const at::Tensor& codes, const at::Tensor& absmax, const at::Te
               name, ": param group ", g, ", param ", i, ": state ", absmax_key, " has shape ", absmax.sizes(), ", dtype ",
               absmax.scalar_type(), " on ", absmax.device(), " but ", name, " keeps it contiguous with shape [", blocks,
               "], dtype Float on ", p.device(), " (one per 256 elements)");
+  check_code_values(codes, absmax, name, codes_key, absmax_key, g, i, loading);
+}
+
+// The values of codes and their absmax (laid out as check_codes asks, or
+// in another layout of the parameter's shape, about to be decoded).
+void check_code_values(const at::Tensor& codes, const at::Tensor& absmax, const char* name, const char* codes_key,
+                       const char* absmax_key, std::size_t g, std::size_t i, bool loading) {
+  const std::int64_t blocks = absmax.numel();
   // A negative absmax would decode a negative second moment (and its sqrt to
   // NaN). A loaded one is never inf either: a step keeps the largest finite
   // fp32 value for an inf (fused/adam/adam8_math.h). A NaN one is what a
@@ -315,13 +326,19 @@ void FusedAdamImpl<Base, Options, State, kDecoupled>::follow_param(const at::Ten
     follow.seen(codes);
     follow.seen(absmax);
     // What check_codes would refuse for more than its layout is left to it.
-    if (!follow.replaces_otherwise() || !codes.defined() || !absmax.defined() || codes.scalar_type() != at::kByte ||
+    if (follow.records_only() || !codes.defined() || !absmax.defined() || codes.scalar_type() != at::kByte ||
         codes.sizes() != p.sizes() || codes.device() != p.device() || absmax.device() != p.device() ||
-        !codes.is_non_overlapping_and_dense() ||
-        absmax.scalar_type() != at::kFloat || absmax.dim() != 1 || absmax.numel() != fused::quant_blocks(p.numel()) ||
+        !codes.is_non_overlapping_and_dense() || absmax.scalar_type() != at::kFloat || absmax.dim() != 1 ||
+        absmax.numel() != fused::quant_blocks(p.numel()) || !absmax.is_contiguous() ||
         codes.strides() == c10::IntArrayRef(sdk::kernel_strides(p)))
       return;
     follow.refuse_under_capture();  // (decoding reads the codes on the host)
+    // Codes a checkpoint holds in another layout (load() follows too) are checked as load() checks codes
+    // before they are decoded; a step's own pass these checks.
+    const bool first = which == Moment8::kExpAvg;
+    check_code_values(codes, absmax, name(), first ? "exp_avg_8bit" : "exp_avg_sq_8bit",
+                      first ? "exp_avg_absmax" : "exp_avg_sq_absmax", follow.group(), follow.index(),
+                      /*loading=*/true);
     const at::Tensor values = at::empty_strided(p.sizes(), sdk::kernel_strides(p), absmax.options());
     values.copy_(dequantize_8bit(codes, absmax, which));
     Coded8 coded = quantize_8bit(values, which);

@@ -39,7 +39,10 @@
 // (state_stamp). When all match, validation and grouping are skipped and
 // prepare_list finds its slot filled; when only grads moved (new grad
 // tensors, as after zero_grad(set_to_none)), the moved grads are checked and
-// prepare_list is told (ParamList::grads_moved); anything else (a parameter
+// prepare_list is told (ParamList::grads_moved); when parameters with state
+// also gained or lost a grad, the new grads are checked as moved ones, the
+// states of those that gained one validated, and the entries and lists made
+// again with every slot empty; anything else (a parameter
 // added or replaced, set_data, state cleared or loaded, a state tensor
 // replaced) starts over. A tensor re-pointed in place to other memory, numel
 // or dtype (set_, resize_) is seen, and so is a grad's shape and strides; a
@@ -265,6 +268,9 @@ struct StateStamp {
 struct PlanKeys {
   std::vector<PlanParam> params;
   std::vector<std::pair<const void*, std::size_t>> groups;  ///< each group's params(): data() and size()
+  /// (group, index) of each parameter that gained a grad, in order, as the
+  /// last match_plan found them (PlanMatch::kGradsCameOrWent).
+  std::vector<std::pair<std::size_t, std::size_t>> came;
   /// Some parameter is an inference tensor (stepped only under InferenceMode).
   bool any_inference = false;
   /// The bytes the state tensors span ([begin, end), sorted by begin) and
@@ -275,9 +281,15 @@ struct PlanKeys {
 };
 
 enum class PlanMatch {
-  kChanged,     ///< a parameter, its storage, dtype, numel, state, or whether it has a grad changed
+  kChanged,     ///< a parameter, its storage, dtype, numel or state changed
   kSame,        ///< everything as recorded
   kGradsMoved,  ///< only some grads' TensorImpl or data address changed: they were checked and recorded
+  /// Some parameters stepped in place gained a grad (PlanKeys::came: they
+  /// have state, and their grads were checked as moved ones) or lost one
+  /// read in place; everything else as recorded, or grads moved: the
+  /// entries and lists are made again, and only the new grads' states
+  /// validated. (A parameter without state that gains a grad: kChanged.)
+  kGradsCameOrWent,
 };
 
 /// Records opt's parameters, grads and states into `keys`, with the memory
@@ -327,16 +339,16 @@ class Follow {
  public:
   using Replace = std::function<void(at::Tensor& field, at::Tensor value)>;
   using Seen = std::function<void(const at::Tensor& field)>;
-  /// copies_only: operator()'s copies replace their fields, replace() does
-  /// nothing (load(): a checkpoint's state of another dtype than its
-  /// parameter now asks for is read as such a copy; 8-bit codes are not coded again).
-  Follow(const at::Tensor& param, std::function<void()> refuse_under_capture, Replace replace, Seen seen = nullptr,
-         bool copies_only = false)
+  /// For parameter `param`, param `index` of param group `group` (what an
+  /// error names); a null `replace` records the fields only.
+  Follow(const at::Tensor& param, std::size_t group, std::size_t index, std::function<void()> refuse_under_capture,
+         Replace replace, Seen seen = nullptr)
       : param_(param),
+        group_(group),
+        index_(index),
         refuse_under_capture_(std::move(refuse_under_capture)),
         replace_(std::move(replace)),
-        seen_(std::move(seen)),
-        copies_only_(copies_only) {}
+        seen_(std::move(seen)) {}
   /// State tensor `field`, kept in `dtype` with the parameter's shape, in
   /// its kernel layout: replaced by followed_state_tensor's copy where it
   /// has one. (Every field given is also checked for memory shared with
@@ -356,28 +368,29 @@ class Follow {
     if (seen_) seen_(field);
   }
   /// Whether this Follow only names the fields (made with a null Replace:
-  /// nothing is replaced).
+  /// nothing is replaced): follow_param may skip the work whose result
+  /// replace() would take.
   bool records_only() const { return !replace_; }
-  /// Whether replace() replaces (neither records_only() nor copies_only):
-  /// follow_param may skip the work whose result replace() would take.
-  bool replaces_otherwise() const { return replace_ && !copies_only_; }
+  /// The parameter's group and its index in it, for errors.
+  std::size_t group() const { return group_; }
+  std::size_t index() const { return index_; }
   /// Throws under CUDA graph capture, naming the parameter: call it before
   /// the work whose result replace() takes.
   void refuse_under_capture() const { refuse_under_capture_(); }
   /// `field` set to `value` (state that follows otherwise than by a copy,
   /// such as 8-bit codes, blocked in memory order, coded again).
   void replace(at::Tensor& field, at::Tensor value) const {
-    if (!replaces_otherwise()) return;
+    if (records_only()) return;
     refuse_under_capture_();
     replace_(field, std::move(value));
   }
 
  private:
   const at::Tensor& param_;
+  std::size_t group_, index_;
   std::function<void()> refuse_under_capture_;
   Replace replace_;
   Seen seen_;
-  bool copies_only_;
 };
 
 /// A state tensor that FusedOptimizer::follow_param named, by its
@@ -1348,17 +1361,18 @@ class FusedOptimizer : public Base, public ScalerAware {
       for (const auto& [saved, st] : loaded) {
         const at::Tensor& p = groups[saved->group].params()[saved->index];
         const std::size_t g = saved->group, i = saved->index;
-        // A floating state tensor of the parameter's shape in another
-        // floating dtype than the optimizer keeps for it now (a model
-        // converted since the checkpoint was written: Module::to(dtype)) is
-        // read as a copy in that dtype, as a step's state follows its
-        // parameter, where torch::optim takes any dtype; what no copy mends
-        // is left to check_loaded_state.
+        // A state tensor of the parameter's shape in another floating dtype
+        // or layout than the optimizer keeps for it now (a model converted
+        // since the checkpoint was written: Module::to(dtype), channels_last
+        // weights) is read as a step's state follows its parameter (a copy,
+        // 8-bit codes coded again), where torch::optim takes any dtype and
+        // strides; what does not follow is left to check_loaded_state. (The
+        // states are the checkpoint's, not yet in use: nothing to undo.)
         follow_param(p, *st,
                      Follow(
-                         p, [&] { refuse_follow_under_capture(p, g, i); },
+                         p, g, i, [&] { refuse_follow_under_capture(p, g, i); },
                          [](at::Tensor& field, at::Tensor value) { field = std::move(value); },
-                         [&](const at::Tensor& field) { held.push_back({g, i, &field}); }, /*copies_only=*/true));
+                         [&](const at::Tensor& field) { held.push_back({g, i, &field}); }));
         check_loaded_state(p, *st, g, i);
       }
       check_saved_state_memory(layout.states, held, name());
@@ -1708,7 +1722,7 @@ class FusedOptimizer : public Base, public ScalerAware {
     for_each_own_state([&](std::size_t g, std::size_t i, const at::Tensor& p, State& state) {
       follow_param(p, state,
                    Follow(
-                       p, [&] { refuse_follow_under_capture(p, g, i); },
+                       p, g, i, [&] { refuse_follow_under_capture(p, g, i); },
                        [&](at::Tensor& field, at::Tensor value) {
                          undo_.push_back([&field, before = field]() mutable { field = std::move(before); });
                          field = std::move(value);
@@ -1724,19 +1738,64 @@ class FusedOptimizer : public Base, public ScalerAware {
                 "capture first");
   }
 
-  // fn(field) for each state tensor follow_param names of p's state,
-  // nothing replaced (a Follow that records only).
-  template <class Fn>
-  void name_fields(const at::Tensor& p, State& state, Fn&& fn) {
-    follow_param(p, state, Follow(p, [] {}, nullptr, [&](const at::Tensor& field) { fn(field); }));
+  // p's state, checked (null when it has none): what validate_params keeps
+  // in Entry::state. The type is checked on the base: a static_cast to
+  // State of a state of another type is undefined behaviour even before it
+  // is used (UBSan's vptr check reports it).
+  State* validated_state(const at::Tensor& p, std::size_t g, std::size_t i) const {
+    const auto it = this->state().find(p.unsafeGetTensorImpl());
+    if (it == this->state().end()) return nullptr;
+    check_state_not_null(it->second.get(), name(), g, i);
+    torch::optim::OptimizerParamState& base = *it->second;
+    TORCH_CHECK(typeid(base) == typeid(State), name(), ": param group ", g, ", param ", i, ": its state is not a ",
+                name(), " state (was it put into state() by hand?)");
+    State* st = static_cast<State*>(&base);
+    check_state(p, *st, g, i);
+    return st;
+  }
+
+  // The plan's entries without those of parameters that lost their grad,
+  // with those that gained one (plan_keys_.came; match_plan checked their
+  // grads), in group order as validate_params makes them: the parameters
+  // and every other state are as the plan validated them.
+  void regather_entries() {
+    const auto& groups = this->param_groups();
+    const auto& came = plan_keys_.came;
+    std::vector<Entry> entries;
+    entries.reserve(plan_entries_.size() + came.size());
+    auto next = came.begin();
+    const auto add_came_before = [&](std::size_t g, std::size_t i) {
+      for (; next != came.end() && *next < std::make_pair(g, i); ++next) {
+        const at::Tensor& p = groups[next->first].params()[next->second];
+        entries.push_back({next->first, next->second, p, p.grad(), p.device(), p.scalar_type(),
+                           validated_state(p, next->first, next->second)});
+      }
+    };
+    for (const Entry& e : plan_entries_) {
+      add_came_before(e.group, e.index);
+      if (e.user_param().grad().defined()) entries.push_back(e);  // (else it lost its grad)
+    }
+    add_came_before(groups.size(), 0);
+    plan_entries_ = std::move(entries);
+  }
+
+  // The plan's lists of plan_entries_, every slot empty.
+  void group_entries() {
+    check_entries(plan_entries_);
+    plan_entry_ptrs_.clear();
+    plan_entry_ptrs_.reserve(plan_entries_.size());
+    for (const Entry& e : plan_entries_) plan_entry_ptrs_.push_back(&e);
+    plan_lists_ = group_lists(plan_entry_ptrs_);
+    plan_slots_.assign(plan_lists_.size(), ListSlot());
   }
 
   // The state tensors follow_param names, of every parameter's state of
-  // this optimizer's type (what a plan records of their memory).
+  // this optimizer's type (what a plan records of their memory), nothing
+  // replaced (a Follow that records only).
   std::vector<const at::Tensor*> state_tensors() {
     std::vector<const at::Tensor*> tensors;
-    for_each_own_state([&](std::size_t, std::size_t, const at::Tensor& p, State& state) {
-      name_fields(p, state, [&](const at::Tensor& field) { tensors.push_back(&field); });
+    for_each_own_state([&](std::size_t g, std::size_t i, const at::Tensor& p, State& state) {
+      follow_param(p, state, Follow(p, g, i, [] {}, nullptr, [&](const at::Tensor& field) { tensors.push_back(&field); }));
     });
     return tensors;
   }
@@ -1778,28 +1837,17 @@ class FusedOptimizer : public Base, public ScalerAware {
         plan_entries_ = validate_params(
             *this, name(), signals,
             [&](const at::Tensor& p, std::size_t g, std::size_t i) -> torch::optim::OptimizerParamState* {
-              // The type is checked on the base: a static_cast to State of a state of another type
-              // is undefined behaviour even before it is used (UBSan's vptr check reports it).
-              const auto it = this->state().find(p.unsafeGetTensorImpl());
-              if (it == this->state().end()) return nullptr;
-              check_state_not_null(it->second.get(), name(), g, i);
-              torch::optim::OptimizerParamState& base = *it->second;
-              TORCH_CHECK(typeid(base) == typeid(State), name(), ": param group ", g, ", param ", i,
-                          ": its state is not a ", name(), " state (was it put into state() by hand?)");
-              State* st = static_cast<State*>(&base);
-              check_state(p, *st, g, i);
-              return st;
+              return validated_state(p, g, i);
             },
             takes_float64(), &staged_grads_, takes_sparse_grads() ? &plan_sparse_ : nullptr, &staged_params_,
             updates_runs_in_place());
         check_state_memory(*this, state_fields_, name());
-        check_entries(plan_entries_);
-        plan_entry_ptrs_.clear();
-        plan_entry_ptrs_.reserve(plan_entries_.size());
-        for (const Entry& e : plan_entries_) plan_entry_ptrs_.push_back(&e);
-        plan_lists_ = group_lists(plan_entry_ptrs_);
-        plan_slots_.assign(plan_lists_.size(), ListSlot());
-      } else if (signals) {
+        group_entries();
+      } else if (match == PlanMatch::kGradsCameOrWent) {
+        regather_entries();
+        group_entries();
+      }
+      if (match != PlanMatch::kChanged && signals) {
         for (const auto& [key, list] : plan_lists_)
           TORCH_CHECK(signals->contains(std::get<1>(key)), name(), ": param group ", list.front()->group,
                       ", param ", list.front()->index, " is on ", std::get<1>(key),
