@@ -284,13 +284,14 @@ TEST_P(StepPlanTest, FrozenParametersKeepThePlanAndAGradOnOneIsSeen) {
   EXPECT_TRUE(t.step(PlanMatch::kGradsCameOrWent));
   grads({0, 1, 2});
   EXPECT_TRUE(t.step(PlanMatch::kSame));
-  // One frozen and another unfrozen at once, beside a grad that moved (a new tensor).
+  // Param 2 frozen beside a grad that moved (param 0's: a new tensor).
   t.apply([](auto&, auto& params) {
     params[0].mutable_grad() = torch::Tensor();
     params[2].mutable_grad() = torch::Tensor();
   });
   grads({0, 1});
   EXPECT_TRUE(t.step(PlanMatch::kGradsCameOrWent));
+  // Param 1 frozen and param 2 unfrozen at once, beside a grad that moved.
   t.apply([](auto&, auto& params) {
     params[0].mutable_grad() = torch::ones_like(params[0]);  // (a new tensor: moved)
     params[1].mutable_grad() = torch::Tensor();
@@ -314,16 +315,24 @@ TEST_P(StepPlanTest, FrozenParametersKeepThePlanAndAGradOnOneIsSeen) {
   EXPECT_TRUE(t.step(PlanMatch::kSame));
 }
 
-// A grad that a parameter gains under a kept plan is validated as a moved
-// one, and the parameter's state as the plan's first step validates it:
-// what a step made from scratch refuses is refused alike, naming the
-// parameter, and changes nothing; a grad that is read through a copy makes
-// the plan again.
+// A grad that a parameter gains under a kept plan is checked as a moved
+// one, and the parameter's state follows it and is checked as at a step
+// that makes the plan: what a step made from scratch refuses is refused
+// alike, with the same error, and changes nothing; what it takes is taken
+// alike; a grad that is read through a copy makes the plan again.
 TEST_P(StepPlanTest, AGradGainedUnderAPlanIsValidatedAsAFreshStepValidatesIt) {
   Twins<ampfuse::FusedAdam> t({param({9}, torch::kFloat), param({4, 6}, torch::kFloat), param({3000}, torch::kFloat)},
                               maker<ampfuse::FusedAdam>(torch::optim::AdamOptions(1e-2)));
-  const auto freeze = [&t] { t.apply([](auto&, auto& params) { params[1].mutable_grad() = torch::Tensor(); }); };
-  const auto both_refuse = [&t](const char* what, const char* message) {
+  // Param `i` without a grad in both twins.
+  const auto freeze = [&t](std::size_t i) { t.apply([i](auto&, auto& params) { params[i].mutable_grad() = torch::Tensor(); }); };
+  // Param `i`'s exp_avg restrided in place (the same tensor: the plan's stamp still matches).
+  const auto restride_exp_avg = [&t](std::size_t i, std::vector<std::int64_t> sizes, std::vector<std::int64_t> strides) {
+    t.apply([=](auto& opt, auto& params) {
+      auto& s = static_cast<ampfuse::FusedAdamParamState&>(*opt.state().at(params[i].unsafeGetTensorImpl()));
+      s.exp_avg().as_strided_(sizes, strides);
+    });
+  };
+  const auto both_refuse = [&t](const char* what, const char* param, const char* message) {
     const std::vector<torch::Tensor> before = {t.a[0].detach().clone(), t.a[1].detach().clone(),
                                                t.a[2].detach().clone()};
     std::string errors[2];
@@ -338,47 +347,93 @@ TEST_P(StepPlanTest, AGradGainedUnderAPlanIsValidatedAsAFreshStepValidatesIt) {
       }
       ++k;
     }
-    EXPECT_THAT(errors[0], HasSubstr("param group 0, param 1")) << what;
+    EXPECT_THAT(errors[0], HasSubstr(param)) << what;
     EXPECT_THAT(errors[0], HasSubstr(message)) << what;
     EXPECT_EQ(errors[0], errors[1]) << what << ": the kept plan's error and a fresh step's differ";
     for (std::size_t i = 0; i < before.size(); ++i)
       EXPECT_TRUE(bitwise_equal(t.a[i].detach(), before[i])) << what << ": parameter " << i << " was written";
   };
-  // New grads for params 0 and 2, in place (equal in both twins).
-  const auto grads_but_1 = [&t] {
-    for (const std::size_t i : {0, 2}) {
+  // New grads for the parameters that have one, in place (equal in both twins).
+  const auto grads_kept = [&t] {
+    for (std::size_t i = 0; i < t.a.size(); ++i) {
+      if (!t.a[i].grad().defined()) continue;
       const torch::Tensor g = torch::randn_like(t.a[i]);
       t.a[i].mutable_grad().copy_(g);
       t.b[i].mutable_grad().copy_(g);
     }
   };
+  // Param 1 frozen under a kept plan.
+  const auto plan_with_1_frozen = [&](PlanMatch expected) {
+    freeze(1);
+    grads_kept();
+    EXPECT_TRUE(t.step(expected));
+  };
   t.grads(false);
   EXPECT_TRUE(t.step(PlanMatch::kChanged));
-  freeze();
-  grads_but_1();
-  EXPECT_TRUE(t.step(PlanMatch::kGradsCameOrWent));
+  plan_with_1_frozen(PlanMatch::kGradsCameOrWent);
   // A grad of another dtype gained: refused by both, naming the parameter.
   t.apply([](auto&, auto& params) {
     params[1].mutable_grad() = torch::ones(params[1].sizes(), params[1].options().dtype(torch::kDouble));
   });
-  both_refuse("a Double grad", "Double");
+  both_refuse("a Double grad", "param group 0, param 1:", "Double");
+  plan_with_1_frozen(PlanMatch::kChanged);  // (a refused step forgets the plan)
   // A grad laid out otherwise (transposed): read through a copy, so the plan is made again.
   t.apply([](auto&, auto& params) { params[1].mutable_grad() = torch::ones({6, 4}, params[1].options()).t(); });
-  grads_but_1();
+  grads_kept();
   EXPECT_TRUE(t.step(PlanMatch::kChanged));
-  t.grads(false);
-  EXPECT_TRUE(t.step(PlanMatch::kChanged));  // (its grad read in place again)
-  freeze();
-  grads_but_1();
+  plan_with_1_frozen(PlanMatch::kChanged);  // (no grad read through a copy any more)
+  // A state tensor restrided in place to the other order of its shape while its parameter was
+  // frozen: it follows the parameter (a copy in its layout), as at a step that makes the plan.
+  restride_exp_avg(1, {4, 6}, {1, 4});
+  t.apply([](auto&, auto& params) { params[1].mutable_grad() = torch::ones_like(params[1]); });
+  grads_kept();
   EXPECT_TRUE(t.step(PlanMatch::kGradsCameOrWent));
-  // A state tensor restrided in place while its parameter was frozen (the same tensor: the plan's
-  // stamp matches): the state of a parameter that gains a grad is validated again.
-  t.apply([](auto& opt, auto& params) {
-    auto& s = static_cast<ampfuse::FusedAdamParamState&>(*opt.state().at(params[1].unsafeGetTensorImpl()));
-    s.exp_avg().as_strided_({6, 4}, {4, 1});
-    params[1].mutable_grad() = torch::ones_like(params[1]);
+  EXPECT_TRUE(bitwise_equal(
+      static_cast<ampfuse::FusedAdamParamState&>(*t.reused->state().at(t.a[1].unsafeGetTensorImpl())).exp_avg(),
+      static_cast<ampfuse::FusedAdamParamState&>(*t.fresh->state().at(t.b[1].unsafeGetTensorImpl())).exp_avg()));
+  grads_kept();
+  EXPECT_TRUE(t.step(PlanMatch::kChanged));  // (the state tensor that followed is a new one)
+  // Two parameters refused at once, param 0 for its state and param 1 for its grad: a fresh step
+  // checks each parameter's grad and state in order, and names param 0; so must the kept plan.
+  freeze(0);
+  plan_with_1_frozen(PlanMatch::kGradsCameOrWent);
+  restride_exp_avg(0, {3, 3}, {3, 1});
+  t.apply([](auto&, auto& params) {
+    params[0].mutable_grad() = torch::ones_like(params[0]);
+    params[1].mutable_grad() = torch::ones(params[1].sizes(), params[1].options().dtype(torch::kDouble));
   });
-  both_refuse("a state tensor of another shape", "exp_avg");
+  both_refuse("param 0's state and param 1's grad", "param group 0, param 0:", "exp_avg");
+  restride_exp_avg(0, {9}, {1});
+  freeze(0);
+  plan_with_1_frozen(PlanMatch::kChanged);
+  // A state tensor of another shape: refused alike.
+  restride_exp_avg(1, {6, 4}, {4, 1});
+  t.apply([](auto&, auto& params) { params[1].mutable_grad() = torch::ones_like(params[1]); });
+  both_refuse("a state tensor of another shape", "param group 0, param 1:", "exp_avg");
+}
+
+// Many parameters (several ranges of the match's parallel loop), a few in
+// every range gaining or losing a grad at each step, in two groups: the
+// ranges' parameters that gained one are gathered in order.
+TEST_P(StepPlanTest, ManyParametersGainAndLoseGradsAcrossTheMatchsRanges) {
+  std::vector<torch::Tensor> init;
+  for (int i = 0; i < 3000; ++i) init.push_back(param({1 + i % 3}, torch::kFloat));
+  Twins<ampfuse::FusedAdamW> t(init, [](std::vector<torch::Tensor>& params) {
+    std::vector<torch::optim::OptimizerParamGroup> groups;
+    groups.emplace_back(std::vector<torch::Tensor>(params.begin(), params.begin() + 1700));
+    groups.emplace_back(std::vector<torch::Tensor>(params.begin() + 1700, params.end()),
+                        std::make_unique<torch::optim::AdamWOptions>(3e-3));
+    return std::make_unique<Forgetful<ampfuse::FusedAdamW>>(groups, torch::optim::AdamWOptions(1e-2));
+  });
+  for (int step = 0; step < 6; ++step) {
+    // Param i has no grad at this step when i % 7 == step % 7 (from the second step on).
+    for (std::size_t i = 0; i < t.a.size(); ++i) {
+      const bool without = step > 0 && i % 7 == static_cast<std::size_t>(step % 7);
+      const torch::Tensor g = torch::randn_like(t.a[i]);
+      for (torch::Tensor* p : {&t.a[i], &t.b[i]}) p->mutable_grad() = without ? torch::Tensor() : g.clone();
+    }
+    EXPECT_TRUE(t.step(step == 0 ? PlanMatch::kChanged : PlanMatch::kGradsCameOrWent)) << "step " << step;
+  }
 }
 
 // New grads at every step take the plan's fast path for moved grads, which

@@ -1445,6 +1445,10 @@ PlanMatch match_plan(torch::optim::Optimizer& opt, const StateStamp& stamp, cons
     }
   });
   if (changed) return PlanMatch::kChanged;
+  // A refused grad after a parameter that gained one: the plan is made
+  // again, so that the error is the one a fresh step gives (it checks each
+  // parameter's state where this match checks grads alone, in order).
+  if (error && came_or_went) return PlanMatch::kChanged;
   if (error) std::rethrow_exception(error);
   if (came_or_went) {
     std::sort(keys.came.begin(), keys.came.end());  // (the ranges' parts in any order)

@@ -568,7 +568,7 @@ CheckpointLayout read_checkpoint_layout(torch::serialize::InputArchive& archive,
 /// saved with channels_last weights) is read as a copy in that layout, with
 /// the same values: LibTorch's load takes any strides. Byte tensors (8-bit
 /// codes, whose blocks follow the saved memory order) are left as saved,
-/// for check_state to refuse.
+/// for follow_param to code again or check_state to refuse.
 void lay_out_saved_state(torch::serialize::InputArchive& archive, const at::Tensor& p);
 
 /// Throws, naming both states and keys, where two tensors of the saved
@@ -1424,8 +1424,9 @@ class FusedOptimizer : public Base, public ScalerAware {
   /// Validates a parameter's existing state (use check_state_tensor and
   /// check_required_state_tensor); throw to refuse. Runs when the step plan
   /// is made (the first step, and any step that finds a parameter, its state
-  /// or a group's plan_key() changed, or a parameter that gained or lost a
-  /// grad; new grad tensors alone do not make it again), not at every step. load()
+  /// or a group's plan_key() changed; new grad tensors alone do not make it
+  /// again), and for a parameter with state that gains a grad under a kept
+  /// plan, not at every step. load()
   /// calls it for every state a checkpoint holds, so that what a step would
   /// refuse is refused when loaded. May run on several threads at once, for
   /// different parameters: read only.
@@ -1443,12 +1444,14 @@ class FusedOptimizer : public Base, public ScalerAware {
   /// channels_last) is replaced by a converted copy (followed_state_tensor),
   /// put back if the step is refused, as torch::optim steps on such state.
   /// Refused under CUDA graph capture. The default names none: check_state
-  /// then refuses such state. load() calls it too, for every state it
-  /// reads, with a Follow whose replace() does nothing (copies only): a
-  /// checkpoint's floating state tensor of another dtype (a model converted
-  /// since it was written) is read as operator()'s copy, and every field
-  /// named goes to the memory check (another layout load() lays out as the
-  /// parameter's before; 8-bit codes of another layout are refused).
+  /// then refuses such state. A parameter with state that gains a grad
+  /// under a kept plan has its state followed too, before check_state.
+  /// load() calls it for every state it reads, before check_loaded_state: a
+  /// checkpoint's state of another floating dtype or layout (a model
+  /// converted since it was written) follows as a step's would (FusedAdam's
+  /// 8-bit codes in another layout are coded again), so check what is read
+  /// before work whose result replace() takes; every field named goes to
+  /// the memory check. follow.records_only(): name the fields, do no work.
   virtual void follow_param(const at::Tensor& /*param*/, State& /*state*/, const Follow& /*follow*/) {}
   /// What load() calls for every state a checkpoint holds: check_state,
   /// unless overridden to check more, such as values a step reads on the
@@ -1462,8 +1465,9 @@ class FusedOptimizer : public Base, public ScalerAware {
   ///
   /// Validates anything else about the step's parameters, and the groups'
   /// options; throw to refuse. load() calls it with no entries, with the
-  /// checkpoint's options in place. Like check_state, it runs when the step
-  /// plan is made, not at every step (see "Step plans" above): an option set
+  /// checkpoint's options in place. It runs when the step plan is made, and
+  /// when parameters gained or lost a grad under a kept plan (over all the
+  /// entries), not at every step (see "Step plans" above): an option set
   /// between steps reaches it only where plan_key() changes with it; one
   /// whose every value must be checked is checked in prepare_list.
   virtual void check_entries(const std::vector<Entry>& /*entries*/) const {}
@@ -1721,14 +1725,20 @@ class FusedOptimizer : public Base, public ScalerAware {
     state_fields_.clear();
     for_each_own_state([&](std::size_t g, std::size_t i, const at::Tensor& p, State& state) {
       follow_param(p, state,
-                   Follow(
-                       p, g, i, [&] { refuse_follow_under_capture(p, g, i); },
-                       [&](at::Tensor& field, at::Tensor value) {
-                         undo_.push_back([&field, before = field]() mutable { field = std::move(before); });
-                         field = std::move(value);
-                       },
-                       [&](const at::Tensor& field) { state_fields_.push_back({g, i, &field}); }));
+                   undoing_follow(p, g, i, [&](const at::Tensor& field) { state_fields_.push_back({g, i, &field}); }));
     });
+  }
+
+  // A step's Follow for parameter p (param i of group g): each field it
+  // replaces is put back if the step is refused (undo_).
+  Follow undoing_follow(const at::Tensor& p, std::size_t g, std::size_t i, Follow::Seen seen) {
+    return Follow(
+        p, g, i, [this, &p, g, i] { refuse_follow_under_capture(p, g, i); },
+        [this](at::Tensor& field, at::Tensor value) {
+          undo_.push_back([&field, before = field]() mutable { field = std::move(before); });
+          field = std::move(value);
+        },
+        std::move(seen));
   }
 
   void refuse_follow_under_capture(const at::Tensor& p, std::size_t g, std::size_t i) const {
@@ -1738,26 +1748,36 @@ class FusedOptimizer : public Base, public ScalerAware {
                 "capture first");
   }
 
-  // p's state, checked (null when it has none): what validate_params keeps
-  // in Entry::state. The type is checked on the base: a static_cast to
-  // State of a state of another type is undefined behaviour even before it
-  // is used (UBSan's vptr check reports it).
-  State* validated_state(const at::Tensor& p, std::size_t g, std::size_t i) const {
+  // p's state (null when it has none), not null and of this optimizer's
+  // type. The type is checked on the base: a static_cast to State of a
+  // state of another type is undefined behaviour even before it is used
+  // (UBSan's vptr check reports it).
+  State* own_state(const at::Tensor& p, std::size_t g, std::size_t i) const {
     const auto it = this->state().find(p.unsafeGetTensorImpl());
     if (it == this->state().end()) return nullptr;
     check_state_not_null(it->second.get(), name(), g, i);
     torch::optim::OptimizerParamState& base = *it->second;
     TORCH_CHECK(typeid(base) == typeid(State), name(), ": param group ", g, ", param ", i, ": its state is not a ",
                 name(), " state (was it put into state() by hand?)");
-    State* st = static_cast<State*>(&base);
-    check_state(p, *st, g, i);
+    return static_cast<State*>(&base);
+  }
+
+  // p's state, checked (null when it has none): what validate_params keeps
+  // in Entry::state.
+  State* validated_state(const at::Tensor& p, std::size_t g, std::size_t i) const {
+    State* st = own_state(p, g, i);
+    if (st != nullptr) check_state(p, *st, g, i);
     return st;
   }
 
   // The plan's entries without those of parameters that lost their grad,
   // with those that gained one (plan_keys_.came; match_plan checked their
   // grads), in group order as validate_params makes them: the parameters
-  // and every other state are as the plan validated them.
+  // and every other state are as the plan validated them. The state of one
+  // that gained a grad follows its parameter first, as follow_params has
+  // it follow (a state tensor restrided in place while the parameter was
+  // frozen is copied into its layout, put back if the step is refused),
+  // then is checked.
   void regather_entries() {
     const auto& groups = this->param_groups();
     const auto& came = plan_keys_.came;
@@ -1766,9 +1786,14 @@ class FusedOptimizer : public Base, public ScalerAware {
     auto next = came.begin();
     const auto add_came_before = [&](std::size_t g, std::size_t i) {
       for (; next != came.end() && *next < std::make_pair(g, i); ++next) {
-        const at::Tensor& p = groups[next->first].params()[next->second];
-        entries.push_back({next->first, next->second, p, p.grad(), p.device(), p.scalar_type(),
-                           validated_state(p, next->first, next->second)});
+        const auto [g, i] = *next;
+        const at::Tensor& p = groups[g].params()[i];
+        State* st = own_state(p, g, i);
+        TORCH_INTERNAL_ASSERT(st != nullptr, name(), ": param group ", g, ", param ", i,
+                              " gained a grad under a kept plan without state (match_plan makes the plan again)");
+        follow_param(p, *st, undoing_follow(p, g, i, nullptr));
+        check_state(p, *st, g, i);
+        entries.push_back({g, i, p, p.grad(), p.device(), p.scalar_type(), st});
       }
     };
     for (const Entry& e : plan_entries_) {
