@@ -477,7 +477,8 @@ void expect_loads_and_steps_on(const torch::Tensor& p0, const Options& options,
 // model made channels_last or column-major since the checkpoint was
 // written) are decoded in their saved memory order and coded again in the
 // parameter's layout, as a step codes them again after such a conversion:
-// the loaded optimizer steps bit for bit as one that followed by stepping.
+// the loaded optimizer steps bit for bit as one that followed by stepping,
+// and a 32-bit FusedAdam decodes them once into the parameter's layout.
 // Damaged codes are refused before anything decodes them.
 TEST_F(CheckpointTest, EightBitCodesLoadIntoAParameterLaidOutOtherwise) {
   torch::manual_seed(seed_);
@@ -511,6 +512,20 @@ TEST_F(CheckpointTest, EightBitCodesLoadIntoAParameterLaidOutOtherwise) {
   EXPECT_EQ(loaded.exp_avg_sq_8bit().strides(), resumed.strides());
   for (int s = 0; s < 3; ++s) step_both(*after, *converted);
   EXPECT_TRUE(ampfuse_test::bitwise_equal(resumed.detach(), followed.detach()));
+  // Into a 32-bit FusedAdam: decoded into the parameter's layout once (not coded again first), the
+  // moments one laid out as saved decodes.
+  auto as_saved = v.clone().requires_grad_();
+  auto relaid = torch::empty_strided({64, 80}, {1, 64}).copy_(v).requires_grad_();
+  ampfuse::FusedAdam into_saved({as_saved}, torch::optim::AdamOptions(1e-2)),
+      into_relaid({relaid}, torch::optim::AdamOptions(1e-2));
+  ASSERT_EQ(load_error(into_saved, bytes.str()), "");
+  ASSERT_EQ(load_error(into_relaid, bytes.str()), "");
+  const auto& a = static_cast<const ampfuse::FusedAdamParamState&>(*into_saved.state().at(as_saved.unsafeGetTensorImpl()));
+  const auto& b = static_cast<const ampfuse::FusedAdamParamState&>(*into_relaid.state().at(relaid.unsafeGetTensorImpl()));
+  EXPECT_FALSE(b.exp_avg_8bit().defined());
+  EXPECT_EQ(b.exp_avg().strides(), relaid.strides());
+  EXPECT_TRUE(ampfuse_test::bitwise_equal(a.exp_avg(), b.exp_avg()));
+  EXPECT_TRUE(ampfuse_test::bitwise_equal(a.exp_avg_sq(), b.exp_avg_sq()));
 }
 
 TEST_F(CheckpointTest, ACheckpointLoadsIntoAConvertedModelAsItsStateWouldFollow) {

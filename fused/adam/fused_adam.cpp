@@ -322,31 +322,54 @@ void FusedAdamImpl<Base, Options, State, kDecoupled>::follow_param(const at::Ten
   follow(st.max_exp_avg_sq(), dtype);
   follow(st.master(), at::kFloat);
   follow.seen(st.device_step());  // (written by the kernels; never follows)
-  const auto recode = [&](at::Tensor& codes, at::Tensor& absmax, Moment8 which) {
-    follow.seen(codes);
-    follow.seen(absmax);
-    // What check_codes would refuse for more than its layout is left to it.
-    if (follow.records_only() || !codes.defined() || !absmax.defined() || codes.scalar_type() != at::kByte ||
-        codes.sizes() != p.sizes() || codes.device() != p.device() || absmax.device() != p.device() ||
-        !codes.is_non_overlapping_and_dense() || absmax.scalar_type() != at::kFloat || absmax.dim() != 1 ||
-        absmax.numel() != fused::quant_blocks(p.numel()) || !absmax.is_contiguous() ||
-        codes.strides() == c10::IntArrayRef(sdk::kernel_strides(p)))
-      return;
+  for (at::Tensor* t : {&st.exp_avg_8bit(), &st.exp_avg_absmax(), &st.exp_avg_sq_8bit(), &st.exp_avg_sq_absmax()})
+    follow.seen(*t);
+  // Codes in another layout than the kernels walk (a checkpoint of a model
+  // laid out otherwise since, or a parameter converted since the last
+  // step): decoded in their saved memory order, then coded again in the
+  // parameter's layout; where these options keep the moments decoded (a
+  // 32-bit optimizer loading an 8-bit checkpoint), decoded into that layout
+  // once, not coded again first. What check_codes would refuse for more
+  // than its layout is left to it.
+  const auto decodable = [&](const at::Tensor& codes, const at::Tensor& absmax) {
+    return codes.defined() && absmax.defined() && codes.scalar_type() == at::kByte && codes.sizes() == p.sizes() &&
+           codes.device() == p.device() && absmax.device() == p.device() && codes.is_non_overlapping_and_dense() &&
+           absmax.scalar_type() == at::kFloat && absmax.dim() == 1 &&
+           absmax.numel() == fused::quant_blocks(p.numel()) && absmax.is_contiguous();
+  };
+  const auto laid_out_otherwise = [&](const at::Tensor& codes) {
+    return codes.strides() != c10::IntArrayRef(sdk::kernel_strides(p));
+  };
+  if (follow.records_only()) return;
+  const bool first_ok = decodable(st.exp_avg_8bit(), st.exp_avg_absmax());
+  const bool second_ok = decodable(st.exp_avg_sq_8bit(), st.exp_avg_sq_absmax());
+  const bool keep_coded = coded_8bit(p) && p.scalar_type() != at::kDouble;
+  const bool decode_both = !keep_coded && first_ok && second_ok && !st.exp_avg().defined() &&
+                           !st.exp_avg_sq().defined() &&
+                           (laid_out_otherwise(st.exp_avg_8bit()) || laid_out_otherwise(st.exp_avg_sq_8bit()));
+  const auto recode = [&](at::Tensor& codes, at::Tensor& absmax, at::Tensor& decoded, Moment8 which, bool ok) {
+    if (!ok || !(decode_both || laid_out_otherwise(codes))) return;
     follow.refuse_under_capture();  // (decoding reads the codes on the host)
-    // Codes a checkpoint holds in another layout (load() follows too) are checked as load() checks codes
-    // before they are decoded; a step's own pass these checks.
+    // Codes a checkpoint holds (load() follows too) are checked as load() checks codes before they are
+    // decoded; a step's own pass these checks.
     const bool first = which == Moment8::kExpAvg;
     check_code_values(codes, absmax, name(), first ? "exp_avg_8bit" : "exp_avg_sq_8bit",
                       first ? "exp_avg_absmax" : "exp_avg_sq_absmax", follow.group(), follow.index(),
                       /*loading=*/true);
     const at::Tensor values = at::empty_strided(p.sizes(), sdk::kernel_strides(p), absmax.options());
     values.copy_(dequantize_8bit(codes, absmax, which));
+    if (decode_both) {
+      follow.replace(decoded, values.to(dtype));
+      follow.replace(codes, at::Tensor());
+      follow.replace(absmax, at::Tensor());
+      return;
+    }
     Coded8 coded = quantize_8bit(values, which);
     follow.replace(codes, std::move(coded.codes));
     follow.replace(absmax, std::move(coded.absmax));
   };
-  recode(st.exp_avg_8bit(), st.exp_avg_absmax(), Moment8::kExpAvg);
-  recode(st.exp_avg_sq_8bit(), st.exp_avg_sq_absmax(), Moment8::kExpAvgSq);
+  recode(st.exp_avg_8bit(), st.exp_avg_absmax(), st.exp_avg(), Moment8::kExpAvg, first_ok);
+  recode(st.exp_avg_sq_8bit(), st.exp_avg_sq_absmax(), st.exp_avg_sq(), Moment8::kExpAvgSq, second_ok);
 }
 
 template <class Base, class Options, class State, bool kDecoupled>
